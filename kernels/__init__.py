@@ -1,0 +1,83 @@
+"""Kernels of the wave index, each a Triton kernel with a plain-torch reference.
+
+The functions here dispatch: the Triton path on CUDA tensors (or when forced), the torch
+reference otherwise. Modules:
+
+- :mod:`kernels.kmeans` — nearest-centroid assignment and per-cluster scatter sums;
+- :mod:`kernels.scoring` — GQA-summed softmax scores of centroids;
+- :mod:`kernels.tripartite_attention` — weighted decode attention over exact tokens and
+  size-weighted centroids, merged through log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.scoring import cluster_scores_ref, cluster_scores_triton
+from kernels.kmeans import (
+    kmeans_assign_ref,
+    kmeans_assign_triton,
+    scatter_sum_ref,
+    scatter_sum_triton,
+)
+from kernels.tripartite_attention import tripartite_decode_ref, tripartite_decode_triton
+
+__all__ = [
+    "cluster_scores",
+    "kmeans_assign",
+    "resolve_backend",
+    "scatter_sum",
+    "tripartite_decode",
+]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'triton' or 'torch' for a requested backend ('auto'|'torch'|'triton') on ``device``.
+
+    'auto' picks Triton on CUDA and the torch reference elsewhere. Forcing 'triton' on a
+    non-CUDA device needs the Triton interpreter (``TRITON_INTERPRET=1``).
+    """
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"kernel_backend='triton' needs CUDA tensors (got device {device}) or "
+            "TRITON_INTERPRET=1; use 'auto' or 'torch' on CPU"
+        )
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"kernel backend {backend!r} is invalid; accepted: 'auto', 'torch', 'triton'")
+    return backend
+
+
+def kmeans_assign(x, centroids, n_valid, k_valid, backend: str = "auto"):
+    """Dispatching :func:`kernels.kmeans.kmeans_assign_ref`."""
+    if resolve_backend(backend, x.device) == "triton":
+        return kmeans_assign_triton(x, centroids, n_valid, k_valid)
+    return kmeans_assign_ref(x, centroids, n_valid, k_valid)
+
+
+def scatter_sum(x, assign, num_clusters: int, backend: str = "auto"):
+    """Dispatching :func:`kernels.kmeans.scatter_sum_ref`."""
+    if resolve_backend(backend, x.device) == "triton":
+        return scatter_sum_triton(x, assign, num_clusters)
+    return scatter_sum_ref(x, assign, num_clusters)
+
+
+def cluster_scores(query, centroids, sizes, scale: float, backend: str = "auto"):
+    """Dispatching :func:`kernels.scoring.cluster_scores_ref`."""
+    if resolve_backend(backend, query.device) == "triton":
+        return cluster_scores_triton(query, centroids, sizes, scale)
+    return cluster_scores_ref(query, centroids, sizes, scale)
+
+
+def tripartite_decode(
+    query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est,
+    scale: float, backend: str = "auto",
+):
+    """Dispatching :func:`kernels.tripartite_attention.tripartite_decode_ref`."""
+    args = (query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est, scale)
+    if resolve_backend(backend, query.device) == "triton":
+        return tripartite_decode_triton(*args)
+    return tripartite_decode_ref(*args)

@@ -1,0 +1,19 @@
+"""Helpers shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def block_size(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum): Triton tile extents must be powers of two."""
+    return max(minimum, triton.next_power_of_2(max(int(n), 1)))
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise a clear error unless ``t`` is fp32/fp16/bf16."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; accepted: float32, float16, bfloat16")

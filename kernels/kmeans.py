@@ -1,0 +1,168 @@
+"""K-means building blocks: nearest-centroid assignment and per-cluster scatter sums.
+
+Both work on a batch of independent problems ``S`` (one per (KV head, segment)), each with
+its own number of valid points ``n_valid[s]`` and valid centroids ``k_valid[s]``; padding
+beyond those is ignored. Similarity is the inner product (spherical k-means passes unit
+vectors). All arithmetic is fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import block_size, check_float
+
+
+def _valid_masks(
+    n: int, k: int, n_valid: torch.Tensor, k_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = n_valid.device
+    pmask = torch.arange(n, device=dev)[None, :] < n_valid[:, None].to(dev)
+    cmask = torch.arange(k, device=dev)[None, :] < k_valid[:, None].to(dev)
+    return pmask, cmask
+
+
+def kmeans_assign_ref(
+    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor
+) -> torch.Tensor:
+    """Nearest centroid by inner product.
+
+    x: [S, N, D] points; centroids: [S, K, D]; n_valid, k_valid: [S] integer counts.
+    Returns [S, N] int64 cluster ids in [0, k_valid[s]), -1 for padding points. Ties go to the
+    lowest id.
+    """
+    sims = torch.bmm(x.float(), centroids.float().transpose(1, 2))  # [S, N, K]
+    pmask, cmask = _valid_masks(x.shape[1], centroids.shape[1], n_valid, k_valid)
+    sims = sims.masked_fill(~cmask[:, None, :], float("-inf"))
+    assign = sims.argmax(dim=2)
+    return torch.where(pmask, assign, torch.full_like(assign, -1))
+
+
+def scatter_sum_ref(
+    x: torch.Tensor, assign: torch.Tensor, num_clusters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-cluster sums of features and member counts.
+
+    x: [S, N, F] features; assign: [S, N] cluster ids (-1 = ignore); num_clusters: K.
+    Returns (sums [S, K, F] fp32, counts [S, K] fp32).
+    """
+    s, n, f = x.shape
+    valid = assign >= 0
+    idx = torch.where(valid, assign, torch.zeros_like(assign))
+    sums = torch.zeros(s, num_clusters, f, dtype=torch.float32, device=x.device)
+    xv = x.float() * valid[..., None]
+    sums.scatter_add_(1, idx[..., None].expand(s, n, f), xv)
+    counts = torch.zeros(s, num_clusters, dtype=torch.float32, device=x.device)
+    counts.scatter_add_(1, idx, valid.float())
+    return sums, counts
+
+
+@triton.jit
+def _kmeans_assign_kernel(
+    X, CEN, NV, KV, OUT,
+    N, D,
+    sx_s, sx_n, sc_s, sc_k, so_s,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0)
+    nb = tl.program_id(1)
+    nv = tl.load(NV + s)
+    kv = tl.load(KV + s)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    nmask = offs_n < nv
+    x = tl.load(
+        X + s * sx_s + offs_n[:, None] * sx_n + offs_d[None, :],
+        mask=nmask[:, None] & dmask[None, :], other=0.0,
+    ).to(tl.float32)
+    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_N], tl.int32)
+    for k0 in range(0, kv, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < kv
+        c = tl.load(
+            CEN + s * sc_s + offs_k[:, None] * sc_k + offs_d[None, :],
+            mask=kmask[:, None] & dmask[None, :], other=0.0,
+        ).to(tl.float32)
+        sim = tl.dot(x, tl.trans(c), input_precision="ieee")
+        sim = tl.where(kmask[None, :], sim, float("-inf"))
+        bmax = tl.max(sim, axis=1)
+        barg = tl.argmax(sim, axis=1).to(tl.int32) + k0
+        upd = bmax > best
+        best = tl.where(upd, bmax, best)
+        best_i = tl.where(upd, barg, best_i)
+    out = tl.where(nmask, best_i, -1)
+    tl.store(OUT + s * so_s + offs_n, out.to(tl.int64), mask=offs_n < N)
+
+
+def kmeans_assign_triton(
+    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor
+) -> torch.Tensor:
+    """Triton version of :func:`kmeans_assign_ref` (same arguments and result)."""
+    check_float("x", x)
+    check_float("centroids", centroids)
+    x = x.contiguous()
+    centroids = centroids.contiguous()
+    s, n, d = x.shape
+    out = torch.empty(s, n, dtype=torch.int64, device=x.device)
+    if s == 0 or n == 0:
+        return out
+    block_d = block_size(d)
+    block_n = 64 if block_d <= 128 else 32
+    grid = (s, triton.cdiv(n, block_n))
+    _kmeans_assign_kernel[grid](
+        x, centroids, n_valid.to(x.device, torch.int32), k_valid.to(x.device, torch.int32), out,
+        n, d,
+        x.stride(0), x.stride(1), centroids.stride(0), centroids.stride(1), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=32, BLOCK_D=block_d,
+    )
+    return out
+
+
+@triton.jit
+def _scatter_sum_kernel(
+    X, A, SUMS, CNT,
+    N, K, F,
+    sx_s, sx_n, sa_s,
+    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    s = tl.program_id(0)
+    nb = tl.program_id(1)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    a = tl.load(A + s * sa_s + offs_n, mask=nmask, other=-1)
+    valid = nmask & (a >= 0)
+    a = tl.where(valid, a, 0)
+    for f0 in range(0, F, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        m2 = valid[:, None] & (offs_f < F)[None, :]
+        xv = tl.load(X + s * sx_s + offs_n[:, None] * sx_n + offs_f[None, :], mask=m2, other=0.0)
+        tl.atomic_add(SUMS + (s * K + a[:, None]) * F + offs_f[None, :], xv.to(tl.float32), mask=m2)
+    ones = tl.full([BLOCK_N], 1.0, tl.float32)
+    tl.atomic_add(CNT + s * K + a, ones, mask=valid)
+
+
+def scatter_sum_triton(
+    x: torch.Tensor, assign: torch.Tensor, num_clusters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`scatter_sum_ref` (same arguments and result; fp32 atomics, so
+    the summation order, and the last bits, may vary between runs on a GPU)."""
+    check_float("x", x)
+    x = x.contiguous()
+    assign = assign.contiguous().to(torch.int64)
+    s, n, f = x.shape
+    sums = torch.zeros(s, num_clusters, f, dtype=torch.float32, device=x.device)
+    counts = torch.zeros(s, num_clusters, dtype=torch.float32, device=x.device)
+    if s == 0 or n == 0 or num_clusters == 0:
+        return sums, counts
+    block_n = 64
+    grid = (s, triton.cdiv(n, block_n))
+    _scatter_sum_kernel[grid](
+        x, assign, sums, counts, n, num_clusters, f,
+        x.stride(0), x.stride(1), assign.stride(0),
+        BLOCK_N=block_n, BLOCK_F=min(128, block_size(f)),
+    )
+    return sums, counts

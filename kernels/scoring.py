@@ -1,0 +1,116 @@
+"""Cluster scoring for retrieval: the GQA group's summed softmax over centroid logits.
+
+For KV row ``r`` (one (request, KV head)) with query heads ``g = 0..G-1`` and centroids
+``C[r, c]``::
+
+    logit[g, c] = scale * q[r, g] . C[r, c]
+    score[r, c] = log( sum_g softmax_c(logit[g, :])[c] )
+
+Scores are returned in log space so that ranking never ties through underflow; ranking by
+them equals ranking by the group's summed softmax probability (for G == 1, by the logit).
+Clusters with size 0 (empty, or padding) get ``-inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import block_size, check_float
+
+
+def cluster_scores_ref(
+    query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query: [R, G, D]; centroids: [R, C, D]; sizes: [R, C] (0 = masked); scale: float.
+
+    Returns [R, C] fp32 log summed-softmax scores, ``-inf`` where ``sizes == 0``.
+    """
+    valid = sizes > 0
+    logits = torch.bmm(query.float(), centroids.float().transpose(1, 2)) * scale  # [R, G, C]
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=2, keepdim=True)
+    logp = logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    scores = torch.logsumexp(logp, dim=1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+@triton.jit
+def _cluster_scores_kernel(
+    Q, CEN, SZ, OUT,
+    G, C, D, scale,
+    sq_r, sq_g, sc_r, sc_c, ssz_r, so_r,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    q = tl.load(
+        Q + r * sq_r + offs_g[:, None] * sq_g + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :], other=0.0,
+    ).to(tl.float32) * scale
+    # pass 1: per-head log-sum-exp over all valid centroids (online)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    ssum = tl.zeros([BLOCK_G], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        sz = tl.load(SZ + r * ssz_r + offs_c, mask=cmask, other=0)
+        valid = cmask & (sz > 0)
+        cen = tl.load(
+            CEN + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :],
+            mask=valid[:, None] & dmask[None, :], other=0.0,
+        ).to(tl.float32)
+        logit = tl.dot(q, tl.trans(cen), input_precision="ieee")
+        logit = tl.where(valid[None, :], logit, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logit, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        ssum = ssum * tl.exp(m - m_safe) + tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
+        m = m_new
+    lse = tl.where(ssum > 0, m + tl.log(ssum), float("inf"))
+    lse = tl.where(gmask, lse, float("inf"))  # padding heads contribute exp(-inf) = 0
+    # pass 2: log of the group's summed probabilities
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        sz = tl.load(SZ + r * ssz_r + offs_c, mask=cmask, other=0)
+        valid = cmask & (sz > 0)
+        cen = tl.load(
+            CEN + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :],
+            mask=valid[:, None] & dmask[None, :], other=0.0,
+        ).to(tl.float32)
+        logp = tl.dot(q, tl.trans(cen), input_precision="ieee") - lse[:, None]
+        logp = tl.where(valid[None, :], logp, float("-inf"))
+        mx = tl.max(logp, axis=0)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        score = mx_safe + tl.log(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0))
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(OUT + r * so_r + offs_c, score, mask=cmask)
+
+
+def cluster_scores_triton(
+    query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Triton version of :func:`cluster_scores_ref` (same arguments and result)."""
+    check_float("query", query)
+    check_float("centroids", centroids)
+    query = query.contiguous()
+    centroids = centroids.contiguous()
+    sizes = sizes.contiguous()
+    r, g, d = query.shape
+    c = centroids.shape[1]
+    out = torch.empty(r, c, dtype=torch.float32, device=query.device)
+    if r == 0 or c == 0:
+        return out
+    block_d = block_size(d)
+    _cluster_scores_kernel[(r,)](
+        query, centroids, sizes, out,
+        g, c, d, float(scale),
+        query.stride(0), query.stride(1), centroids.stride(0), centroids.stride(1),
+        sizes.stride(0), out.stride(0),
+        BLOCK_G=block_size(g), BLOCK_C=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+    )
+    return out

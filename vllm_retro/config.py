@@ -1,0 +1,159 @@
+"""Every knob of vllm-retro in one validated dataclass.
+
+Defaults follow the RetroInfer paper (§5.1) and its public reference implementation. Every
+field is checked on construction; a bad value raises :class:`ConfigError` naming the field,
+the value and the accepted range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+CACHE_POLICIES = ("lru", "lfu")
+
+
+class ConfigError(ValueError):
+    """A configuration value outside its accepted range."""
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise ConfigError(f"retro config: {name}={value!r} is invalid; accepted: {accepted}")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        _fail(name, value, f"an integer in [{lo}, {hi}]")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        _fail(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass(frozen=True, slots=True)
+class RetroConfig:
+    """Configuration of the wave index and the wave buffer.
+
+    Token counts are in tokens, budgets are fractions of a (request, layer, KV head)'s clusters.
+    """
+
+    enabled: bool = True
+    """Serve decode through the wave index; ``False`` gives stock dense attention."""
+
+    # --- wave index: clustering -------------------------------------------------------------
+    cluster_size: int = 16
+    """Average tokens per centroid at prefill (one centroid per ``cluster_size`` tokens)."""
+    segment_size: int = 8192
+    """Prefill context is clustered in independent segments of this many tokens."""
+    kmeans_iters: int = 10
+    """Spherical k-means iterations per segment."""
+
+    # --- wave index: tripartite attention ---------------------------------------------------
+    sink_tokens: int = 4
+    """Steady zone: the first tokens of the context, always attended exactly."""
+    local_window: int = 64
+    """Steady zone: the most recent tokens, always attended exactly."""
+    retrieval_budget: float = 0.018
+    """Fraction of clusters (top by centroid score) whose tokens are attended exactly."""
+    estimation_budget: float = 0.232
+    """Fraction of clusters (the next ones by score) estimated from centroid and value sum."""
+
+    # --- wave index: decode-time updates ----------------------------------------------------
+    update_segment: int = 1024
+    """New tokens beyond the local window are clustered in blocks of this many tokens."""
+    update_clusters: int = 64
+    """Clusters made from each update block."""
+
+    # --- wave buffer ------------------------------------------------------------------------
+    page_size: int = 8
+    """Tokens per page of the host tier and of the device block cache."""
+    cache_fraction: float = 0.05
+    """Device block cache size as a fraction of the indexed KV (ignored if cache_pages set)."""
+    cache_pages: int | None = None
+    """Device block cache size in pages; overrides ``cache_fraction`` when set."""
+    cache_policy: str = "lru"
+    """Replacement policy of the device block cache: 'lru' or 'lfu'."""
+    async_updates: bool = True
+    """Apply cache updates on a background CPU worker, off the decode critical path."""
+
+    # --- execution --------------------------------------------------------------------------
+    kernel_backend: str = "auto"
+    """'triton' (CUDA), 'torch' (reference, any device) or 'auto' (triton on CUDA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "async_updates"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
+        _check_int("cluster_size", self.cluster_size, 1, 4096)
+        _check_int("segment_size", self.segment_size, 16, 1 << 20)
+        if self.segment_size < self.cluster_size:
+            _fail("segment_size", self.segment_size, f">= cluster_size ({self.cluster_size})")
+        _check_int("kmeans_iters", self.kmeans_iters, 0, 100)
+        _check_int("sink_tokens", self.sink_tokens, 0, 1 << 16)
+        _check_int("local_window", self.local_window, 1, 1 << 16)
+        _check_float("retrieval_budget", self.retrieval_budget, 0.0, 1.0, lo_open=True)
+        _check_float("estimation_budget", self.estimation_budget, 0.0, 1.0)
+        if self.retrieval_budget + self.estimation_budget > 1.0 + 1e-9:
+            _fail(
+                "estimation_budget",
+                self.estimation_budget,
+                f"[0, {1.0 - self.retrieval_budget:g}] so that retrieval_budget "
+                f"({self.retrieval_budget:g}) + estimation_budget <= 1",
+            )
+        _check_int("update_segment", self.update_segment, 16, 1 << 20)
+        _check_int("update_clusters", self.update_clusters, 1, self.update_segment)
+        _check_int("page_size", self.page_size, 1, 1024)
+        _check_float("cache_fraction", self.cache_fraction, 0.0, 1.0)
+        if self.cache_pages is not None:
+            _check_int("cache_pages", self.cache_pages, 0, 1 << 40)
+        _check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+
+    @property
+    def min_indexed_context(self) -> int:
+        """Shortest context (tokens) that gets a wave index; shorter ones use dense attention."""
+        return self.sink_tokens + self.local_window + self.update_segment
+
+    def num_retrieval(self, num_clusters: int) -> int:
+        """Clusters in the retrieval zone for ``num_clusters`` clusters (at least one)."""
+        if num_clusters <= 0:
+            return 0
+        return min(num_clusters, max(1, math.ceil(self.retrieval_budget * num_clusters - 1e-9)))
+
+    def num_estimation(self, num_clusters: int) -> int:
+        """Clusters in the estimation zone for ``num_clusters`` clusters."""
+        rest = num_clusters - self.num_retrieval(num_clusters)
+        return max(0, min(rest, math.ceil(self.estimation_budget * num_clusters - 1e-9)))
+
+    def replace(self, **changes: Any) -> RetroConfig:
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> RetroConfig:
+        """Build from a mapping (e.g. vLLM's ``additional_config["retro"]``); unknown keys fail."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"retro config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"accepted keys: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict."""
+        return dataclasses.asdict(self)
