@@ -260,6 +260,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = prin
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A tied lm_head may be absent from the GGUF state dict; anything else must match exactly.
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if not getattr(config, "tie_word_embeddings", False):
+        tied = set()
     bad_missing = [k for k in missing if k not in tied]
     if bad_missing or unexpected:
         raise RuntimeError(

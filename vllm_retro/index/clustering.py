@@ -1,0 +1,139 @@
+"""Segmented spherical k-means over post-RoPE keys (RetroInfer §4.2).
+
+Each (KV head, segment) is clustered independently: keys are mean-centred per segment and
+normalised, centroids start from an evenly strided choice of the segment's keys, and
+``iters`` rounds of assignment / renormalised-mean update follow (an emptied cluster keeps its
+previous centroid). The meta index then stores, per cluster, the arithmetic mean of its *raw*
+keys (the Jensen lower bound of eq. 3 needs exactly that mean), the sum of its values and
+its size; clusters that end empty get size 0 and are masked everywhere downstream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """The clustering of one block of tokens for every KV head (cluster-contiguous layout).
+
+    Cluster ids are local to this block: ``0 .. num_clusters - 1``, numbered segment by
+    segment, identical across heads in count (not in membership).
+    """
+
+    centroids: torch.Tensor
+    """[H, C, D] mean of each cluster's raw keys (zeros for empty clusters), KV dtype."""
+    value_sums: torch.Tensor
+    """[H, C, D] sum of each cluster's values, KV dtype (accumulated in fp32)."""
+    sizes: torch.Tensor
+    """[H, C] int32 tokens per cluster (0 = empty, masked)."""
+    order: torch.Tensor
+    """[H, M] int64 token offsets within the block, sorted by cluster (cluster-contiguous)."""
+    offsets: torch.Tensor
+    """[H, C + 1] int64 start of each cluster's run in ``order``."""
+
+    @property
+    def num_clusters(self) -> int:
+        """Clusters per head, empty ones included."""
+        return int(self.sizes.shape[1])
+
+
+def clusters_per_segment(segment_lengths: list[int], tokens_per_cluster: int) -> list[int]:
+    """About one centroid per ``tokens_per_cluster`` tokens (at least one) for each segment."""
+    return [max(1, math.ceil(n / tokens_per_cluster)) for n in segment_lengths]
+
+
+def spherical_kmeans(
+    x: torch.Tensor,
+    n_valid: torch.Tensor,
+    k_valid: torch.Tensor,
+    iters: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Spherical k-means on a batch of independent point sets.
+
+    x: [S, N, D] points (any float dtype); n_valid, k_valid: [S] valid points / clusters per set.
+    Points are centred on their set's mean and normalised; centroids are initialised from
+    points at strided positions ``floor(i * n_valid / k_valid)``. Returns [S, N] int64
+    assignments (-1 for padding points).
+    """
+    s, n, d = x.shape
+    dev = x.device
+    n_valid = n_valid.to(dev, torch.int64)
+    k_valid = k_valid.to(dev, torch.int64)
+    pmask = torch.arange(n, device=dev)[None, :] < n_valid[:, None]
+    xf = x.float() * pmask[..., None]
+    mean = xf.sum(1, keepdim=True) / n_valid.clamp_min(1)[:, None, None]
+    xn = torch.nn.functional.normalize((xf - mean) * pmask[..., None], dim=2, eps=1e-12)
+    kmax = int(k_valid.max().item()) if s else 0
+    i = torch.arange(kmax, device=dev)[None, :]
+    init = (i * n_valid[:, None]) // k_valid.clamp_min(1)[:, None]
+    init = torch.minimum(init, (n_valid - 1).clamp_min(0)[:, None])
+    cen = torch.gather(xn, 1, init[..., None].expand(s, kmax, d))
+    for _ in range(iters):
+        assign = kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
+        sums, counts = kernels.scatter_sum(xn, assign, kmax, backend=backend)
+        new = torch.nn.functional.normalize(sums, dim=2, eps=1e-12)
+        cen = torch.where((counts > 0)[..., None], new, cen)
+    return kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
+
+
+def cluster_block(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    segment_size: int,
+    clusters_for: list[int] | None,
+    tokens_per_cluster: int,
+    iters: int,
+    backend: str = "auto",
+) -> Clusters:
+    """Cluster a block of tokens, per KV head, in independent segments.
+
+    keys, values: [H, M, D] (post-RoPE keys). The block is cut into segments of
+    ``segment_size`` tokens (the last may be shorter); segment j gets ``clusters_for[j]``
+    clusters, or one per ``tokens_per_cluster`` tokens when ``clusters_for`` is None.
+    Returns the block's :class:`Clusters`.
+    """
+    h, m, d = keys.shape
+    dev = keys.device
+    seg = min(segment_size, m)
+    n_seg = math.ceil(m / seg)
+    seg_lens = [min(seg, m - j * seg) for j in range(n_seg)]
+    ks = clusters_for or clusters_per_segment(seg_lens, tokens_per_cluster)
+    if len(ks) != n_seg:
+        raise ValueError(f"clusters_for has {len(ks)} entries for {n_seg} segments")
+    ks = [min(k, n) for k, n in zip(ks, seg_lens)]
+    pad = n_seg * seg - m
+    kp = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
+    n_valid = torch.tensor(seg_lens * h, device=dev)
+    k_valid = torch.tensor(ks * h, device=dev)
+    assign = spherical_kmeans(kp, n_valid, k_valid, iters, backend=backend)  # [S, seg]
+    kmax = max(ks)
+    vp = torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
+    sums, counts = kernels.scatter_sum(torch.cat([kp, vp], dim=2), assign, kmax, backend=backend)
+    # keep each segment's first k_j slots: [H, n_seg, kmax] -> [H, C]
+    slot = torch.arange(kmax, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
+    c_total = sum(ks)
+    counts = counts.reshape(h, n_seg, kmax)[:, slot].reshape(h, c_total)
+    sums = sums.reshape(h, n_seg, kmax, 2 * d)[:, slot].reshape(h, c_total, 2 * d)
+    centroids = sums[..., :d] / counts.clamp_min(1.0)[..., None]
+    # global (block-local) cluster id of every token, then a stable sort gives the layout
+    seg_base = torch.tensor([0] + ks[:-1], device=dev).cumsum(0)  # [n_seg]
+    gid = assign.reshape(h, n_seg, seg) + seg_base[None, :, None]
+    gid = gid.reshape(h, n_seg * seg)[:, :m]
+    order = torch.argsort(gid, dim=1, stable=True)
+    sizes = counts.round().to(torch.int32)
+    offsets = torch.zeros(h, c_total + 1, dtype=torch.int64, device=dev)
+    offsets[:, 1:] = sizes.to(torch.int64).cumsum(1)
+    return Clusters(
+        centroids=centroids.to(keys.dtype),
+        value_sums=sums[..., d:].to(values.dtype),
+        sizes=sizes,
+        order=order,
+        offsets=offsets,
+    )

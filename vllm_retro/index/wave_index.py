@@ -1,0 +1,214 @@
+"""The wave index of one (request, layer): meta index, steady zone, tripartite decode.
+
+Token layout of a context of ``n`` tokens::
+
+    [0, sink)                      steady zone: attention sinks, exact
+    indexed blocks                 clustered (prefill: segmented; decode: update blocks),
+                                   KV in a ClusterStore, centroids / value sums in the meta
+    [window_start, n)              steady zone: the local window, exact; it grows by one
+                                   token per decode step until ``local_window +
+                                   update_segment`` tokens, when its oldest
+                                   ``update_segment`` tokens are clustered and appended.
+
+A context shorter than ``config.min_indexed_context`` gets no clusters: every token is in
+the steady zone and decode attention is exact (dense) until it grows long enough.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.clustering import Clusters, cluster_block
+from vllm_retro.index.store import ClusterStore, DenseClusterStore
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The zones chosen for one decode query, per KV head."""
+
+    retrieval_ids: torch.Tensor
+    """[H, r] cluster ids read exactly (retrieval zone)."""
+    estimation_ids: torch.Tensor
+    """[H, e] cluster ids estimated from their centroid (estimation zone)."""
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """Output of one tripartite decode step."""
+
+    output: torch.Tensor
+    """[num_heads, D] attention output, query dtype."""
+    lse: torch.Tensor
+    """[num_heads] fp32 log of the (estimated) softmax denominator."""
+    selection: Selection
+    n_exact: torch.Tensor
+    """[H] int64 tokens read exactly per KV head (steady + retrieval)."""
+    exact_positions: torch.Tensor | None
+    """[H, T] int64 absolute positions of the exactly-read tokens (-1 padding), if asked."""
+
+
+class WaveIndex:
+    """Wave index of one request-layer, over ``num_kv_heads`` heads.
+
+    Build with :meth:`build` from the prefill's post-RoPE keys and values; then call
+    :meth:`decode` for each new query and :meth:`append` for each new token.
+    """
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
+        self.config = config
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.backend = config.kernel_backend
+        self.store: ClusterStore = store or DenseClusterStore(num_kv_heads, head_dim, dtype, device)
+        empty = torch.empty(num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.centroids = empty
+        self.value_sums = empty
+        self.sizes = torch.empty(num_kv_heads, 0, dtype=torch.int32, device=device)
+        self.sink_k = self.sink_v = empty
+        self.win_k = self.win_v = empty
+        self.window_start = 0
+        self.num_tokens = 0
+        self.num_updates = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, keys: torch.Tensor, values: torch.Tensor, config: RetroConfig | None = None,
+              store: ClusterStore | None = None) -> WaveIndex:
+        """Index a prefilled context. keys, values: [H_kv, N, D] post-RoPE, same dtype/device."""
+        config = config or RetroConfig()
+        h, n, d = keys.shape
+        index = cls(config, h, d, keys.dtype, keys.device, store)
+        sink = min(config.sink_tokens, n)
+        index.sink_k, index.sink_v = keys[:, :sink].clone(), values[:, :sink].clone()
+        index.num_tokens = n
+        index.window_start = sink
+        middle_end = n - config.local_window
+        if n >= config.min_indexed_context and middle_end > sink:
+            clusters = cluster_block(
+                keys[:, sink:middle_end], values[:, sink:middle_end], config.segment_size,
+                None, config.cluster_size, config.kmeans_iters, index.backend,
+            )
+            index._add_block(keys[:, sink:middle_end], values[:, sink:middle_end], sink, clusters)
+            index.window_start = middle_end
+        index.win_k = keys[:, index.window_start:].clone()
+        index.win_v = values[:, index.window_start:].clone()
+        return index
+
+    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   clusters: Clusters) -> None:
+        positions = torch.arange(start, start + keys.shape[1], device=keys.device)
+        self.store.append(keys, values, positions, clusters)
+        self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
+        self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
+        self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Add decoded tokens. key, value: [H_kv, n, D] (n >= 1) post-RoPE.
+
+        Returns True when an update block was clustered and appended to the index.
+        """
+        cfg = self.config
+        self.win_k = torch.cat([self.win_k, key.to(self.win_k.dtype)], dim=1)
+        self.win_v = torch.cat([self.win_v, value.to(self.win_v.dtype)], dim=1)
+        self.num_tokens += key.shape[1]
+        updated = False
+        while self.win_k.shape[1] >= cfg.local_window + cfg.update_segment:
+            seg = cfg.update_segment
+            bk, bv = self.win_k[:, :seg], self.win_v[:, :seg]
+            clusters = cluster_block(bk, bv, seg, [cfg.update_clusters], cfg.cluster_size,
+                                     cfg.kmeans_iters, self.backend)
+            self._add_block(bk, bv, self.window_start, clusters)
+            self.win_k, self.win_v = self.win_k[:, seg:].clone(), self.win_v[:, seg:].clone()
+            self.window_start += seg
+            self.num_updates += 1
+            updated = True
+        return updated
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_clusters(self) -> int:
+        """Clusters per KV head (empty ones included)."""
+        return int(self.sizes.shape[1])
+
+    @property
+    def num_steady(self) -> int:
+        """Tokens in the steady zone (sinks + local window)."""
+        return int(self.sink_k.shape[1] + self.win_k.shape[1])
+
+    @property
+    def is_dense(self) -> bool:
+        """True while no token is indexed (decode attention is exact)."""
+        return self.num_clusters == 0
+
+    def meta_nbytes(self) -> int:
+        """Bytes of the meta index (centroids, value sums, sizes)."""
+        return sum(t.numel() * t.element_size() for t in (self.centroids, self.value_sums,
+                                                          self.sizes))
+
+    # ------------------------------------------------------------------ decode
+    def select(self, query: torch.Tensor, scale: float) -> Selection:
+        """Choose the retrieval and estimation clusters for a query [num_heads, D]."""
+        h = self.num_kv_heads
+        c = self.num_clusters
+        r = self.config.num_retrieval(c)
+        e = self.config.num_estimation(c)
+        if c == 0:
+            none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
+            return Selection(none, none)
+        q = query.reshape(h, -1, self.head_dim)
+        scores = kernels.cluster_scores(q, self.centroids, self.sizes, scale, backend=self.backend)
+        top = torch.topk(scores, r + e, dim=1, sorted=True).indices
+        return Selection(top[:, :r], top[:, r:])
+
+    def decode(self, query: torch.Tensor, scale: float | None = None,
+               selection: Selection | None = None, return_positions: bool = False
+               ) -> DecodeResult:
+        """Tripartite attention of one query over the whole context.
+
+        query: [num_heads, D], num_heads a multiple of the KV heads (query head i uses KV
+        head ``i // (num_heads // H_kv)``). ``selection`` overrides the cluster choice.
+        """
+        h, d = self.num_kv_heads, self.head_dim
+        scale = d ** -0.5 if scale is None else scale
+        sel = selection or self.select(query, scale)
+        rk, rv, rpos, rlen = self.store.gather(sel.retrieval_ids)
+        steady_k = torch.cat([self.sink_k, self.win_k], dim=1)
+        steady_v = torch.cat([self.sink_v, self.win_v], dim=1)
+        k_exact = torch.cat([steady_k, rk.to(steady_k.dtype)], dim=1)
+        v_exact = torch.cat([steady_v, rv.to(steady_v.dtype)], dim=1)
+        n_exact = rlen + steady_k.shape[1]
+        n_est = torch.full((h,), sel.estimation_ids.shape[1], dtype=torch.int64,
+                           device=query.device)
+        out, lse = kernels.tripartite_decode(
+            query.reshape(h, -1, d), k_exact, v_exact, n_exact, self.centroids,
+            self.value_sums, self.sizes, sel.estimation_ids, n_est, scale, backend=self.backend,
+        )
+        positions = None
+        if return_positions:
+            steady_pos = torch.cat([
+                torch.arange(self.sink_k.shape[1], device=query.device),
+                torch.arange(self.window_start, self.num_tokens, device=query.device),
+            ])
+            positions = torch.cat([steady_pos[None, :].expand(h, -1), rpos], dim=1)
+        return DecodeResult(out.reshape(-1, d), lse.reshape(-1), sel, n_exact, positions)
+
+    def zone_stats(self, sel: Selection, n_exact: torch.Tensor) -> dict:
+        """Token accounting of one decode step (see :func:`vllm_retro.index.sparse_attention`)."""
+        n = max(self.num_tokens, 1)
+        est_sizes = torch.gather(self.sizes, 1, sel.estimation_ids)  # [H, e]
+        return {
+            "n_tokens": self.num_tokens,
+            "dense": self.is_dense,
+            "n_clusters": self.num_clusters,
+            "n_steady": self.num_steady,
+            "n_retrieval_clusters": int(sel.retrieval_ids.shape[1]),
+            "n_estimated_clusters": int(sel.estimation_ids.shape[1]),
+            "n_exact": [int(x) for x in n_exact.tolist()],
+            "exact_token_fraction": float(n_exact.double().mean().item()) / n,
+            "estimated_token_fraction": float(est_sizes.sum(1).double().mean().item()) / n,
+        }
