@@ -20,6 +20,17 @@ import triton.language as tl
 from kernels._common import block_size, check_float
 
 
+def group_scores_from_logits(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Log of the group's summed softmax. logits: [R, G, C]; valid: [R, C] bool.
+
+    Returns [R, C] fp32: ``log(sum_g softmax_c(logits[r, g])[c])``, ``-inf`` where invalid.
+    """
+    logits = logits.float().masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=2, keepdim=True)
+    logp = logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.logsumexp(logp, dim=1).masked_fill(~valid, float("-inf"))
+
+
 def cluster_scores_ref(
     query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -27,13 +38,8 @@ def cluster_scores_ref(
 
     Returns [R, C] fp32 log summed-softmax scores, ``-inf`` where ``sizes == 0``.
     """
-    valid = sizes > 0
     logits = torch.bmm(query.float(), centroids.float().transpose(1, 2)) * scale  # [R, G, C]
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=2, keepdim=True)
-    logp = logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    scores = torch.logsumexp(logp, dim=1)
-    return scores.masked_fill(~valid, float("-inf"))
+    return group_scores_from_logits(logits, sizes > 0)
 
 
 @triton.jit
@@ -70,7 +76,7 @@ def _cluster_scores_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         ssum = ssum * tl.exp(m - m_safe) + tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
         m = m_new
-    lse = tl.where(ssum > 0, m + tl.log(ssum), float("inf"))
+    lse = tl.where(ssum > 0, m + tl.log(tl.maximum(ssum, 1e-30)), float("inf"))
     lse = tl.where(gmask, lse, float("inf"))  # padding heads contribute exp(-inf) = 0
     # pass 2: log of the group's summed probabilities
     for c0 in range(0, C, BLOCK_C):

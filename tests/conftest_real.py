@@ -99,6 +99,7 @@ def build_qwen_capture(
                 os.close(fd)
                 try:
                     torch.save(data, tmp)
+                    os.chmod(tmp, 0o644)
                     os.replace(tmp, path)
                 finally:
                     with contextlib.suppress(FileNotFoundError):

@@ -194,4 +194,4 @@ def test_greedy_generation_is_sensible(qwen_model_dir: Path) -> None:
     text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     print(repr(prompt + text))
     assert "return" in text
-    assert "fibonacci" in text
+    assert "if n" in text  # a base case on n, i.e. actual Fibonacci code, not noise

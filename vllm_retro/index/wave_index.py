@@ -89,15 +89,21 @@ class WaveIndex:
         index.window_start = sink
         middle_end = n - config.local_window
         if n >= config.min_indexed_context and middle_end > sink:
-            clusters = cluster_block(
-                keys[:, sink:middle_end], values[:, sink:middle_end], config.segment_size,
-                None, config.cluster_size, config.kmeans_iters, index.backend,
-            )
-            index._add_block(keys[:, sink:middle_end], values[:, sink:middle_end], sink, clusters)
+            mk, mv = keys[:, sink:middle_end], values[:, sink:middle_end]
+            index._add_block(mk, mv, sink, index._cluster(mk, mv, update=False))
             index.window_start = middle_end
         index.win_k = keys[:, index.window_start:].clone()
         index.win_v = values[:, index.window_start:].clone()
         return index
+
+    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
+        """Cluster a block: the prefill's middle (segmented) or one decode update block."""
+        cfg = self.config
+        if update:
+            return cluster_block(keys, values, keys.shape[1], [cfg.update_clusters],
+                                 cfg.cluster_size, cfg.kmeans_iters, self.backend)
+        return cluster_block(keys, values, cfg.segment_size, None, cfg.cluster_size,
+                             cfg.kmeans_iters, self.backend)
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:
@@ -120,9 +126,7 @@ class WaveIndex:
         while self.win_k.shape[1] >= cfg.local_window + cfg.update_segment:
             seg = cfg.update_segment
             bk, bv = self.win_k[:, :seg], self.win_v[:, :seg]
-            clusters = cluster_block(bk, bv, seg, [cfg.update_clusters], cfg.cluster_size,
-                                     cfg.kmeans_iters, self.backend)
-            self._add_block(bk, bv, self.window_start, clusters)
+            self._add_block(bk, bv, self.window_start, self._cluster(bk, bv, update=True))
             self.win_k, self.win_v = self.win_k[:, seg:].clone(), self.win_v[:, seg:].clone()
             self.window_start += seg
             self.num_updates += 1

@@ -1,0 +1,35 @@
+"""Test-wide setup.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel is defined, so the kernel
+tests can run Triton on CPU tensors; it is set here, before any test module imports kernels.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    """A fresh, seeded generator per test (the seed varies with the test's name)."""
+    import zlib
+
+    name = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where Triton kernels run in this process: 'cpu' under the interpreter, 'cuda' on a GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("Triton needs TRITON_INTERPRET=1 or a CUDA GPU")

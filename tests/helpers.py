@@ -1,0 +1,35 @@
+"""Shared test helpers: dense reference attention and error metrics."""
+
+from __future__ import annotations
+
+import torch
+
+
+def full_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float | None = None, positions: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Exact softmax attention of query [Hq, D] over keys/values [Hkv, N, D] in fp64.
+
+    ``positions`` [Hkv, T] (-1 = padding) restricts each KV head to those tokens.
+    Returns [Hq, D] float64.
+    """
+    hq, d = query.shape
+    hkv = keys.shape[0]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    k = keys.double().repeat_interleave(g, 0)
+    v = values.double().repeat_interleave(g, 0)
+    s = torch.einsum("hd,hnd->hn", query.double(), k) * scale
+    if positions is not None:
+        mask = torch.zeros(hkv, keys.shape[1], dtype=torch.bool)
+        for h in range(hkv):
+            p = positions[h][positions[h] >= 0]
+            mask[h, p] = True
+        s = s.masked_fill(~mask.repeat_interleave(g, 0), float("-inf"))
+    return torch.einsum("hn,hnd->hd", s.softmax(-1), v)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error ||out - ref|| / ||ref|| (NaN never passes a < comparison)."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
