@@ -15,13 +15,13 @@ import os
 
 import torch
 
-from kernels.scoring import cluster_scores_ref, cluster_scores_triton
 from kernels.kmeans import (
     kmeans_assign_ref,
     kmeans_assign_triton,
     scatter_sum_ref,
     scatter_sum_triton,
 )
+from kernels.scoring import cluster_scores_ref, cluster_scores_triton
 from kernels.tripartite_attention import tripartite_decode_ref, tripartite_decode_triton
 
 __all__ = [
@@ -47,7 +47,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             "TRITON_INTERPRET=1; use 'auto' or 'torch' on CPU"
         )
     if backend not in ("torch", "triton"):
-        raise ValueError(f"kernel backend {backend!r} is invalid; accepted: 'auto', 'torch', 'triton'")
+        raise ValueError(
+            f"kernel backend {backend!r} is invalid; accepted: 'auto', 'torch', 'triton'"
+        )
     return backend
 
 

@@ -92,7 +92,8 @@ def _cluster_scores_kernel(
         logp = tl.where(valid[None, :], logp, float("-inf"))
         mx = tl.max(logp, axis=0)
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        score = mx_safe + tl.log(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0))
+        # >= 1 for a valid column (its max term is exp(0)); the clamp only spares log(0)
+        score = mx_safe + tl.log(tl.maximum(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0), 1e-30))
         score = tl.where(valid, score, float("-inf"))
         tl.store(OUT + r * so_r + offs_c, score, mask=cmask)
 

@@ -145,20 +145,22 @@ def _tripartite_split_kernel(
 
 
 def merge_partials(
-    acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor
+    acc: torch.Tensor, m: torch.Tensor, lsum_parts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split partial softmax states exactly.
 
-    acc: [R, S, G, D] unnormalised outputs; m: [R, S, G] running maxima; l: [R, S, G] sums
-    (relative to m). Returns (out [R, G, D] fp32, lse [R, G] fp32).
+    acc: [R, S, G, D] unnormalised outputs; m: [R, S, G] running maxima; lsum_parts:
+    [R, S, G] softmax sums (relative to m). Returns (out [R, G, D] fp32, lse [R, G] fp32).
     """
     mmax = m.amax(dim=1, keepdim=True)  # [R, 1, G]
     mmax_safe = torch.where(torch.isfinite(mmax), mmax, torch.zeros_like(mmax))
     w = torch.exp(m - mmax_safe)  # exp(-inf) = 0 for empty splits
-    lsum = (l * w).sum(dim=1)  # [R, G]
-    out = (acc * w[..., None]).sum(dim=1) / lsum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    lsum = (lsum_parts * w).sum(dim=1)  # [R, G]
+    tiny = torch.finfo(torch.float32).tiny
+    out = (acc * w[..., None]).sum(dim=1) / lsum.clamp_min(tiny)[..., None]
     out = torch.where((lsum > 0)[..., None], out, torch.zeros_like(out))
-    lse = torch.where(lsum > 0, mmax_safe[:, 0] + torch.log(lsum), torch.full_like(lsum, -torch.inf))
+    lse = torch.where(lsum > 0, mmax_safe[:, 0] + torch.log(lsum.clamp_min(tiny)),
+                      torch.full_like(lsum, -torch.inf))
     return out, lse
 
 

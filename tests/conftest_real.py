@@ -77,8 +77,10 @@ def build_qwen_capture(
         with file_lock(fixtures / ".qwen_capture.lock"):
             if not path.is_file():
                 t0 = time.perf_counter()
-                progress(f"[vllm-retro] capturing Q/K/V of layers {QWEN_CAPTURE_LAYERS} on "
-                         f"{QWEN_CAPTURE_TOKENS} prose tokens (one-time) …")
+                progress(
+                    f"[vllm-retro] capturing Q/K/V of layers {QWEN_CAPTURE_LAYERS} on "
+                    f"{QWEN_CAPTURE_TOKENS} prose tokens (one-time) …"
+                )
                 model = load_model(mdir)
                 cap = capture_qkv(model, input_ids, QWEN_CAPTURE_LAYERS, QWEN_CAPTURE_QUERIES)
                 cfg = model.config
@@ -104,8 +106,9 @@ def build_qwen_capture(
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)
-                progress(f"[vllm-retro] capture cached at {path} "
-                         f"({time.perf_counter() - t0:.1f} s)")
+                progress(
+                    f"[vllm-retro] capture cached at {path} ({time.perf_counter() - t0:.1f} s)"
+                )
     return torch.load(path, weights_only=True)
 
 

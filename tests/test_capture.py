@@ -122,7 +122,10 @@ def _qwen_rope(positions: torch.Tensor, head_dim: int = 64, theta: float = 1e6):
 def test_capture_shapes(qwen_capture: dict) -> None:
     cap = qwen_capture
     assert (cap["num_heads"], cap["num_kv_heads"], cap["head_dim"], cap["seq_len"]) == (
-        14, 2, 64, 4096,
+        14,
+        2,
+        64,
+        4096,
     )
     assert cap["scale"] == pytest.approx(64**-0.5)
     assert sorted(cap["layers"]) == [2, 8, 10, 15, 22]
@@ -191,7 +194,7 @@ def test_greedy_generation_is_sensible(qwen_model_dir: Path) -> None:
     enc = tok(prompt, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=40, do_sample=False)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     print(repr(prompt + text))
     assert "return" in text
     assert "if n" in text  # a base case on n, i.e. actual Fibonacci code, not noise

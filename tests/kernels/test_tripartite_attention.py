@@ -93,7 +93,7 @@ def test_merge_partials_equals_single_pass(rng):
     s = torch.bmm(q, k.transpose(1, 2))[0]  # [g, n]
     cuts = [0, 7, 7, 25, n]  # includes an empty split
     accs, ms, ls = [], [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in zip(cuts[:-1], cuts[1:], strict=False):
         part = s[:, a:b]
         m = part.amax(1) if b > a else torch.full((g,), float("-inf"))
         msafe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

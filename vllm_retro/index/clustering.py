@@ -107,7 +107,7 @@ def cluster_block(
     ks = clusters_for or clusters_per_segment(seg_lens, tokens_per_cluster)
     if len(ks) != n_seg:
         raise ValueError(f"clusters_for has {len(ks)} entries for {n_seg} segments")
-    ks = [min(k, n) for k, n in zip(ks, seg_lens)]
+    ks = [min(k, n) for k, n in zip(ks, seg_lens, strict=False)]
     pad = n_seg * seg - m
     kp = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     n_valid = torch.tensor(seg_lens * h, device=dev)

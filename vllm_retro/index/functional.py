@@ -22,9 +22,13 @@ def validate_qkv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
         if t.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; accepted: float32, float16, bfloat16")
     if keys.shape != values.shape:
-        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        raise ValueError(
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape"
+        )
     if not (query.dtype == keys.dtype == values.dtype):
-        raise TypeError(f"dtypes differ: query {query.dtype}, keys {keys.dtype}, values {values.dtype}")
+        raise TypeError(
+            f"dtypes differ: query {query.dtype}, keys {keys.dtype}, values {values.dtype}"
+        )
     if not (query.device == keys.device == values.device):
         raise ValueError(f"devices differ: query {query.device}, keys {keys.device}, "
                          f"values {values.device}")

@@ -1,0 +1,110 @@
+"""vllm_retro.index.clustering: segmented spherical k-means and the cluster layout."""
+
+import pytest
+import torch
+
+from vllm_retro.index.clustering import cluster_block, clusters_per_segment, spherical_kmeans
+
+
+def _check_layout(cl, keys, values, segment_size):
+    h, m, d = keys.shape
+    c = cl.num_clusters
+    assert cl.centroids.shape == (h, c, d) and cl.value_sums.shape == (h, c, d)
+    assert cl.sizes.shape == (h, c) and cl.offsets.shape == (h, c + 1)
+    for i in range(h):
+        # every token exactly once, cluster-contiguous
+        assert torch.equal(cl.order[i].sort().values, torch.arange(m))
+        assert int(cl.sizes[i].sum()) == m and int(cl.offsets[i, -1]) == m
+        for j in range(c):
+            a, b = int(cl.offsets[i, j]), int(cl.offsets[i, j + 1])
+            assert b - a == int(cl.sizes[i, j])
+            members = cl.order[i, a:b]
+            if b == a:
+                continue
+            # a cluster never spans two segments
+            assert len(set((members // segment_size).tolist())) == 1
+            torch.testing.assert_close(cl.centroids[i, j].float(),
+                                       keys[i, members].float().mean(0), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(cl.value_sums[i, j].float(),
+                                       values[i, members].float().sum(0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("h,m,d,seg,tpc", [(2, 300, 32, 128, 16), (1, 1000, 64, 1000, 16),
+                                           (3, 517, 128, 256, 8), (1, 40, 256, 16, 16)])
+def test_layout_and_meta_index(h, m, d, seg, tpc, rng):
+    keys = torch.randn(h, m, d, generator=rng)
+    values = torch.randn(h, m, d, generator=rng)
+    cl = cluster_block(keys, values, seg, None, tpc, iters=5, backend="torch")
+    seg_lens = [min(seg, m - j * seg) for j in range(-(-m // seg))]
+    assert cl.num_clusters == sum(clusters_per_segment(seg_lens, tpc))
+    _check_layout(cl, keys, values, seg)
+
+
+def test_deterministic(rng):
+    keys, values = torch.randn(2, 600, 64, generator=rng), torch.randn(2, 600, 64, generator=rng)
+    a = cluster_block(keys, values, 256, None, 16, 10, backend="torch")
+    b = cluster_block(keys, values, 256, None, 16, 10, backend="torch")
+    assert torch.equal(a.order, b.order) and torch.equal(a.centroids, b.centroids)
+
+
+def test_triton_backend_matches_torch(rng, triton_device):
+    keys, values = torch.randn(2, 700, 64, generator=rng), torch.randn(2, 700, 64, generator=rng)
+    a = cluster_block(keys, values, 512, None, 16, 10, backend="torch")
+    b = cluster_block(keys.to(triton_device), values.to(triton_device), 512, None, 16, 10,
+                      backend="triton")
+    # identical up to argmax ties from rounding: near-identical clusterings
+    assert (a.sizes == b.sizes.cpu()).float().mean() > 0.95
+    _check_layout(type(b)(*[t.cpu() for t in (b.centroids, b.value_sums, b.sizes, b.order,
+                                                b.offsets)]), keys, values, 512)
+
+
+def test_recovers_separated_directions(rng):
+    """Keys in k runs, each around its own direction: the strided initialisation seeds one
+    centroid per run and k-means recovers the runs exactly."""
+    k, per, d = 8, 30, 64
+    dirs = torch.nn.functional.normalize(torch.randn(k, d, generator=rng), dim=1)
+    labels = torch.arange(k).repeat_interleave(per)
+    x = dirs[labels] * 10 + 0.3 * torch.randn(k * per, d, generator=rng)
+    assign = spherical_kmeans(x[None], torch.tensor([k * per]), torch.tensor([k]), 10, "torch")[0]
+    assert assign.unique().numel() == k
+    for c in assign.unique():
+        assert labels[assign == c].unique().numel() == 1
+
+
+def _objective(x, assign, k):
+    xn = torch.nn.functional.normalize(x - x.mean(0), dim=1)
+    total = 0.0
+    for c in range(k):
+        members = xn[assign == c]
+        if len(members):
+            total += float(members.sum(0).norm())  # = sum of cosines to the normalised mean
+    return total
+
+
+def test_iterations_improve_the_objective(rng):
+    """Shuffled clustered data: each k-means round never lowers the spherical objective."""
+    k, per, d = 8, 30, 32
+    dirs = torch.nn.functional.normalize(torch.randn(k, d, generator=rng), dim=1)
+    labels = torch.arange(k).repeat_interleave(per)[torch.randperm(k * per, generator=rng)]
+    x = dirs[labels] * 3 + torch.randn(k * per, d, generator=rng)
+    objs = [_objective(x, spherical_kmeans(x[None], torch.tensor([k * per]), torch.tensor([k]),
+                                           it, "torch")[0], k) for it in range(6)]
+    assert all(b >= a - 1e-4 for a, b in zip(objs, objs[1:], strict=False)), objs
+    assert objs[-1] > objs[0]
+
+
+def test_empty_clusters_are_masked():
+    """Identical keys: one real cluster, the rest end up empty (size 0, zero centroid)."""
+    keys = torch.ones(1, 64, 32)
+    values = torch.randn(1, 64, 32)
+    cl = cluster_block(keys, values, 64, [4], 16, 10, backend="torch")
+    assert cl.num_clusters == 4
+    assert int((cl.sizes > 0).sum()) >= 1 and int(cl.sizes.sum()) == 64
+    assert (cl.centroids[cl.sizes == 0] == 0).all()
+    _check_layout(cl, keys, values, 64)
+
+
+def test_padding_points_never_assigned(rng):
+    x = torch.randn(2, 50, 32, generator=rng)
+    a = spherical_kmeans(x, torch.tensor([50, 20]), torch.tensor([5, 3]), 4, "torch")
+    assert (a[1, 20:] == -1).all() and (a[1, :20] >= 0).all() and (a[1, :20] < 3).all()

@@ -1,0 +1,178 @@
+"""vllm_retro.index: tripartite decode attention, zones, dense fallback, updates."""
+
+import pytest
+import torch
+
+from kernels.scoring import cluster_scores_ref
+from tests.helpers import full_attention, rel_err
+from vllm_retro.config import RetroConfig
+from vllm_retro.index import WaveIndex, sparse_attention
+
+ALL = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
+NO_EST = RetroConfig(estimation_budget=0.0)
+
+
+def _qkv(hq, hkv, n, d, rng, dtype=torch.float32):
+    q = torch.randn(hq, d, generator=rng)
+    k = torch.randn(hkv, n, d, generator=rng) + 0.5 * torch.randn(hkv, 1, d, generator=rng)
+    v = torch.randn(hkv, n, d, generator=rng)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("hq,hkv,n,d,seg", [
+    (8, 2, 3000, 64, 8192), (4, 4, 2000, 128, 8192), (16, 1, 1500, 256, 8192),
+    (14, 2, 5000, 64, 1024), (6, 2, 1200, 80, 8192), (2, 2, 1200, 32, 512),
+])
+def test_full_budget_equals_full_attention(hq, hkv, n, d, seg, rng):
+    q, k, v = _qkv(hq, hkv, n, d, rng)
+    out, stats = sparse_attention(q, k, v, ALL.replace(segment_size=seg))
+    assert not stats["dense"] and stats["n_exact"] == [n] * hkv
+    assert rel_err(out, full_attention(q, k, v)) < 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (7, 7, 128), (4, 1, 256)])
+def test_empty_estimation_equals_attention_over_chosen_tokens(hq, hkv, d, rng):
+    q, k, v = _qkv(hq, hkv, 4000, d, rng)
+    index = WaveIndex.build(k, v, NO_EST)
+    res = index.decode(q, return_positions=True)
+    pos = res.exact_positions
+    # chosen = steady zone + every member of every retrieval cluster
+    for h in range(hkv):
+        got = set(pos[h][pos[h] >= 0].tolist())
+        assert len(got) == int(res.n_exact[h])
+        steady = set(range(4)) | set(range(4000 - 64, 4000))
+        assert steady <= got
+        members = set()
+        for c in res.selection.retrieval_ids[h].tolist():
+            members |= set(index.store.positions[h, index.store.offsets[h, c]:
+                                                 index.store.offsets[h, c + 1]].tolist())
+        assert got == steady | members
+    assert rel_err(res.output, full_attention(q, k, v, positions=pos)) < 1e-5
+
+
+def _paper_reference(index, res, q, k, v):
+    """Eq. 2-4 in fp64 from the index's own meta data and chosen zones: [Hq, D]."""
+    hq, d = q.shape
+    g, scale = hq // index.num_kv_heads, d ** -0.5
+    q, k, v = q.double(), k.double(), v.double()
+    out = torch.empty(hq, d, dtype=torch.float64)
+    for i in range(hq):
+        h = i // g
+        pos = res.exact_positions[h][res.exact_positions[h] >= 0]
+        w = torch.exp(k[h, pos] @ q[i] * scale)
+        num, den = w @ v[h, pos], w.sum()
+        for c in res.selection.estimation_ids[h].tolist():
+            we = torch.exp(index.centroids[h, c].double() @ q[i] * scale)
+            num = num + we * index.value_sums[h, c].double()
+            den = den + int(index.sizes[h, c]) * we
+        out[i] = num / den
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.float32, 1e-5),
+                                       (torch.float16, 1e-2), (torch.bfloat16, 2e-2)])
+def test_estimation_zone_follows_the_paper(dtype, tol, rng):
+    """Output = (exact tokens + sum_i exp(q.C_i) VS_i) / (their weights + sum_i s_i exp(q.C_i)),
+    at default budgets, in every dtype."""
+    q, k, v = _qkv(4, 2, 3000, 64, rng, dtype)
+    index = WaveIndex.build(k, v, RetroConfig())
+    res = index.decode(q, return_positions=True)
+    assert res.output.dtype == dtype and not res.output.isnan().any()
+    assert rel_err(res.output, _paper_reference(index, res, q, k, v)) < tol
+
+
+def test_zones_are_ranked_by_group_softmax(rng):
+    hq, hkv, d = 8, 2, 64
+    q, k, v = _qkv(hq, hkv, 6000, d, rng)
+    cfg = RetroConfig()
+    index = WaveIndex.build(k, v, cfg)
+    sel = index.select(q, d ** -0.5)
+    c = index.num_clusters
+    r, e = cfg.num_retrieval(c), cfg.num_estimation(c)
+    assert sel.retrieval_ids.shape == (hkv, r) and sel.estimation_ids.shape == (hkv, e)
+    scores = cluster_scores_ref(q.reshape(hkv, -1, d), index.centroids, index.sizes, d ** -0.5)
+    order = scores.argsort(dim=1, descending=True)
+    for h in range(hkv):
+        assert set(sel.retrieval_ids[h].tolist()) == set(order[h, :r].tolist())
+        assert set(sel.estimation_ids[h].tolist()) == set(order[h, r:r + e].tolist())
+
+
+def test_default_budget_counts(rng):
+    q, k, v = _qkv(4, 2, 20000, 64, rng)
+    _, stats = sparse_attention(q, k, v)
+    c = stats["n_clusters"]
+    assert c == sum(-(-n // 16) for n in (8192, 8192, 20000 - 68 - 2 * 8192))
+    assert stats["n_retrieval_clusters"] == -(-18 * c // 1000)
+    assert stats["n_estimated_clusters"] == -(-232 * c // 1000)
+    assert 0.2 < stats["estimated_token_fraction"] < 0.27
+    assert all(68 < x < 68 + 0.05 * 20000 for x in stats["n_exact"])
+
+
+@pytest.mark.parametrize("n", [1, 5, 68, 500, 1091])
+def test_short_contexts_are_dense_and_exact(n, rng):
+    q, k, v = _qkv(8, 2, n, 64, rng)
+    out, stats = sparse_attention(q, k, v)  # default budgets
+    assert stats["dense"] and stats["n_clusters"] == 0 and stats["n_exact"] == [n, n]
+    assert rel_err(out, full_attention(q, k, v)) < 1e-5
+
+
+def test_threshold_is_the_first_indexed_length(rng):
+    n = RetroConfig().min_indexed_context
+    q, k, v = _qkv(2, 1, n, 64, rng)
+    assert not sparse_attention(q, k, v)[1]["dense"]
+
+
+def test_updates_append_without_reclustering(rng):
+    cfg = RetroConfig()
+    hq, hkv, d, n0 = 4, 2, 64, 2000
+    q, k, v = _qkv(hq, hkv, n0 + 2300, d, rng)
+    index = WaveIndex.build(k[:, :n0], v[:, :n0], cfg)
+    c0 = index.num_clusters
+    cen0 = index.centroids.clone()
+    updates = []
+    for t in range(n0, n0 + 2300):
+        if index.append(k[:, t:t + 1], v[:, t:t + 1]):
+            updates.append(t + 1)
+        w = index.num_tokens - index.window_start
+        assert cfg.local_window <= w < cfg.local_window + cfg.update_segment
+        assert index.num_tokens == t + 1
+    # the window starts at n0 - 64 tokens; an update fires each time it reaches 64 + 1024
+    first = (n0 - 64) + 64 + 1024
+    assert updates == [first, first + 1024]
+    assert index.num_clusters == c0 + 2 * cfg.update_clusters
+    assert torch.equal(index.centroids[:, :c0], cen0)  # earlier clusters untouched
+    assert index.num_updates == 2
+    exact = WaveIndex.build(k[:, :1], v[:, :1], ALL)
+    exact.append(k[:, 1:n0 + 2300], v[:, 1:n0 + 2300])
+    assert exact.num_updates > 0
+    assert rel_err(exact.decode(q).output, full_attention(q, k, v)) < 1e-5
+    index.config = ALL  # read everything: the appended clusters cover every token exactly once
+    assert rel_err(index.decode(q).output, full_attention(q, k, v)) < 1e-5
+
+
+def test_dense_context_becomes_indexed_as_it_grows(rng):
+    q, k, v = _qkv(2, 2, 1200, 32, rng)
+    index = WaveIndex.build(k[:, :100], v[:, :100])
+    assert index.is_dense
+    index.append(k[:, 100:], v[:, 100:])
+    assert not index.is_dense and index.num_clusters == 64 and index.num_updates == 1
+    assert index.num_steady == 4 + (1200 - 4 - 1024)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_half_precision(dtype, d, rng):
+    q, k, v = _qkv(8, 2, 2500, d, rng, dtype)
+    out, _ = sparse_attention(q, k, v, ALL)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_err(out, full_attention(q, k, v)) < 1e-2
+
+
+def test_triton_backend_matches_torch_backend(rng, triton_device):
+    q, k, v = _qkv(8, 2, 3000, 64, rng)
+    cfg = RetroConfig(kmeans_iters=3)
+    out_t, st_t = sparse_attention(q, k, v, cfg.replace(kernel_backend="torch"))
+    dev = [x.to(triton_device) for x in (q, k, v)]
+    out_x, st_x = sparse_attention(*dev, cfg.replace(kernel_backend="triton"))
+    assert st_t["n_clusters"] == st_x["n_clusters"]
+    assert rel_err(out_x.cpu(), out_t) < 1e-4
