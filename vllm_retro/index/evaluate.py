@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.baselines import QuestIndex
 from vllm_retro.index.wave_index import DecodeResult, WaveIndex
 
 Step = Callable[[WaveIndex, torch.Tensor, float, int], DecodeResult]
@@ -97,3 +99,37 @@ def evaluate_policy(
         recall[i] = read.repeat_interleave(g, 0).gather(1, top).double().mean(1)
         retrieved[i] = res.n_exact.double().mean() - index.num_steady
     return AttentionAccuracy(errs, recall, retrieved)
+
+
+def compare_policies(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    config: RetroConfig | None = None,
+    top_k: int = 100,
+) -> dict[str, AttentionAccuracy]:
+    """The wave index against baselines at the same exact-token budget, on one layer.
+
+    - ``wave``: the wave index at ``config`` (default budgets);
+    - ``wave_no_estimation``: the same retrieval zone, estimation zone dropped;
+    - ``quest``: Quest-style pages, as many tokens per step as the wave index retrieved.
+    Shapes as :func:`evaluate_policy`.
+    """
+    cfg = config or RetroConfig()
+    no_est = cfg.replace(estimation_budget=0.0)
+    args = (queries, keys, values, positions, scale, top_k)
+    wave = evaluate_policy(lambda k, v: WaveIndex.build(k, v, cfg), *args)
+    budget = wave.retrieved_tokens
+
+    def quest_step(index: WaveIndex, query: torch.Tensor, scale: float, i: int) -> DecodeResult:
+        index.num_pages = max(0, round(float(budget[i]) / index.page_size))
+        return index.decode(query, scale, return_positions=True)
+
+    return {
+        "wave": wave,
+        "wave_no_estimation": evaluate_policy(lambda k, v: WaveIndex.build(k, v, no_est), *args),
+        "quest": evaluate_policy(lambda k, v: QuestIndex.build(k, v, no_est), *args,
+                                 step=quest_step),
+    }
