@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 
 from kernels.kmeans import (
     kmeans_assign_ref,
@@ -53,21 +54,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def kmeans_assign(x, centroids, n_valid, k_valid, backend: str = "auto"):
+def kmeans_assign(x: Tensor, centroids: Tensor, n_valid: Tensor, k_valid: Tensor,
+                  backend: str = "auto") -> Tensor:
     """Dispatching :func:`kernels.kmeans.kmeans_assign_ref`."""
     if resolve_backend(backend, x.device) == "triton":
         return kmeans_assign_triton(x, centroids, n_valid, k_valid)
     return kmeans_assign_ref(x, centroids, n_valid, k_valid)
 
 
-def scatter_sum(x, assign, num_clusters: int, backend: str = "auto"):
+def scatter_sum(x: Tensor, assign: Tensor, num_clusters: int,
+                backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Dispatching :func:`kernels.kmeans.scatter_sum_ref`."""
     if resolve_backend(backend, x.device) == "triton":
         return scatter_sum_triton(x, assign, num_clusters)
     return scatter_sum_ref(x, assign, num_clusters)
 
 
-def cluster_scores(query, centroids, sizes, scale: float, backend: str = "auto"):
+def cluster_scores(query: Tensor, centroids: Tensor, sizes: Tensor, scale: float,
+                   backend: str = "auto") -> Tensor:
     """Dispatching :func:`kernels.scoring.cluster_scores_ref`."""
     if resolve_backend(backend, query.device) == "triton":
         return cluster_scores_triton(query, centroids, sizes, scale)
@@ -75,9 +79,10 @@ def cluster_scores(query, centroids, sizes, scale: float, backend: str = "auto")
 
 
 def tripartite_decode(
-    query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est,
-    scale: float, backend: str = "auto",
-):
+    query: Tensor, k_exact: Tensor, v_exact: Tensor, n_exact: Tensor, centroids: Tensor,
+    value_sums: Tensor, sizes: Tensor, est_ids: Tensor, n_est: Tensor, scale: float,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """Dispatching :func:`kernels.tripartite_attention.tripartite_decode_ref`."""
     args = (query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est, scale)
     if resolve_backend(backend, query.device) == "triton":

@@ -15,6 +15,7 @@ from kernels.scoring import group_scores_from_logits
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.functional import validate_qkv
+from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import Selection, WaveIndex
 
 
@@ -43,8 +44,16 @@ class QuestIndex(WaveIndex):
     exactly, ranked by ``sum_d max(q_d * min_d, q_d * max_d)``; GQA groups share pages,
     ranked by the group's summed softmax of those bounds, as in the wave index."""
 
-    page_size = 16
-    num_pages = 0
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
+                 page_size: int = 16):
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size}; accepted: a positive integer")
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        self.page_size = page_size
+        self.num_pages = 0  # pages read exactly per decode step (token budget / page size)
+        self.page_min = torch.empty(num_kv_heads, 0, head_dim, device=device)
+        self.page_max = torch.empty_like(self.page_min)
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         return page_clusters(keys, values, self.page_size)
@@ -58,11 +67,8 @@ class QuestIndex(WaveIndex):
         kf = keys.float()
         last = kf[:, -1:].expand(h, p * ps - m, d)  # pad with a real key: bounds unchanged
         kp = torch.cat([kf, last], dim=1).reshape(h, p, ps, d)
-        mins, maxs = kp.amin(2), kp.amax(2)
-        prev_min = getattr(self, "page_min", mins[:, :0])
-        prev_max = getattr(self, "page_max", maxs[:, :0])
-        self.page_min = torch.cat([prev_min, mins], dim=1)
-        self.page_max = torch.cat([prev_max, maxs], dim=1)
+        self.page_min = torch.cat([self.page_min, kp.amin(2)], dim=1)
+        self.page_max = torch.cat([self.page_max, kp.amax(2)], dim=1)
 
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         h = self.num_kv_heads
@@ -92,10 +98,8 @@ def quest_attention(
     :func:`vllm_retro.index.sparse_attention`; ``token_budget`` counts retrieved tokens
     (steady zone excluded)."""
     validate_qkv(query, keys, values)
-    if page_size < 1:
-        raise ValueError(f"page_size={page_size}; accepted: a positive integer")
-    cls = type("QuestIndex", (QuestIndex,), {"page_size": page_size})
-    index = cls.build(keys, values, (config or RetroConfig()).replace(estimation_budget=0.0))
+    config = (config or RetroConfig()).replace(estimation_budget=0.0)
+    index = QuestIndex.build(keys, values, config, page_size=page_size)
     index.num_pages = max(0, round(token_budget / page_size))
     res = index.decode(query, scale)
     return res.output, index.zone_stats(res.selection, res.n_exact)

@@ -17,6 +17,7 @@ the steady zone and decode attention is exact (dense) until it grows long enough
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,11 +79,14 @@ class WaveIndex:
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, config: RetroConfig | None = None,
-              store: ClusterStore | None = None) -> WaveIndex:
-        """Index a prefilled context. keys, values: [H_kv, N, D] post-RoPE, same dtype/device."""
+              store: ClusterStore | None = None, **options: Any) -> WaveIndex:
+        """Index a prefilled context. keys, values: [H_kv, N, D] post-RoPE, same dtype/device.
+
+        ``options`` go to the constructor of subclasses (e.g. a baseline's page size).
+        """
         config = config or RetroConfig()
         h, n, d = keys.shape
-        index = cls(config, h, d, keys.dtype, keys.device, store)
+        index = cls(config, h, d, keys.dtype, keys.device, store, **options)
         sink = min(config.sink_tokens, n)
         index.sink_k, index.sink_v = keys[:, :sink].clone(), values[:, :sink].clone()
         index.num_tokens = n
