@@ -5,6 +5,7 @@ reference otherwise. Modules:
 
 - :mod:`kernels.kmeans` — nearest-centroid assignment and per-cluster scatter sums;
 - :mod:`kernels.scoring` — GQA-summed softmax scores of centroids;
+- :mod:`kernels.gather` — execution-buffer assembly from the device cache and the host tier;
 - :mod:`kernels.tripartite_attention` — weighted decode attention over exact tokens and
   size-weighted centroids, merged through log-sum-exp.
 """
@@ -16,6 +17,7 @@ import os
 import torch
 from torch import Tensor
 
+from kernels.gather import gather_rows_ref, gather_rows_triton
 from kernels.kmeans import (
     kmeans_assign_ref,
     kmeans_assign_triton,
@@ -27,6 +29,7 @@ from kernels.tripartite_attention import tripartite_decode_ref, tripartite_decod
 
 __all__ = [
     "cluster_scores",
+    "gather_rows",
     "kmeans_assign",
     "resolve_backend",
     "scatter_sum",
@@ -88,3 +91,14 @@ def tripartite_decode(
     if resolve_backend(backend, query.device) == "triton":
         return tripartite_decode_triton(*args)
     return tripartite_decode_ref(*args)
+
+
+def gather_rows(dst_k: Tensor, dst_v: Tensor, offset: int, dev_k: Tensor, dev_v: Tensor,
+                host_k: Tensor, host_v: Tensor, kind: Tensor, src_row: Tensor,
+                backend: str = "auto") -> None:
+    """Dispatching :func:`kernels.gather.gather_rows_ref` (in place, on ``dst_k``'s device)."""
+    args = (dst_k, dst_v, offset, dev_k, dev_v, host_k, host_v, kind, src_row)
+    if resolve_backend(backend, dst_k.device) == "triton":
+        gather_rows_triton(*args)
+    else:
+        gather_rows_ref(*args)

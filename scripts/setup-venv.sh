@@ -37,6 +37,6 @@ if [ -n "${VENV_CACHE_DIR:-}" ]; then
   ln -sfn "$venv" .venv
 fi
 # (Re)point the editable install at this checkout: cheap, and right after a fresh clone.
-if ! .venv/bin/python -c "import vllm_retro, sys, pathlib; sys.exit(pathlib.Path(vllm_retro.__file__).resolve().parent.parent != pathlib.Path.cwd().resolve())" 2>/dev/null; then
+if ! .venv/bin/python scripts/installed_here.py 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 fi

@@ -8,16 +8,29 @@ tier and a device block cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from vllm_retro.index.clustering import Clusters
 
+SteadyParts = Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""The steady zone as (keys, values) pieces, each [H, n_i, D], placed first in order."""
+
 
 @runtime_checkable
 class ClusterStore(Protocol):
-    """Storage of the indexed tokens' KV, addressed by (KV head, cluster id)."""
+    """Storage of the indexed tokens' KV, addressed by (KV head, cluster id).
+
+    Per decode step the index calls :meth:`gather` (which assembles the execution buffer),
+    runs attention on it, then calls :meth:`step_done`.
+    """
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start moving a block that is about to be clustered into the store's tier (may be
+        asynchronous); :meth:`append` of the same block follows. keys/values [H, M, D]."""
+        ...
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
@@ -26,18 +39,27 @@ class ClusterStore(Protocol):
         clusters already stored)."""
         ...
 
-    def gather(self, cluster_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, torch.Tensor]:
-        """Read whole clusters. cluster_ids: [H, R] int64 (any order, no repeats per head).
+    def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Assemble the execution buffer: the steady zone, then whole clusters.
 
-        Returns (keys [H, T, D], values [H, T, D], positions [H, T] int64, lengths [H]):
-        per head the member tokens of its clusters, packed at the front, padding after
-        ``lengths[h]`` (positions -1 there).
+        cluster_ids: [H, R] int64 (no repeats per head). Returns (keys [H, T, D],
+        values [H, T, D], positions [H, T - n_steady] int64 of the clusters' tokens (-1 as
+        padding), lengths [H] int64 valid rows per head, steady zone included). The
+        tensors may be views of a buffer reused by the next :meth:`gather`.
         """
+        ...
+
+    def step_done(self) -> None:
+        """The attention over the last :meth:`gather` has been issued: finish the step."""
         ...
 
     def nbytes(self) -> int:
         """Bytes of KV held."""
+        ...
+
+    def free(self) -> None:
+        """Release everything held; the store is unusable afterwards."""
         ...
 
 
@@ -50,6 +72,9 @@ class DenseClusterStore:
         self.positions = torch.empty(num_heads, 0, dtype=torch.int64, device=device)
         self.offsets = torch.zeros(num_heads, 1, dtype=torch.int64, device=device)
 
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Nothing to move: the KV stays where it is."""
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
         """See :meth:`ClusterStore.append`."""
@@ -60,8 +85,8 @@ class DenseClusterStore:
         self.positions = torch.cat([self.positions, positions[clusters.order]], dim=1)
         self.offsets = torch.cat([self.offsets, clusters.offsets[:, 1:] + base], dim=1)
 
-    def gather(self, cluster_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, torch.Tensor]:
+    def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :meth:`ClusterStore.gather`."""
         token_idx, lengths = cluster_token_index(self.offsets, cluster_ids)
         safe = token_idx.clamp_min(0)
@@ -69,11 +94,42 @@ class DenseClusterStore:
         k = torch.gather(self.keys, 1, safe[..., None].expand(-1, -1, d))
         v = torch.gather(self.values, 1, safe[..., None].expand(-1, -1, d))
         pos = torch.where(token_idx >= 0, torch.gather(self.positions, 1, safe), -1)
-        return k, v, pos, lengths
+        n_steady = sum(sk.shape[1] for sk, _ in steady)
+        keys = torch.cat([sk for sk, _ in steady] + [k.to(self.keys.dtype)], dim=1)
+        values = torch.cat([sv for _, sv in steady] + [v.to(self.values.dtype)], dim=1)
+        return keys, values, pos, lengths + n_steady
+
+    def step_done(self) -> None:
+        """Nothing to finish."""
 
     def nbytes(self) -> int:
         """See :meth:`ClusterStore.nbytes`."""
         return self.keys.numel() * self.keys.element_size() * 2
+
+    def free(self) -> None:
+        """See :meth:`ClusterStore.free`."""
+        self.keys = self.values = self.keys[:, :0]
+
+
+def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """Concatenate runs of consecutive indices, per row.
+
+    starts, lengths: [H, R] (run r of row h covers ``starts[h, r] .. + lengths[h, r] - 1``).
+    Returns (index [H, T] int64 with -1 padding, T the largest row total; run [H, T] int64,
+    the run each slot belongs to; totals [H] int64).
+    """
+    h, r = starts.shape
+    dev = starts.device
+    ends = lengths.long().cumsum(1)
+    totals = ends[:, -1] if r else torch.zeros(h, dtype=torch.int64, device=dev)
+    t = int(totals.max().item()) if h else 0
+    slot = torch.arange(t, device=dev)[None, :].expand(h, t).contiguous()
+    run = torch.searchsorted(ends, slot, right=True).clamp_max(max(r - 1, 0))
+    begin = ends - lengths.long()
+    idx = torch.gather(starts.long(), 1, run) + slot - torch.gather(begin, 1, run)
+    idx = torch.where(slot < totals[:, None], idx, torch.full_like(idx, -1))
+    return idx, run, totals
 
 
 def cluster_token_index(
@@ -84,17 +140,7 @@ def cluster_token_index(
     offsets: [H, C + 1] run starts; cluster_ids: [H, R]. Returns (index [H, T] int64 into
     the layout, -1 as padding, T = the largest per-head total; lengths [H] int64).
     """
-    h = offsets.shape[0]
     ids = cluster_ids.long()
     starts = torch.gather(offsets, 1, ids)
-    lens = torch.gather(offsets, 1, ids + 1) - starts  # [H, R]
-    ends = lens.cumsum(1)
-    lengths = ends[:, -1] if ids.shape[1] else torch.zeros(h, dtype=torch.int64,
-                                                           device=offsets.device)
-    t = int(lengths.max().item()) if h else 0
-    slot = torch.arange(t, device=offsets.device)[None, :].expand(h, t).contiguous()
-    which = torch.searchsorted(ends, slot, right=True).clamp_max(max(ids.shape[1] - 1, 0))
-    begin = ends - lens
-    idx = torch.gather(starts, 1, which) + slot - torch.gather(begin, 1, which)
-    idx = torch.where(slot < lengths[:, None], idx, torch.full_like(idx, -1))
-    return idx, lengths
+    idx, _, totals = expand_runs(starts, torch.gather(offsets, 1, ids + 1) - starts)
+    return idx, totals

@@ -94,6 +94,7 @@ class WaveIndex:
         middle_end = n - config.local_window
         if n >= config.min_indexed_context and middle_end > sink:
             mk, mv = keys[:, sink:middle_end], values[:, sink:middle_end]
+            index.store.stage(mk, mv)
             index._add_block(mk, mv, sink, index._cluster(mk, mv, update=False))
             index.window_start = middle_end
         index.win_k = keys[:, index.window_start:].clone()
@@ -130,6 +131,7 @@ class WaveIndex:
         while self.win_k.shape[1] >= cfg.local_window + cfg.update_segment:
             seg = cfg.update_segment
             bk, bv = self.win_k[:, :seg], self.win_v[:, :seg]
+            self.store.stage(bk, bv)
             self._add_block(bk, bv, self.window_start, self._cluster(bk, bv, update=True))
             self.win_k, self.win_v = self.win_k[:, seg:].clone(), self.win_v[:, seg:].clone()
             self.window_start += seg
@@ -152,6 +154,14 @@ class WaveIndex:
     def is_dense(self) -> bool:
         """True while no token is indexed (decode attention is exact)."""
         return self.num_clusters == 0
+
+    def free(self) -> None:
+        """Release the store's KV and the meta index (the index is unusable afterwards)."""
+        self.store.free()
+        empty = self.centroids[:, :0]
+        self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
+        self.win_k = self.win_v = empty
+        self.sizes = self.sizes[:, :0]
 
     def meta_nbytes(self) -> int:
         """Bytes of the meta index (centroids, value sums, sizes)."""
@@ -184,18 +194,15 @@ class WaveIndex:
         h, d = self.num_kv_heads, self.head_dim
         scale = d ** -0.5 if scale is None else scale
         sel = selection or self.select(query, scale)
-        rk, rv, rpos, rlen = self.store.gather(sel.retrieval_ids)
-        steady_k = torch.cat([self.sink_k, self.win_k], dim=1)
-        steady_v = torch.cat([self.sink_v, self.win_v], dim=1)
-        k_exact = torch.cat([steady_k, rk.to(steady_k.dtype)], dim=1)
-        v_exact = torch.cat([steady_v, rv.to(steady_v.dtype)], dim=1)
-        n_exact = rlen + steady_k.shape[1]
+        k_exact, v_exact, rpos, n_exact = self.store.gather(
+            sel.retrieval_ids, [(self.sink_k, self.sink_v), (self.win_k, self.win_v)])
         n_est = torch.full((h,), sel.estimation_ids.shape[1], dtype=torch.int64,
                            device=query.device)
         out, lse = kernels.tripartite_decode(
             query.reshape(h, -1, d), k_exact, v_exact, n_exact, self.centroids,
             self.value_sums, self.sizes, sel.estimation_ids, n_est, scale, backend=self.backend,
         )
+        self.store.step_done()
         positions = None
         if return_positions:
             steady_pos = torch.cat([

@@ -1,0 +1,17 @@
+"""The wave buffer: host-resident KV, a device block cache behind a cluster mapping table,
+replacement decided asynchronously on a CPU worker (RetroInfer §4.3-4.4)."""
+
+from vllm_retro.buffer.manager import WaveBufferManager
+from vllm_retro.buffer.policy import CachePolicy, LFUPolicy, LRUPolicy, make_policy
+from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.buffer.store import WaveBufferStore
+
+__all__ = [
+    "BufferStats",
+    "CachePolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "WaveBufferManager",
+    "WaveBufferStore",
+    "make_policy",
+]

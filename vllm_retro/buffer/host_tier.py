@@ -1,0 +1,81 @@
+"""The host tier: indexed KV of one (request, layer), cluster-contiguous, in fixed pages.
+
+Every cluster starts on a page boundary and occupies ``ceil(size / page_size)`` consecutive
+pages (the last one padded), so a cluster is one contiguous host range and a page is the
+unit of the device block cache. Pages live in one pool per (request, layer) for all KV
+heads, grown geometrically as update blocks arrive; the pool is pinned when CUDA is
+present, so the gather kernel reads it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_retro.buffer.stats import BufferStats
+
+
+class HostTier:
+    """Page pool of keys and values: ``k``/``v`` [capacity_pages, page_size, D]."""
+
+    def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype, stats: BufferStats,
+                 pin: bool | None = None):
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.dtype = dtype
+        self.stats = stats
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.k = self._alloc(0)
+        self.v = self._alloc(0)
+        self.positions = torch.full((0,), -1, dtype=torch.int64)
+        """[capacity_pages * page_size] absolute token position of each row (-1 = padding)."""
+        self.used_pages = 0
+
+    def _alloc(self, pages: int) -> torch.Tensor:
+        return torch.zeros(pages, self.page_size, self.head_dim, dtype=self.dtype,
+                           pin_memory=self.pin)
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages allocated."""
+        return int(self.k.shape[0])
+
+    def nbytes(self) -> int:
+        """Bytes allocated for keys and values."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, pages: int) -> int:
+        """Claim ``pages`` more pages (growing the pool by >= 1.5x when full); returns the
+        first claimed page."""
+        start = self.used_pages
+        need = start + pages
+        if need > self.capacity_pages:
+            cap = max(need, (3 * self.capacity_pages) // 2)
+            before = self.nbytes()
+            for name in ("k", "v"):
+                new = self._alloc(cap)
+                new[: self.used_pages] = getattr(self, name)[: self.used_pages]
+                setattr(self, name, new)
+            pos = torch.full((cap * self.page_size,), -1, dtype=torch.int64)
+            pos[: self.positions.numel()] = self.positions
+            self.positions = pos
+            self.stats.add(host_bytes=self.nbytes() - before)
+        self.used_pages = need
+        return start
+
+    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor) -> None:
+        """Store token rows. rows: [n] flat row ids (page * page_size + slot); keys/values
+        [n, D] (any device); positions [n] absolute token positions."""
+        rows = rows.cpu()
+        self.k.view(-1, self.head_dim)[rows] = keys.to("cpu", self.dtype)
+        self.v.view(-1, self.head_dim)[rows] = values.to("cpu", self.dtype)
+        self.positions[rows] = positions.cpu()
+        self.stats.add(bytes_offloaded=2 * keys.numel() * self.k.element_size())
+
+    def free(self) -> None:
+        """Release the pool."""
+        self.stats.add(host_bytes=-self.nbytes())
+        self.k = self._alloc(0)
+        self.v = self._alloc(0)
+        self.positions = self.positions[:0]
+        self.used_pages = 0

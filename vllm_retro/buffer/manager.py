@@ -1,0 +1,84 @@
+"""The wave buffer manager: one per worker process and device.
+
+Owns the update worker, the execution buffers (one per dtype and device, shared by every
+layer and request: each step's admissions are copied out of it before the next step
+reuses it), the counters, and the registry of live per-request stores, so that everything a
+request held can be freed at once when it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.buffer.store import WaveBufferStore
+from vllm_retro.buffer.worker import UpdateWorker
+from vllm_retro.config import RetroConfig
+
+
+class WaveBufferManager:
+    """Factory and registry of :class:`WaveBufferStore` objects, keyed by request id."""
+
+    def __init__(self, config: RetroConfig | None = None):
+        self.config = config or RetroConfig()
+        self.stats = BufferStats()
+        self.worker = UpdateWorker(self.stats, enabled=self.config.async_updates)
+        self._stores: dict[str, list[WaveBufferStore]] = {}
+        self._exec: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def store(self, request_id: str, num_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str) -> WaveBufferStore:
+        """A new store for one layer of ``request_id`` (registered for :meth:`free_request`)."""
+        st = WaveBufferStore(self, num_heads, head_dim, dtype, torch.device(device), self.config)
+        with self._lock:
+            self._stores.setdefault(request_id, []).append(st)
+        return st
+
+    def free_request(self, request_id: str) -> bool:
+        """Free every store of ``request_id`` (finished or aborted); False if unknown."""
+        with self._lock:
+            stores = self._stores.pop(request_id, None)
+        for st in stores or ():
+            st.free()
+        return stores is not None
+
+    def live_requests(self) -> list[str]:
+        """Request ids holding stores."""
+        with self._lock:
+            return list(self._stores)
+
+    def live_bytes(self) -> tuple[int, int]:
+        """(host bytes, device block-cache bytes) held by live stores."""
+        with self._lock:
+            stores = [s for group in self._stores.values() for s in group]
+        return sum(s.nbytes() for s in stores), sum(s.device_nbytes() for s in stores)
+
+    def exec_buffer(self, num_heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_heads, tokens, head_dim]`` (K, V) of the shared execution buffer,
+        grown (by >= 1.5x, zero-filled) when too small; contents are not preserved across
+        calls."""
+        need = num_heads * tokens * head_dim
+        key = (dtype, torch.device(device))
+        k, v = self._exec.get(key, (None, None))
+        if k is None or k.numel() < need:
+            old = 0 if k is None else 2 * k.numel() * k.element_size()
+            size = max(need, 0 if k is None else (3 * k.numel()) // 2)
+            k = torch.zeros(size, dtype=dtype, device=device)
+            v = torch.zeros(size, dtype=dtype, device=device)
+            self._exec[key] = (k, v)
+            self.stats.add(device_bytes=2 * size * k.element_size() - old)
+        shape = (num_heads, tokens, head_dim)
+        return k[:need].view(shape), v[:need].view(shape)
+
+    def close(self) -> None:
+        """Free every request, the execution buffers, and stop the worker."""
+        for rid in self.live_requests():
+            self.free_request(rid)
+        for k, _ in self._exec.values():
+            self.stats.add(device_bytes=-2 * k.numel() * k.element_size())
+        self._exec.clear()
+        self.worker.shutdown()

@@ -1,0 +1,90 @@
+"""The cluster mapping table of one (request, layer): where every cluster's pages are.
+
+An array per field, indexed by (KV head, cluster id): the cluster's first host page and page
+count, its size in tokens, whether it is cached on the device, and when it was last read
+(the LRU position). A page-indexed array maps each host page to its device block (-1 when not
+cached); a cached cluster has all its pages mapped. Lookups only read; the update worker is
+the only writer, and the store never lets a lookup overlap its own pending update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_retro.index.store import expand_runs
+
+HIT, MISS = 1, 2
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Where the tokens of one step's retrieval clusters come from."""
+
+    kind: torch.Tensor
+    """[H, T] int32 per token slot: 0 padding, 1 device cache, 2 host tier."""
+    src_row: torch.Tensor
+    """[H, T] int64 row in the device pool (hits) or the host pool (misses)."""
+    host_row: torch.Tensor
+    """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position."""
+    totals: torch.Tensor
+    """[H] int64 tokens per head."""
+    cached: np.ndarray
+    """[H, R] bool: the cluster was a cache hit."""
+    begins: np.ndarray
+    """[H, R] int64 first slot of each cluster within the head's retrieved tokens."""
+
+
+class ClusterMappingTable:
+    """Cluster descriptors and the host-page -> device-block map."""
+
+    def __init__(self, num_heads: int, page_size: int):
+        self.page_size = page_size
+        self.page_start = np.zeros((num_heads, 0), dtype=np.int64)
+        self.n_pages = np.zeros((num_heads, 0), dtype=np.int64)
+        self.size = np.zeros((num_heads, 0), dtype=np.int64)
+        self.cached = np.zeros((num_heads, 0), dtype=bool)
+        self.last_access = np.zeros((num_heads, 0), dtype=np.int64)
+        self.page_block = np.zeros(0, dtype=np.int64)
+
+    @property
+    def num_clusters(self) -> int:
+        """Clusters per head."""
+        return int(self.size.shape[1])
+
+    def add_clusters(self, page_start: np.ndarray, n_pages: np.ndarray, size: np.ndarray,
+                     total_pages: int) -> None:
+        """Append clusters ([H, c] arrays) whose pages end before host page ``total_pages``."""
+        h, c = size.shape
+        self.page_start = np.concatenate([self.page_start, page_start], axis=1)
+        self.n_pages = np.concatenate([self.n_pages, n_pages], axis=1)
+        self.size = np.concatenate([self.size, size], axis=1)
+        self.cached = np.concatenate([self.cached, np.zeros((h, c), dtype=bool)], axis=1)
+        self.last_access = np.concatenate([self.last_access, np.zeros((h, c), np.int64)], axis=1)
+        grow = total_pages - self.page_block.size
+        if grow > 0:
+            self.page_block = np.concatenate([self.page_block, np.full(grow, -1, np.int64)])
+
+    def pages_of(self, head: int, cluster: int) -> slice:
+        """The cluster's host pages."""
+        start = int(self.page_start[head, cluster])
+        return slice(start, start + int(self.n_pages[head, cluster]))
+
+    def lookup(self, cluster_ids: np.ndarray) -> Lookup:
+        """Locate every token of ``cluster_ids`` ([H, R] int64; read-only)."""
+        ids = torch.from_numpy(cluster_ids)
+        starts = torch.from_numpy(self.page_start).gather(1, ids) * self.page_size
+        sizes = torch.from_numpy(self.size).gather(1, ids)
+        host_row, _, totals = expand_runs(starts, sizes)
+        valid = host_row >= 0
+        safe = host_row.clamp_min(0)
+        block = torch.from_numpy(self.page_block)[safe // self.page_size]
+        hit = valid & (block >= 0)
+        kind = torch.where(hit, HIT, torch.where(valid, MISS, 0)).to(torch.int32)
+        src_row = torch.where(hit, block * self.page_size + safe % self.page_size, safe)
+        sz = sizes.numpy()
+        begins = np.cumsum(sz, axis=1) - sz
+        cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
+        return Lookup(kind, src_row, host_row, totals, cached, begins)

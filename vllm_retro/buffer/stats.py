@@ -1,0 +1,74 @@
+"""Counters and gauges of the wave buffer, safe to update from the worker thread."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class BufferStats:
+    """Cumulative counters (``_total``-style) and current gauges of one buffer manager."""
+
+    cluster_hits: int = 0
+    """Retrieval clusters found in the device block cache."""
+    cluster_misses: int = 0
+    """Retrieval clusters read from the host tier."""
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    pages_h2d: int = 0
+    """Host pages (cache-page units, partial pages counted whole) read into the execution buffer."""
+    bytes_h2d: int = 0
+    """K+V bytes copied host -> device (misses, prefill offload excluded)."""
+    bytes_d2d: int = 0
+    """K+V bytes copied device -> device (steady zone, hits, admissions)."""
+    bytes_offloaded: int = 0
+    """K+V bytes moved to the host tier at prefill / index updates."""
+    pages_admitted: int = 0
+    pages_evicted: int = 0
+    updates_submitted: int = 0
+    updates_done: int = 0
+    update_latency_s: float = 0.0
+    """Sum over updates of submit -> done seconds."""
+    update_latency_max_s: float = 0.0
+    wait_s: float = 0.0
+    """Seconds the decode path spent waiting for the worker."""
+    queue_depth_max: int = 0
+    host_bytes: int = 0
+    """Gauge: host-tier bytes resident (allocated pages)."""
+    device_bytes: int = 0
+    """Gauge: device bytes resident (block cache pools and execution buffers)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        """Add to counters / gauges atomically, e.g. ``add(cluster_hits=3, host_bytes=-4096)``."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def record_update(self, latency_s: float) -> None:
+        """One update finished after ``latency_s`` seconds in the queue and running."""
+        with self._lock:
+            self.updates_done += 1
+            self.update_latency_s += latency_s
+            self.update_latency_max_s = max(self.update_latency_max_s, latency_s)
+
+    @property
+    def queue_depth(self) -> int:
+        """Updates submitted and not yet done."""
+        return self.updates_submitted - self.updates_done
+
+    @property
+    def hit_ratio(self) -> float:
+        """Cluster hits / (hits + misses); 0 before any lookup."""
+        total = self.cluster_hits + self.cluster_misses
+        return self.cluster_hits / total if total else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        """All counters and gauges plus ``hit_ratio`` and ``queue_depth``, as a plain dict."""
+        with self._lock:
+            out = {f.name: getattr(self, f.name) for f in fields(self)
+                   if not f.name.startswith("_")}
+        out["hit_ratio"] = self.hit_ratio
+        out["queue_depth"] = self.queue_depth
+        return out

@@ -1,0 +1,297 @@
+"""The wave buffer's :class:`~vllm_retro.index.store.ClusterStore` for one (request, layer).
+
+Per decode step (RetroInfer §4.3):
+
+1. ``gather``: wait for this store's previous update (normally long finished), look the
+   retrieval clusters up in the mapping table (read-only), and assemble the shared execution
+   buffer from the steady zone (device->device), cache hits (device->device) and misses
+   (host->device); then submit the cache update to the worker and return.
+2. the caller runs attention on the execution buffer while the worker reorders the policy,
+   picks evictions and maps admitted clusters to blocks;
+3. ``step_done``: take the worker's decision and copy the admitted clusters from the
+   execution buffer into their blocks, before anything reuses that buffer.
+
+At prefill (and at every index update) ``stage`` starts moving the block's KV to the host
+(a side stream on CUDA) while the index clusters it; ``append`` then hands the layout work
+(cluster-contiguous pages, mapping-table entries, cache budget) to the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+import kernels
+from vllm_retro.buffer.block_cache import DeviceBlockCache
+from vllm_retro.buffer.host_tier import HostTier
+from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
+from vllm_retro.buffer.policy import make_policy
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.clustering import Clusters
+from vllm_retro.index.store import SteadyParts
+
+if TYPE_CHECKING:
+    from vllm_retro.buffer.manager import WaveBufferManager
+
+Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Admission copies: (head, execution-buffer slot, device-pool row), one entry per token."""
+
+
+class WaveBufferStore:
+    """Host tier + device block cache + mapping table + policy for one request-layer."""
+
+    def __init__(self, manager: WaveBufferManager, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, config: RetroConfig):
+        self.manager = manager
+        self.config = config
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = config.page_size
+        stats = manager.stats
+        self.host = HostTier(head_dim, self.page_size, dtype, stats,
+                             pin=self.device.type == "cuda" or None)
+        self.cache = DeviceBlockCache(num_heads, head_dim, self.page_size, dtype, self.device,
+                                      stats)
+        self.table = ClusterMappingTable(num_heads, self.page_size)
+        self.policies = [make_policy(config.cache_policy) for _ in range(num_heads)]
+        self._pending: Future | None = None
+        self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._step: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tick = 0
+        self._freed = False
+
+    # ------------------------------------------------------------------ ingest
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """See :meth:`ClusterStore.stage`: on CUDA an asynchronous copy to pinned host memory
+        on a side stream; on CPU both tiers are RAM and the tensors are only referenced."""
+        if keys.is_cuda:
+            stream = torch.cuda.Stream(device=keys.device)
+            stream.wait_stream(torch.cuda.current_stream(keys.device))
+            with torch.cuda.stream(stream):
+                hk = torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True)
+                hv = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                hk.copy_(keys, non_blocking=True)
+                hv.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._staged = (hk, hv, event)
+        else:
+            self._staged = (keys, values, None)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               clusters: Clusters) -> None:
+        """See :meth:`ClusterStore.append`; the layout work runs on the worker."""
+        staged = self._staged
+        if staged is None or staged[0].shape != keys.shape:
+            staged = (keys, values, None)
+        self._staged = None
+        order = clusters.order.cpu()
+        sizes = clusters.sizes.cpu().long()
+        positions = positions.cpu()
+        self._pending = self.manager.worker.submit(
+            lambda: self._ingest(staged, positions, order, sizes))
+
+    def _ingest(self, staged: tuple, positions: torch.Tensor, order: torch.Tensor,
+                sizes: torch.Tensor) -> None:
+        keys, values, event = staged
+        if event is not None:
+            event.synchronize()
+        h, c = sizes.shape
+        m = order.shape[1]
+        page = self.page_size
+        n_pages = (sizes + page - 1) // page  # [H, c]
+        first = self.host.reserve(int(n_pages.sum()))
+        flat_pages = n_pages.flatten()
+        page_start = (first + flat_pages.cumsum(0) - flat_pages).reshape(h, c)
+        # token t of head-major, cluster-contiguous order belongs to flat cluster f
+        flat_sizes = sizes.flatten()
+        f = torch.repeat_interleave(torch.arange(h * c), flat_sizes)
+        rank = torch.arange(h * m) - (flat_sizes.cumsum(0) - flat_sizes)[f]
+        rows = page_start.flatten()[f] * page + rank
+        head = f // c
+        tok = order.flatten()
+        self.host.write_rows(rows, keys.cpu()[head, tok], values.cpu()[head, tok], positions[tok])
+        self.table.add_clusters(page_start.numpy(), n_pages.numpy(), sizes.numpy(),
+                                self.host.used_pages)
+        self._grow_cache()
+
+    def _grow_cache(self) -> None:
+        cfg = self.config
+        for h in range(self.num_heads):
+            if cfg.cache_pages is not None:
+                target = cfg.cache_pages
+            else:
+                target = math.ceil(cfg.cache_fraction * int(self.table.n_pages[h].sum()) - 1e-9)
+            self.cache.grow(h, target - self.cache.capacity[h])
+
+    # ------------------------------------------------------------------ decode
+    def _sync(self) -> None:
+        self.manager.worker.wait(self._pending)
+        self._pending = None
+
+    def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :meth:`ClusterStore.gather`."""
+        if self._freed:
+            raise RuntimeError("this wave buffer store was freed")
+        self._sync()
+        ids = cluster_ids.detach().to("cpu", torch.int64).numpy()
+        lk = self.table.lookup(ids)
+        n_steady = sum(int(sk.shape[1]) for sk, _ in steady)
+        t = n_steady + int(lk.totals.max()) if self.num_heads else 0
+        exec_k, exec_v = self.manager.exec_buffer(self.num_heads, t, self.head_dim,
+                                                  self.dtype, self.device)
+        off = 0
+        for sk, sv in steady:
+            n = sk.shape[1]
+            exec_k[:, off:off + n] = sk
+            exec_v[:, off:off + n] = sv
+            off += n
+        d = self.head_dim
+        kernels.gather_rows(
+            exec_k, exec_v, n_steady, self.cache.k.view(-1, d), self.cache.v.view(-1, d),
+            self.host.k.view(-1, d), self.host.v.view(-1, d), lk.kind, lk.src_row,
+            backend=self.config.kernel_backend,
+        )
+        positions = torch.where(lk.host_row >= 0, self.host.positions[lk.host_row.clamp_min(0)],
+                                -1).to(self.device)
+        self._count(ids, lk, n_steady)
+        self._step = (exec_k, exec_v)
+        self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
+        totals = (lk.totals + n_steady).to(self.device)
+        return exec_k, exec_v, positions, totals
+
+    def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
+        row_bytes = 2 * self.head_dim * self.host.k.element_size()
+        hit_tok = int((lk.kind == 1).sum())
+        miss_tok = int((lk.kind == 2).sum())
+        miss_pages = int(np.take_along_axis(self.table.n_pages, ids, 1)[~lk.cached].sum())
+        self.manager.stats.add(
+            cluster_hits=int(lk.cached.sum()), cluster_misses=int((~lk.cached).sum()),
+            hit_tokens=hit_tok, miss_tokens=miss_tok, pages_h2d=miss_pages,
+            bytes_h2d=miss_tok * row_bytes,
+            bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes,
+        )
+
+    def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
+        """The cache update of one step (worker thread): policy order, evictions, admissions."""
+        self._tick += 1
+        page = self.page_size
+        heads: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        admitted = evicted = 0
+        for h in range(self.num_heads):
+            policy = self.policies[h]
+            free = self.cache.free_blocks[h]
+            protected = set(ids[h].tolist())
+            for j, c in enumerate(ids[h].tolist()):
+                self.table.last_access[h, c] = self._tick
+                if lk.cached[h, j]:
+                    policy.hit(c)
+                    continue
+                need = int(self.table.n_pages[h, c])
+                if need == 0 or need > self.cache.capacity[h]:
+                    continue
+                while len(free) < need:
+                    victim = policy.victim(protected)
+                    if victim is None:
+                        break
+                    evicted += self._evict(h, victim)
+                if len(free) < need:
+                    continue
+                blocks = np.array([free.pop() for _ in range(need)], dtype=np.int64)
+                self.table.page_block[self.table.pages_of(h, c)] = blocks
+                self.table.cached[h, c] = True
+                policy.admitted(c)
+                admitted += need
+                tok = np.arange(int(self.table.size[h, c]))
+                heads.append(np.full(tok.size, h))
+                slots.append(n_steady + int(lk.begins[h, j]) + tok)
+                rows.append(blocks[tok // page] * page + tok % page)
+        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
+        if not heads:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(heads), np.concatenate(slots), np.concatenate(rows)
+
+    def _evict(self, h: int, c: int) -> int:
+        pages = self.table.pages_of(h, c)
+        blocks = self.table.page_block[pages].copy()  # a view would read back the -1s
+        self.table.page_block[pages] = -1
+        self.table.cached[h, c] = False
+        self.policies[h].evicted(c)
+        self.cache.free_blocks[h].extend(blocks.tolist())
+        return int(blocks.size)
+
+    def step_done(self) -> None:
+        """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""
+        if self._step is None:
+            return
+        exec_k, exec_v = self._step
+        self._step = None
+        heads, slots, rows = self.manager.worker.wait(self._pending)
+        self._pending = None
+        if heads.size:
+            h = torch.from_numpy(heads).to(self.device)
+            s = torch.from_numpy(slots).to(self.device)
+            r = torch.from_numpy(rows).to(self.device)
+            d = self.head_dim
+            self.cache.k.view(-1, d)[r] = exec_k[h, s]
+            self.cache.v.view(-1, d)[r] = exec_v[h, s]
+            self.manager.stats.add(bytes_d2d=2 * heads.size * d * exec_k.element_size())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the table, the free lists and the policies agree: per
+        head, free and mapped blocks partition the head's blocks (none lost, none twice), a
+        cluster is cached iff all its pages are mapped, and the policy tracks exactly the
+        cached clusters. Waits for pending updates first. For tests and debugging."""
+        self._sync()
+        t, cache = self.table, self.cache
+        for h in range(self.num_heads):
+            mapped: list[int] = []
+            cached = set(np.nonzero(t.cached[h])[0].tolist())
+            for c in range(t.num_clusters):
+                blocks = t.page_block[t.pages_of(h, c)]
+                if c in cached:
+                    assert (blocks >= 0).all(), f"head {h} cluster {c}: cached, pages unmapped"
+                    mapped.extend(blocks.tolist())
+                else:
+                    assert (blocks < 0).all(), f"head {h} cluster {c}: not cached, pages mapped"
+            free = cache.free_blocks[h]
+            owned = [b for b, o in enumerate(cache.owner) if o == h]
+            assert len(set(mapped)) == len(mapped), f"head {h}: a block mapped twice"
+            assert len(set(free)) == len(free), f"head {h}: a block free twice"
+            assert not set(mapped) & set(free), f"head {h}: a block both free and mapped"
+            assert sorted(mapped + free) == owned, f"head {h}: blocks lost or foreign"
+            assert len(owned) == cache.capacity[h]
+            assert len(self.policies[h]) == len(cached), f"head {h}: policy out of sync"
+
+    # ------------------------------------------------------------------ lifecycle
+    def nbytes(self) -> int:
+        """Host bytes of KV held (see :meth:`device_nbytes` for the device tier)."""
+        return self.host.nbytes()
+
+    def device_nbytes(self) -> int:
+        """Device bytes of the block cache."""
+        return self.cache.nbytes()
+
+    def free(self) -> None:
+        """See :meth:`ClusterStore.free`: waits for pending work, releases both tiers."""
+        if self._freed:
+            return
+        try:
+            self._sync()
+        finally:
+            self._freed = True
+            self._step = None
+            self._staged = None
+            self.host.free()
+            self.cache.free()
+            self.table = ClusterMappingTable(self.num_heads, self.page_size)
