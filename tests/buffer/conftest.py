@@ -1,0 +1,48 @@
+"""Helpers for the wave buffer tests: synthetic clusterings and a reference cache model."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_retro.index.clustering import Clusters
+
+
+def random_clusters(h: int, m: int, c: int, g: torch.Generator, max_skew: float = 3.0
+                    ) -> Clusters:
+    """A clustering of m tokens into c clusters per head with uneven, sometimes empty sizes."""
+    weights = torch.rand(h, c, generator=g) ** max_skew
+    assign = torch.multinomial(weights, m, replacement=True, generator=g)  # [h, m]
+    order = torch.argsort(assign, dim=1, stable=True)
+    sizes = torch.stack([torch.bincount(a, minlength=c) for a in assign]).to(torch.int32)
+    offsets = torch.zeros(h, c + 1, dtype=torch.int64)
+    offsets[:, 1:] = sizes.long().cumsum(1)
+    zeros = torch.zeros(h, c, 1)
+    return Clusters(centroids=zeros, value_sums=zeros, sizes=sizes, order=order, offsets=offsets)
+
+
+class RefCache:
+    """Reference model of one head's cache: whole clusters, page budget, LRU, protected
+    clusters of the current step never evicted."""
+
+    def __init__(self, capacity: int, pages: list[int]):
+        self.capacity, self.pages, self.order = capacity, pages, []
+
+    def step(self, ids: list[int]) -> None:
+        protected = set(ids)
+        for c in ids:
+            if c in self.order:
+                self.order.remove(c)
+                self.order.append(c)
+                continue
+            need = self.pages[c]
+            if need == 0 or need > self.capacity:
+                continue
+            used = sum(self.pages[x] for x in self.order)
+            while used + need > self.capacity:
+                victim = next((x for x in self.order if x not in protected), None)
+                if victim is None:
+                    break
+                self.order.remove(victim)
+                used -= self.pages[victim]
+            if used + need <= self.capacity:
+                self.order.append(c)
