@@ -74,6 +74,10 @@ class ClusterMappingTable:
 
     def lookup(self, cluster_ids: np.ndarray) -> Lookup:
         """Locate every token of ``cluster_ids`` ([H, R] int64; read-only)."""
+        c = self.num_clusters
+        if cluster_ids.size and (cluster_ids.min() < 0 or cluster_ids.max() >= c):
+            bad = cluster_ids[(cluster_ids < 0) | (cluster_ids >= c)][0]
+            raise ValueError(f"cluster id {int(bad)} is out of range; accepted: 0 to {c - 1}")
         ids = torch.from_numpy(cluster_ids)
         starts = torch.from_numpy(self.page_start).gather(1, ids) * self.page_size
         sizes = torch.from_numpy(self.size).gather(1, ids)
