@@ -38,7 +38,7 @@ from vllm_retro.models import (
 FIXTURE_FORMAT_VERSION = 1
 QWEN_CAPTURE_LAYERS = (2, 8, 10, 15, 22)
 QWEN_CAPTURE_TOKENS = 4096
-QWEN_CAPTURE_QUERIES = 64
+QWEN_CAPTURE_QUERIES = 256
 
 
 def _capture_key(input_ids: torch.Tensor) -> str:
@@ -64,8 +64,8 @@ def build_qwen_capture(
 
     Returns ``{"layers": {layer: {"q", "k", "v", "o", "positions"}}, "scale": float,
     "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "seq_len": 4096, "input_ids": [4096]}``
-    with ``q``/``o`` ``[14, 64, 64]``, ``k``/``v`` ``[2, 4096, 64]`` fp32 and ``positions``
-    ``[64]`` int64 (the last 64 positions).
+    with ``q``/``o`` ``[14, 256, 64]``, ``k``/``v`` ``[2, 4096, 64]`` fp32 and ``positions``
+    ``[256]`` int64 (the last 256 positions).
     """
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     mdir = ensure_qwen_coder(cache, progress)

@@ -60,11 +60,11 @@ def test_capture_shapes(qwen_capture: dict) -> None:
     assert cap["scale"] == pytest.approx(64**-0.5)
     assert sorted(cap["layers"]) == [2, 8, 10, 15, 22]
     for layer in cap["layers"].values():
-        assert layer["q"].shape == (14, 64, 64) and layer["q"].dtype == torch.float32
-        assert layer["o"].shape == (14, 64, 64)
+        assert layer["q"].shape == (14, 256, 64) and layer["q"].dtype == torch.float32
+        assert layer["o"].shape == (14, 256, 64)
         assert layer["k"].shape == (2, 4096, 64) and layer["v"].shape == (2, 4096, 64)
         assert layer["positions"].dtype == torch.int64
-        assert torch.equal(layer["positions"], torch.arange(4096 - 64, 4096))
+        assert torch.equal(layer["positions"], torch.arange(4096 - 256, 4096))
         for name in ("q", "k", "v", "o"):
             assert torch.isfinite(layer[name]).all()
 
