@@ -26,17 +26,19 @@ def gather_rows_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, offset: int,
                     dev_k: torch.Tensor, dev_v: torch.Tensor,
                     host_k: torch.Tensor, host_v: torch.Tensor,
                     kind: torch.Tensor, src_row: torch.Tensor) -> None:
-    """In-place torch gather. dst_k, dst_v: [H, T_cap, D]; dev_*: [R_dev, D]; host_*:
-    [R_host, D]; kind, src_row: [H, T] (T + offset <= T_cap). Slots of kind 0 are untouched."""
+    """In-place torch gather. dst_k, dst_v: [H, T_cap, D] contiguous; dev_*: [R_dev, D];
+    host_*: [R_host, D]; kind, src_row: [H, T] (T + offset <= T_cap). Slots of kind 0 are
+    untouched."""
+    h, cap, d = dst_k.shape
+    flat_k, flat_v = dst_k.view(h * cap, d), dst_v.view(h * cap, d)
     for code, src_k, src_v in ((HIT, dev_k, dev_v), (MISS, host_k, host_v)):
         hh, tt = torch.nonzero(kind == code, as_tuple=True)
         if hh.numel() == 0:
             continue
-        rows = src_row[hh, tt]
-        if src_k.device != dst_k.device:
-            rows = rows.to(src_k.device)
-        dst_k[hh, tt + offset] = src_k[rows].to(dst_k.device, non_blocking=True)
-        dst_v[hh, tt + offset] = src_v[rows].to(dst_v.device, non_blocking=True)
+        rows = src_row[hh, tt].to(src_k.device)
+        dst = (hh * cap + tt + offset).to(dst_k.device)
+        flat_k.index_copy_(0, dst, src_k.index_select(0, rows).to(dst_k.device))
+        flat_v.index_copy_(0, dst, src_v.index_select(0, rows).to(dst_v.device))
 
 
 @triton.jit

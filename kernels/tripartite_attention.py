@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import block_size, check_float
+from kernels._common import block_size, check_float, take_rows
 
 
 def _estimation_terms(
@@ -34,10 +34,10 @@ def _estimation_terms(
     e = est_ids.shape[1]
     valid = torch.arange(e, device=est_ids.device)[None, :] < n_est[:, None].to(est_ids.device)
     ids = torch.where(valid, est_ids, torch.zeros_like(est_ids)).long()
-    d = centroids.shape[2]
-    kc = torch.gather(centroids.float(), 1, ids[..., None].expand(-1, -1, d))
-    vs = torch.gather(value_sums.float(), 1, ids[..., None].expand(-1, -1, d))
-    sz = torch.gather(sizes.float(), 1, ids)
+    # select first, convert after: only the estimated rows are read
+    kc = take_rows(centroids, ids).float()
+    vs = take_rows(value_sums, ids).float()
+    sz = torch.gather(sizes, 1, ids).float()
     valid = valid & (sz > 0)
     vmean = vs / sz.clamp_min(1.0)[..., None]
     bias = torch.where(valid, torch.log(sz.clamp_min(1.0)), torch.full_like(sz, float("-inf")))

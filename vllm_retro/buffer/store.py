@@ -239,12 +239,11 @@ class WaveBufferStore:
         heads, slots, rows = self.manager.worker.wait(self._pending)
         self._pending = None
         if heads.size:
-            h = torch.from_numpy(heads).to(self.device)
-            s = torch.from_numpy(slots).to(self.device)
-            r = torch.from_numpy(rows).to(self.device)
             d = self.head_dim
-            self.cache.k.view(-1, d)[r] = exec_k[h, s]
-            self.cache.v.view(-1, d)[r] = exec_v[h, s]
+            src = torch.from_numpy(heads * exec_k.shape[1] + slots).to(self.device)
+            dst = torch.from_numpy(rows).to(self.device)
+            for pool, buf in ((self.cache.k, exec_k), (self.cache.v, exec_v)):
+                pool.view(-1, d).index_copy_(0, dst, buf.reshape(-1, d).index_select(0, src))
             self.manager.stats.add(bytes_d2d=2 * heads.size * d * exec_k.element_size())
 
     def check_invariants(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels._common import take_rows
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def spherical_kmeans(
     i = torch.arange(kmax, device=dev)[None, :]
     init = (i * n_valid[:, None]) // k_valid.clamp_min(1)[:, None]
     init = torch.minimum(init, (n_valid - 1).clamp_min(0)[:, None])
-    cen = torch.gather(xn, 1, init[..., None].expand(s, kmax, d))
+    cen = take_rows(xn, init)
     for _ in range(iters):
         assign = kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
         sums, counts = kernels.scatter_sum(xn, assign, kmax, backend=backend)

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kernels._common import take_rows
 from vllm_retro.index.clustering import Clusters
 
 SteadyParts = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -78,10 +79,9 @@ class DenseClusterStore:
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
         """See :meth:`ClusterStore.append`."""
-        idx = clusters.order[..., None].expand(-1, -1, keys.shape[2])
         base = self.keys.shape[1]
-        self.keys = torch.cat([self.keys, torch.gather(keys, 1, idx)], dim=1)
-        self.values = torch.cat([self.values, torch.gather(values, 1, idx)], dim=1)
+        self.keys = torch.cat([self.keys, take_rows(keys, clusters.order)], dim=1)
+        self.values = torch.cat([self.values, take_rows(values, clusters.order)], dim=1)
         self.positions = torch.cat([self.positions, positions[clusters.order]], dim=1)
         self.offsets = torch.cat([self.offsets, clusters.offsets[:, 1:] + base], dim=1)
 
@@ -90,9 +90,8 @@ class DenseClusterStore:
         """See :meth:`ClusterStore.gather`."""
         token_idx, lengths = cluster_token_index(self.offsets, cluster_ids)
         safe = token_idx.clamp_min(0)
-        d = self.keys.shape[2]
-        k = torch.gather(self.keys, 1, safe[..., None].expand(-1, -1, d))
-        v = torch.gather(self.values, 1, safe[..., None].expand(-1, -1, d))
+        k = take_rows(self.keys, safe)
+        v = take_rows(self.values, safe)
         pos = torch.where(token_idx >= 0, torch.gather(self.positions, 1, safe), -1)
         n_steady = sum(sk.shape[1] for sk, _ in steady)
         keys = torch.cat([sk for sk, _ in steady] + [k.to(self.keys.dtype)], dim=1)

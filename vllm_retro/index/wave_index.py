@@ -70,6 +70,7 @@ class WaveIndex:
         self.centroids = empty
         self.value_sums = empty
         self.sizes = torch.empty(num_kv_heads, 0, dtype=torch.int32, device=device)
+        self._centroids_f32: torch.Tensor | None = None
         self.sink_k = self.sink_v = empty
         self.win_k = self.win_v = empty
         self.window_start = 0
@@ -155,6 +156,17 @@ class WaveIndex:
         """True while no token is indexed (decode attention is exact)."""
         return self.num_clusters == 0
 
+    def _scoring_centroids(self) -> torch.Tensor:
+        """Centroids for cluster scoring. The torch path computes in fp32; for 16-bit
+        centroids it keeps an fp32 copy (refreshed when clusters are added) rather than
+        converting every centroid at every step."""
+        if self.centroids.dtype == torch.float32 or kernels.resolve_backend(
+                self.backend, self.centroids.device) == "triton":
+            return self.centroids
+        if self._centroids_f32 is None or self._centroids_f32.shape != self.centroids.shape:
+            self._centroids_f32 = self.centroids.float()
+        return self._centroids_f32
+
     def free(self) -> None:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
@@ -179,7 +191,8 @@ class WaveIndex:
             none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
             return Selection(none, none)
         q = query.reshape(h, -1, self.head_dim)
-        scores = kernels.cluster_scores(q, self.centroids, self.sizes, scale, backend=self.backend)
+        scores = kernels.cluster_scores(q, self._scoring_centroids(), self.sizes, scale,
+                                        backend=self.backend)
         top = torch.topk(scores, r + e, dim=1, sorted=True).indices
         return Selection(top[:, :r], top[:, r:])
 

@@ -1,0 +1,232 @@
+"""One decode step of a Llama-3-8B-shaped attention layer: full attention vs wave index + buffer.
+
+32 query heads, 8 KV heads, head_dim 128, bf16, at each context length and batch size. Full
+attention runs through the strongest kernel available on the machine — vLLM's own CPU
+paged-attention kernel on CPU, PyTorch's FlashAttention SDPA backend on CUDA — and the wave
+index + wave buffer (default budgets, 5% device cache, asynchronous updates) serves the same
+queries; both are timed step by step, interleaved, in the same run. Printed and written to
+``bench/results/decode_step_<device>.json``: median step times, their ratio, bytes read per
+step, the buffer's hit ratio, and (CUDA) the host->device bandwidth of the gather kernel
+against a plain ``copy_`` of the same bytes.
+
+The KV is synthetic but structured (keys drawn around a few thousand directions, queries
+drifting slowly between steps) so that the index has real clusters and the cache real
+temporal locality; the hit ratio on real model data is measured by the tests
+(``tests/buffer/test_real_data.py``).
+
+    .venv/bin/python bench/decode_step.py                       # 32K and 128K, batch 1 and 8
+    .venv/bin/python bench/decode_step.py --contexts 32768 --batches 1 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_retro.buffer import WaveBufferManager  # noqa: E402
+from vllm_retro.config import RetroConfig  # noqa: E402
+from vllm_retro.index import WaveIndex  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def synthetic_kv(batch: int, n: int, dtype: torch.dtype, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys around 2048 directions per head (each token near one), values random, and the
+    directions themselves (queries are drawn near them). Shapes [B, HKV, N, D], [HKV, 2048, D]."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.nn.functional.normalize(torch.randn(HKV, 2048, D, generator=g), dim=-1) * 4
+    keys = torch.empty(batch, HKV, n, D, dtype=dtype)
+    values = torch.empty(batch, HKV, n, D, dtype=dtype)
+    for b in range(batch):
+        for h in range(HKV):
+            which = torch.randint(0, 2048, (n,), generator=g)
+            keys[b, h] = (centers[h, which] + torch.randn(n, D, generator=g)).to(dtype)
+            values[b, h] = torch.randn(n, D, generator=g).to(dtype)
+    return keys, values, centers
+
+
+class QueryWalk:
+    """Decode queries [B, HQ, D] that drift slowly, so consecutive steps share hot clusters."""
+
+    def __init__(self, batch: int, centers: torch.Tensor, seed: int):
+        self.g = torch.Generator().manual_seed(seed + 1)
+        kv = torch.arange(HQ) // (HQ // HKV)
+        pick = torch.randint(0, centers.shape[1], (batch, HQ), generator=self.g)
+        self.q = centers[kv[None, :].expand(batch, HQ), pick].clone()
+        self.centers, self.kv = centers, kv
+
+    def step(self) -> torch.Tensor:
+        jump = torch.rand(self.q.shape[:2], generator=self.g) < 0.05
+        pick = torch.randint(0, self.centers.shape[1], self.q.shape[:2], generator=self.g)
+        target = self.centers[self.kv[None, :].expand_as(pick), pick]
+        self.q = torch.where(jump[..., None], target, self.q)
+        return self.q + 0.3 * torch.randn(self.q.shape, generator=self.g)
+
+
+def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torch.device):
+    """(callable query [B, HQ, D] -> out, name, bytes read per call) for the device's
+    strongest dense decode kernel."""
+    scale = D ** -0.5
+    if device.type == "cuda":
+        k, v = keys.to(device), values.to(device)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def run(q: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, None].to(device, k.dtype), k, v, scale=scale, enable_gqa=True)[:, :, 0]
+
+        return run, "torch SDPA (FlashAttention backend)", 2 * k.numel() * k.element_size()
+    from bench.vllm_cpu_attention import VllmCpuDecodeAttention, available, unavailable_reason
+
+    if not available():
+        raise SystemExit(f"vLLM's CPU attention kernel is unavailable: {unavailable_reason()}")
+    attn = VllmCpuDecodeAttention(keys, values, HQ, scale=scale)
+    return (lambda q: attn(q.to(keys.dtype))), "vLLM CPU paged attention", attn.kv_bytes
+
+
+def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
+    """Bytes one decode step reads: all centroids (scoring), the estimated clusters'
+    centroids and value sums, and the K/V rows of the execution buffer."""
+    c = index.num_clusters
+    e = index.config.num_estimation(c)
+    return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def h2d_bandwidth(device: torch.device, rows: int = 1 << 16) -> dict[str, float]:
+    """GB/s of the gather kernel reading scattered pinned host rows vs a plain copy_ of the
+    same bytes (contiguous pinned -> device)."""
+    import kernels
+
+    host_k = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()
+    host_v = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()
+    src = torch.randperm(rows * 4)[:rows].reshape(HKV, -1)
+    kind = torch.full(src.shape, 2, dtype=torch.int32)
+    dst_k = torch.empty(HKV, src.shape[1], D, dtype=torch.bfloat16, device=device)
+    dst_v = torch.empty_like(dst_k)
+    empty = torch.empty(1, D, dtype=torch.bfloat16, device=device)
+    nbytes = 2 * rows * D * 2
+
+    def gather() -> None:
+        kernels.gather_rows(dst_k, dst_v, 0, empty, empty, host_k, host_v, kind, src,
+                            backend="triton")
+
+    plain_src = torch.randn(2, rows, D).to(torch.bfloat16).pin_memory()
+    plain_dst = torch.empty(2, rows, D, dtype=torch.bfloat16, device=device)
+    out = {}
+    for name, fn in (("gather_kernel", gather),
+                     ("plain_copy", lambda: plain_dst.copy_(plain_src, non_blocking=True))):
+        fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        sync(device)
+        out[f"{name}_GBps"] = nbytes * 20 / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """Time full vs retro decode steps for one (context, batch)."""
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    keys, values, centers = synthetic_kv(batch, n, dtype, seed=n + batch)
+    full, full_name, full_bytes = full_attention_kernel(keys, values, device)
+    cfg = RetroConfig(kmeans_iters=args.kmeans_iters)
+    mgr = WaveBufferManager(cfg)
+    build_s = time.perf_counter()
+    indexes = [
+        WaveIndex.build(keys[b].to(device), values[b].to(device), cfg,
+                        store=mgr.store(f"req{b}", HKV, D, dtype, device))
+        for b in range(batch)
+    ]
+    build_s = (time.perf_counter() - build_s) / batch
+    del keys, values
+    walk = QueryWalk(batch, centers, seed=n)
+    full_t, retro_t, rbytes = [], [], []
+    for step in range(args.warmup + args.steps):
+        q = walk.step()
+        sync(device)
+        a = time.perf_counter()
+        full(q)
+        sync(device)
+        b = time.perf_counter()
+        step_bytes = 0
+        for i, idx in enumerate(indexes):
+            res = idx.decode(q[i].to(device, dtype))
+            step_bytes += retro_bytes(idx, res.n_exact, 2)
+        sync(device)
+        c = time.perf_counter()
+        if step >= args.warmup:
+            full_t.append(b - a)
+            retro_t.append(c - b)
+            rbytes.append(step_bytes)
+    snap = mgr.stats.snapshot()
+    mgr.close()
+    full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
+    row = {
+        "context": n, "batch": batch, "full_kernel": full_name,
+        "full_ms": full_ms, "retro_ms": retro_ms, "speedup": full_ms / retro_ms,
+        "full_bytes_per_step": full_bytes, "retro_bytes_per_step": statistics.mean(rbytes),
+        "bytes_ratio": full_bytes / statistics.mean(rbytes),
+        "cluster_hit_ratio": snap["hit_ratio"],
+        "token_hit_ratio": snap["hit_tokens"] / max(1, snap["hit_tokens"] + snap["miss_tokens"]),
+        "index_build_s_per_request": build_s, "case_wall_s": time.perf_counter() - t0,
+    }
+    print(f"ctx {n:>6} batch {batch}: full {full_ms:8.2f} ms  retro {retro_ms:8.2f} ms  "
+          f"speedup {row['speedup']:5.2f}x  bytes {row['bytes_ratio']:5.1f}x fewer  "
+          f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--kmeans-iters", type=int, default=2,
+                    help="k-means iterations at index build (build time is not what is timed)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor()
+        or platform.machine(),
+        "threads": args.threads, "shape": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D},
+        "dtype": "bfloat16", "config": RetroConfig(kmeans_iters=args.kmeans_iters).to_dict(),
+        "steps": args.steps, "cases": [],
+    }
+    for n in args.contexts:
+        for b in args.batches:
+            result["cases"].append(bench_case(n, b, args, device))
+    if device.type == "cuda":
+        result["h2d"] = h2d_bandwidth(device)
+        print("host->device:", result["h2d"])
+    out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
