@@ -9,7 +9,9 @@ backend (``vllm/v1/attention/backends/cpu_attn.py``) runs for a decode step.
   The *interior* of the K part is ISA-specific (the ``vec`` kernel stores K transposed,
   ``[head_dim, block_size]``; V is row-major ``[block_size, head_dim]``), so the cache is only
   ever written through ``ops.cpu_attn_reshape_and_cache`` with the same ISA the kernel runs.
-* ISA: ``cpu_attn._get_attn_isa`` ("amx" for bf16 on AMX CPUs, else "vec"/"vec16"/...).
+* ISA: ``cpu_attn._get_attn_isa`` ("amx" for bf16 on AMX CPUs, else "vec"/"vec16"/...). The
+  "vec" kernel widens bf16/fp16 K/V to fp32 and computes in fp32, so without AMX bf16 is
+  compute-bound rather than bandwidth-bound.
 * Metadata: int32 ``query_start_loc`` ``[batch + 1]``, int32 ``seq_lens`` ``[batch]``, int32
   ``block_table`` ``[batch, max_blocks]``, and an opaque scheduler plan from
   ``ops.cpu_attn_get_scheduler_metadata`` (``cpu_attn.py:253-266``) which bakes in the OpenMP
@@ -172,6 +174,7 @@ class VllmCpuDecodeAttention:
         *,
         seq_lens: Sequence[int] | None = None,
     ) -> None:
+        """Write ``keys``/``values`` into a fresh paged KV cache and plan the decode step."""
         # _vllm is already set while _load() runs its smoke test through this constructor.
         mods = _vllm if _vllm is not None else _require()
         self._ops = mods["ops"]
