@@ -43,6 +43,22 @@ def cluster_scores_ref(
 
 
 @triton.jit
+def _block_logits(q, CEN, SZ, r, c0, C, sc_r, sc_c, ssz_r, offs_d, dmask,
+                  BLOCK_C: tl.constexpr):
+    """Scaled logits [G, BLOCK_C] of centroids c0.. of row r (-inf where invalid)."""
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    cmask = offs_c < C
+    sz = tl.load(SZ + r * ssz_r + offs_c, mask=cmask, other=0)
+    valid = cmask & (sz > 0)
+    cen = tl.load(
+        CEN + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :],
+        mask=valid[:, None] & dmask[None, :], other=0.0,
+    ).to(tl.float32)
+    logit = tl.dot(q, tl.trans(cen), input_precision="ieee")
+    return tl.where(valid[None, :], logit, float("-inf")), valid, offs_c, cmask
+
+
+@triton.jit
 def _cluster_scores_kernel(
     Q, CEN, SZ, OUT,
     G, C, D, scale,
@@ -62,16 +78,8 @@ def _cluster_scores_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     ssum = tl.zeros([BLOCK_G], tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
-        sz = tl.load(SZ + r * ssz_r + offs_c, mask=cmask, other=0)
-        valid = cmask & (sz > 0)
-        cen = tl.load(
-            CEN + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :],
-            mask=valid[:, None] & dmask[None, :], other=0.0,
-        ).to(tl.float32)
-        logit = tl.dot(q, tl.trans(cen), input_precision="ieee")
-        logit = tl.where(valid[None, :], logit, float("-inf"))
+        logit, valid, offs_c, cmask = _block_logits(q, CEN, SZ, r, c0, C, sc_r, sc_c, ssz_r,
+                                                    offs_d, dmask, BLOCK_C)
         m_new = tl.maximum(m, tl.max(logit, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         ssum = ssum * tl.exp(m - m_safe) + tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
@@ -80,16 +88,9 @@ def _cluster_scores_kernel(
     lse = tl.where(gmask, lse, float("inf"))  # padding heads contribute exp(-inf) = 0
     # pass 2: log of the group's summed probabilities
     for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
-        sz = tl.load(SZ + r * ssz_r + offs_c, mask=cmask, other=0)
-        valid = cmask & (sz > 0)
-        cen = tl.load(
-            CEN + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :],
-            mask=valid[:, None] & dmask[None, :], other=0.0,
-        ).to(tl.float32)
-        logp = tl.dot(q, tl.trans(cen), input_precision="ieee") - lse[:, None]
-        logp = tl.where(valid[None, :], logp, float("-inf"))
+        logit, valid, offs_c, cmask = _block_logits(q, CEN, SZ, r, c0, C, sc_r, sc_c, ssz_r,
+                                                    offs_d, dmask, BLOCK_C)
+        logp = logit - lse[:, None]
         mx = tl.max(logp, axis=0)
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
         # >= 1 for a valid column (its max term is exp(0)); the clamp only spares log(0)
