@@ -27,7 +27,7 @@ import torch
 
 import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockCache
-from vllm_retro.buffer.host_tier import HostTier
+from vllm_retro.buffer.host_tier import HostTier, bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
 from vllm_retro.buffer.policy import make_policy
 from vllm_retro.config import RetroConfig
@@ -65,6 +65,7 @@ class WaveBufferStore:
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tick = 0
         self._freed = False
+        self._host_pages = np.zeros(num_heads, dtype=np.int64)
 
     # ------------------------------------------------------------------ ingest
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -91,43 +92,46 @@ class WaveBufferStore:
         if staged is None or staged[0].shape != keys.shape:
             staged = (keys, values, None)
         self._staged = None
-        order = clusters.order.cpu()
-        sizes = clusters.sizes.cpu().long()
-        positions = positions.cpu()
+        order = clusters.order.cpu().numpy()
+        sizes = clusters.sizes.cpu().numpy().astype(np.int64)
+        n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]
+        self._sync()  # no update of this store may touch the free lists while they grow
+        self._grow_cache(n_pages.sum(axis=1))
         self._pending = self.manager.worker.submit(
-            lambda: self._ingest(staged, positions, order, sizes))
+            lambda: self._ingest(staged, positions.cpu().numpy(), order, sizes, n_pages))
 
-    def _ingest(self, staged: tuple, positions: torch.Tensor, order: torch.Tensor,
-                sizes: torch.Tensor) -> None:
+    def _ingest(self, staged: tuple, positions: np.ndarray, order: np.ndarray,
+                sizes: np.ndarray, n_pages: np.ndarray) -> None:
+        """Lay a clustered block out in host pages (worker thread; numpy only, see
+        :func:`vllm_retro.buffer.host_tier.bits`)."""
         keys, values, event = staged
         if event is not None:
             event.synchronize()
         h, c = sizes.shape
         m = order.shape[1]
-        page = self.page_size
-        n_pages = (sizes + page - 1) // page  # [H, c]
         first = self.host.reserve(int(n_pages.sum()))
-        flat_pages = n_pages.flatten()
-        page_start = (first + flat_pages.cumsum(0) - flat_pages).reshape(h, c)
+        flat_pages = n_pages.reshape(-1)
+        page_start = (first + np.cumsum(flat_pages) - flat_pages).reshape(h, c)
         # token t of head-major, cluster-contiguous order belongs to flat cluster f
-        flat_sizes = sizes.flatten()
-        f = torch.repeat_interleave(torch.arange(h * c), flat_sizes)
-        rank = torch.arange(h * m) - (flat_sizes.cumsum(0) - flat_sizes)[f]
-        rows = page_start.flatten()[f] * page + rank
+        flat_sizes = sizes.reshape(-1)
+        f = np.repeat(np.arange(h * c), flat_sizes)
+        rank = np.arange(h * m) - (np.cumsum(flat_sizes) - flat_sizes)[f]
+        rows = page_start.reshape(-1)[f] * self.page_size + rank
         head = f // c
-        tok = order.flatten()
-        self.host.write_rows(rows, keys.cpu()[head, tok], values.cpu()[head, tok], positions[tok])
-        self.table.add_clusters(page_start.numpy(), n_pages.numpy(), sizes.numpy(),
-                                self.host.used_pages)
-        self._grow_cache()
+        tok = order.reshape(-1)
+        kb, vb = bits(keys.detach().cpu()), bits(values.detach().cpu())
+        self.host.write_rows(rows, kb[head, tok], vb[head, tok], positions[tok])
+        self.table.add_clusters(page_start, n_pages, sizes, self.host.used_pages)
 
-    def _grow_cache(self) -> None:
+    def _grow_cache(self, new_pages: np.ndarray) -> None:
+        """Grow each head's block budget for ``new_pages`` ([H]) more host pages."""
         cfg = self.config
+        self._host_pages += new_pages
         for h in range(self.num_heads):
             if cfg.cache_pages is not None:
                 target = cfg.cache_pages
             else:
-                target = math.ceil(cfg.cache_fraction * int(self.table.n_pages[h].sum()) - 1e-9)
+                target = math.ceil(cfg.cache_fraction * int(self._host_pages[h]) - 1e-9)
             self.cache.grow(h, target - self.cache.capacity[h])
 
     # ------------------------------------------------------------------ decode
