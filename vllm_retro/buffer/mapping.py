@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.gather import HIT, MISS
 from vllm_retro.index.store import expand_runs
-
-HIT, MISS = 1, 2
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.gather import HIT, MISS
 from vllm_retro.buffer.block_cache import DeviceBlockCache
 from vllm_retro.buffer.host_tier import HostTier, bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
@@ -173,8 +174,8 @@ class WaveBufferStore:
 
     def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
         row_bytes = 2 * self.head_dim * self.host.k.element_size()
-        hit_tok = int((lk.kind == 1).sum())
-        miss_tok = int((lk.kind == 2).sum())
+        hit_tok = int((lk.kind == HIT).sum())
+        miss_tok = int((lk.kind == MISS).sum())
         miss_pages = int(np.take_along_axis(self.table.n_pages, ids, 1)[~lk.cached].sum())
         self.manager.stats.add(
             cluster_hits=int(lk.cached.sum()), cluster_misses=int((~lk.cached).sum()),
