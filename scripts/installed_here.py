@@ -1,12 +1,20 @@
-"""Exit 0 when every top-level package of this checkout imports from this checkout (the
-editable install is current), 1 otherwise."""
+"""Exit 0 when every top-level package of this checkout imports from this checkout and the
+installed entry points match pyproject's (the editable install is current), 1 otherwise."""
 
 import importlib
 import pathlib
 import sys
+import tomllib
+from importlib.metadata import entry_points
 
 root = pathlib.Path(__file__).resolve().parent.parent
 for name in ("vllm_retro", "kernels", "server"):
     mod = importlib.import_module(name)
     if mod.__file__ is None or pathlib.Path(mod.__file__).resolve().parent.parent != root:
+        sys.exit(1)
+
+declared = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("entry-points", {})
+for group, items in declared.items():
+    installed = {e.name: e.value for e in entry_points(group=group)}
+    if any(installed.get(name) != value for name, value in items.items()):
         sys.exit(1)

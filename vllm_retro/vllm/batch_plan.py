@@ -1,0 +1,72 @@
+"""Splitting one batch of a retro layer group into dense rows and wave-index rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_retro.vllm.runtime import RetroRuntime
+
+
+@dataclass(frozen=True, slots=True)
+class IndexBuild:
+    """A request whose index is built after this step's dense attention."""
+
+    request_id: str
+    block_ids: torch.Tensor
+    """The request's block-table row (kernel blocks), covering ``num_tokens``."""
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RetroDecode:
+    """A request decoded through its wave index: tokens ``[first, first + count)`` of the
+    batch (one per step without speculative decoding)."""
+
+    request_id: str
+    first: int
+    count: int
+
+
+@dataclass
+class BatchPlan:
+    """Rows of one batch by path."""
+
+    dense_rows: list[int] = field(default_factory=list)
+    builds: list[IndexBuild] = field(default_factory=list)
+    decodes: list[RetroDecode] = field(default_factory=list)
+
+
+def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
+               slot_mapping: torch.Tensor, block_table: torch.Tensor, num_reqs: int
+               ) -> BatchPlan:
+    """Match each batch row to its request through the slot of its last token and sort it:
+    indexed requests decode through the wave index; every other row is dense, and rows that
+    complete an indexable sequence build an index after the dense pass.
+    """
+    plan = BatchPlan()
+    qsl = query_start_loc_cpu[: num_reqs + 1].tolist()
+    lasts = torch.tensor([max(e - 1, 0) for e in qsl[1:]], dtype=torch.long)
+    slots = slot_mapping.index_select(0, lasts.to(slot_mapping.device)).tolist()
+    for r in range(num_reqs):
+        n = qsl[r + 1] - qsl[r]
+        if n == 0:
+            continue  # padding row
+        hit = runtime.row_for_slot(int(slots[r]))
+        if hit is None:
+            raise RuntimeError(
+                f"retro: batch row {r} (slot {slots[r]}) matches no request of this step's "
+                "plan; the scheduler-side retro connector is not running")
+        rid, row = hit
+        if row.num_tokens != n:
+            raise RuntimeError(f"retro: request {rid!r} has {n} tokens in the batch but "
+                               f"{row.num_tokens} scheduled")
+        if row.indexed:
+            plan.decodes.append(RetroDecode(rid, qsl[r], n))
+            continue
+        plan.dense_rows.append(r)
+        if row.build_index:
+            total = row.start + row.num_tokens
+            plan.builds.append(IndexBuild(rid, block_table[r].clone(), total))
+    return plan

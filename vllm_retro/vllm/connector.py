@@ -1,0 +1,133 @@
+"""The retro KV connector: the scheduler's per-step plan to the workers.
+
+Scheduler side: decides, for every scheduled request, whether this step builds its index,
+and which batch slot identifies it (vLLM's attention backends see rows, not request ids);
+records indexed requests for the KV-cache manager; reports finished, aborted and preempted
+requests so workers free their state. Worker side: hands each step's plan to the
+per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime` before the batch is prepared.
+No KV is transferred: the wave buffer's host tier is filled by the attention backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_retro.vllm import schedule_state
+from vllm_retro.vllm.kv_manager import RetroAttentionSpec
+from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+from vllm_retro.vllm.settings import retro_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class RetroConnector(KVConnectorBase_V1, SupportsHMA):
+    """See module docstring. Loaded by vLLM from ``kv_transfer_config``."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = retro_config(vllm_config)
+        self._requests: dict[str, Request] = {}
+        self._group: int | None = None
+        self._block_size = 0
+        if kv_cache_config is not None:
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+                if isinstance(group.kv_cache_spec, RetroAttentionSpec):
+                    self._group, self._block_size = gid, group.kv_cache_spec.block_size
+                    break
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Retro never supplies KV from outside the paged cache."""
+        return 0, False
+
+    def on_new_request(self, request: Request) -> None:
+        """Track the request (its length decides when it is indexed)."""
+        self._requests[request.request_id] = request
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Track requests that reach allocation without :meth:`on_new_request`."""
+        self._requests.setdefault(request.request_id, request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's plan: a :class:`RowStep` per scheduled request, and the released
+        requests (finished since the last step, or preempted)."""
+        so = scheduler_output
+        released = set(so.finished_req_ids) | set(so.preempted_req_ids or ())
+        for rid in released:
+            schedule_state.release(rid)
+        for rid in so.finished_req_ids:
+            self._requests.pop(rid, None)
+        meta = RetroStepMetadata(released=released)
+        if self.config is None or self._group is None:
+            return meta
+        start = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        start.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        state = so.kv_connector_block_state
+        bs, min_ctx = self._block_size, self.config.min_indexed_context
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self._requests[rid]
+            first = start[rid]
+            end = first + n
+            blocks = state.get_block_ids(rid)[self._group]
+            last = end - 1
+            slot = blocks[last // bs] * bs + last % bs
+            indexed = schedule_state.indexed_at(rid) is not None
+            build = not indexed and end >= req.num_tokens and end >= min_ctx
+            if build:
+                schedule_state.mark_indexed(rid, end)
+            meta.rows[rid] = RowStep(slot=slot, start=first, num_tokens=n, indexed=indexed,
+                                     build_index=build)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are freed at once (no asynchronous save)."""
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hybrid-allocator variant of :meth:`request_finished`."""
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Nothing is handed off when a request completes."""
+        return False
+
+    # ------------------------------------------------------------------ worker side
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Runs before the batch is prepared: free released requests, publish the plan."""
+        from vllm_retro.vllm.runtime import get_runtime
+
+        assert isinstance(kv_connector_metadata, RetroStepMetadata)
+        get_runtime().begin_step(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing to save: the backend hands KV to the wave buffer itself."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for."""

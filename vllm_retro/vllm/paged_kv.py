@@ -1,0 +1,84 @@
+"""Reading one request's KV back from vLLM's CPU paged cache (to build its index).
+
+vLLM's CPU cache (``LBHNC``) holds, per block and KV head, one plane of ``2 * block_size *
+head_dim`` elements: the block's keys then its values, each half in a layout private to
+the kernel ISA (``vec`` stores keys transposed, ``amx`` tiles them, ...). Rather than
+hard-code those layouts, :func:`plane_layout` asks vLLM's own cache-write op where each
+element lands, once per (ISA, dtype, block size, head dim), and reading is then a gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _write(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
+           keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One block's plane after vLLM writes ``keys``/``values`` [block_size, D] into it."""
+    from vllm import _custom_ops as ops
+
+    kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        keys[:, None].to(dtype), values[:, None].to(dtype), key_cache, value_cache,
+        torch.arange(block_size, dtype=torch.long), isa, k_scale=1.0, v_scale=1.0,
+        kv_cache_dtype="auto")
+    return kv.reshape(-1).float()
+
+
+@functools.lru_cache(maxsize=None)
+def plane_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in a block's plane of key and value element ``(t, d)`` (index
+    ``t * head_dim + d``), each a long tensor [block_size * head_dim].
+
+    Every element index is written in base-256 digits (exact in fp32/fp16/bf16), one
+    cache write per digit, after a marker write that tells key positions from value ones.
+    """
+    n = block_size * head_dim
+    ones, zeros = torch.ones(block_size, head_dim), torch.zeros(block_size, head_dim)
+    k_mark = _write(isa, dtype, block_size, head_dim, ones, zeros) == 1
+    v_mark = _write(isa, dtype, block_size, head_dim, zeros, ones) == 1
+    if int(k_mark.sum()) != n or int(v_mark.sum()) != n or bool((k_mark & v_mark).any()):
+        raise RuntimeError(f"vLLM's CPU KV-cache layout for isa={isa!r} is not a per-block "
+                           "permutation; retro cannot read it back")
+    code = torch.zeros(2 * n, dtype=torch.long)
+    idx = torch.arange(n)
+    digit, scale = 0, 1
+    while scale < n:
+        d = ((idx // scale) % 256).float().reshape(block_size, head_dim)
+        code += _write(isa, dtype, block_size, head_dim, d, d).long() * scale
+        digit, scale = digit + 1, scale * 256
+    k_pos = torch.empty(n, dtype=torch.long)
+    v_pos = torch.empty(n, dtype=torch.long)
+    k_where = k_mark.nonzero().flatten()
+    v_where = v_mark.nonzero().flatten()
+    k_pos[code[k_where]] = k_where
+    v_pos[code[v_where]] = v_where
+    return k_pos, v_pos
+
+
+def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
+                      isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``num_tokens`` tokens of one request.
+
+    kv_cache: [num_blocks, H_kv, block_size, 2 * D] as vLLM's CPU backend holds it;
+    block_ids: the request's block-table row (at least ``ceil(num_tokens / block_size)``
+    entries); isa: the layer's kernel ISA. Returns two contiguous [H_kv, num_tokens, D].
+    """
+    nb, h, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    need = -(-num_tokens // bs)
+    if block_ids.numel() < need:
+        raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
+                         f"at block size {bs} need {need}")
+    k_pos, v_pos = plane_layout(isa, kv_cache.dtype, bs, d)
+    ids = block_ids[:need].to(device=kv_cache.device, dtype=torch.long)
+    planes = kv_cache.reshape(nb, h, 2 * bs * d).index_select(0, ids)  # [need, H, plane]
+    keys = planes.index_select(2, k_pos).view(need, h, bs, d)
+    values = planes.index_select(2, v_pos).view(need, h, bs, d)
+    keys = keys.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
+    values = values.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
+    return keys.contiguous(), values.contiguous()

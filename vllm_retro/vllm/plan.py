@@ -1,0 +1,44 @@
+"""What the scheduler tells the workers each step (carried by the connector's metadata).
+
+The scheduler decides; workers execute. A request is indexed at the step whose tokens
+complete its known sequence (prompt, or prompt + outputs after a preemption) when that
+sequence is at least ``RetroConfig.min_indexed_context`` long; from then on its rows are
+decoded through the wave index, and the KV-cache manager frees its paged blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class RowStep:
+    """One scheduled request in one step."""
+
+    slot: int
+    """KV-cache slot of the request's last scheduled token (block id * block size +
+    offset, in the retro KV-cache group). Slots being written are owned by exactly one
+    live request, so the worker finds the request's row in the batch by this slot."""
+    start: int
+    """Tokens already computed before this step."""
+    num_tokens: int
+    """Tokens scheduled in this step."""
+    indexed: bool
+    """The request's index exists (built in an earlier step): its rows are decoded by
+    the wave index and its paged blocks may be gone."""
+    build_index: bool
+    """This step completes the request's sequence: build its index after the dense
+    attention of this step, from the paged KV of tokens ``[0, start + num_tokens)``."""
+
+
+@dataclass
+class RetroStepMetadata(KVConnectorMetadata):
+    """Per-step plan from the scheduler-side connector to the workers."""
+
+    rows: dict[str, RowStep] = field(default_factory=dict)
+    """Scheduled requests by request id."""
+    released: set[str] = field(default_factory=set)
+    """Requests whose worker state must be freed before this step: finished, aborted or
+    preempted (a preempted request is recomputed from scratch and re-indexed)."""

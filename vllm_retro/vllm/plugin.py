@@ -1,0 +1,43 @@
+"""``register()``: what vLLM's ``vllm.general_plugins`` entry point runs in every process."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_done = False
+
+
+def register() -> None:
+    """Register the retro backend, KV-cache spec/manager and connector with vLLM
+    (idempotent; cheap when repeated). Whether retro is active is decided per engine by
+    its configuration (:mod:`vllm_retro.vllm.settings`)."""
+    global _done
+    with _lock:
+        if _done:
+            return
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        from vllm_retro.vllm.kv_manager import register_spec
+        from vllm_retro.vllm.settings import CONNECTOR_MODULE, CONNECTOR_NAME
+
+        if current_platform.is_cpu():
+            # Asks the kernel for permission to use AMX tiles in this process; vLLM's
+            # bf16 CPU kernel never does, and dies with SIGILL on a short first request.
+            init_amx = getattr(torch.cpu, "_init_amx", None)
+            if init_amx is not None:
+                init_amx()
+            # The CPU platform ignores every backend choice but CPU_ATTN.
+            register_backend(AttentionBackendEnum.CPU_ATTN,
+                             "vllm_retro.vllm.backend.RetroAttentionBackend")
+        register_spec()
+        try:
+            KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE,
+                                                  "RetroConnector")
+        except ValueError:  # already registered (a second plugin load in this process)
+            pass
+        _done = True

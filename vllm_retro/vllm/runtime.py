@@ -1,0 +1,168 @@
+"""Per-worker-process retro state: the wave buffer manager, each request's per-layer wave
+indexes, the current step's plan, and counters.
+
+One instance per process (:func:`get_runtime`). The engine runs one step at a time per
+worker, so the step plan is plain state; the registry itself is lock-protected because
+counters are read from other threads (metrics, tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_retro.buffer.manager import WaveBufferManager
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+
+
+@dataclass
+class RetroCounters:
+    """Monotonic counters and gauges of one worker process."""
+
+    steps: int = 0
+    indexes_built: int = 0
+    """(request, layer) indexes built."""
+    requests_indexed: int = 0
+    retro_decode_tokens: int = 0
+    """(token, layer) pairs decoded through the wave index."""
+    dense_tokens: int = 0
+    """(token, layer) pairs computed by vLLM's dense kernel in retro layers."""
+    requests_released: int = 0
+    peak_live_requests: int = 0
+    peak_decode_rows: int = 0
+    """Most requests decoded (dense or retro) in one step."""
+    index_build_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RetroRuntime:
+    """See module docstring."""
+
+    def __init__(self) -> None:
+        self.config: RetroConfig | None = None
+        self._manager: WaveBufferManager | None = None
+        self._indexes: dict[str, dict[str, WaveIndex]] = {}
+        self._lock = threading.Lock()
+        self.step: RetroStepMetadata | None = None
+        self._slot_to_req: dict[int, tuple[str, RowStep]] = {}
+        self.counters = RetroCounters()
+
+    # ------------------------------------------------------------------ setup
+    def configure(self, config: RetroConfig) -> None:
+        """Set the process's retro config (the same for every layer; first call wins,
+        a different later one is an error)."""
+        if self.config is None:
+            self.config = config
+        elif self.config != config:
+            raise ValueError(f"retro runtime already configured with {self.config}, "
+                             f"got a different config {config}")
+
+    @property
+    def manager(self) -> WaveBufferManager:
+        """The process's wave buffer manager (created on first use)."""
+        if self._manager is None:
+            if self.config is None:
+                raise RuntimeError("retro runtime used before configure()")
+            self._manager = WaveBufferManager(self.config)
+        return self._manager
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, meta: RetroStepMetadata) -> None:
+        """Free the requests the scheduler released, then publish this step's plan."""
+        for rid in meta.released:
+            self.free_request(rid)
+        self.step = meta
+        self._slot_to_req = {row.slot: (rid, row) for rid, row in meta.rows.items()}
+        self.counters.steps += 1
+
+    def row_for_slot(self, slot: int) -> tuple[str, RowStep] | None:
+        """The request whose last scheduled token of this step goes to ``slot``."""
+        return self._slot_to_req.get(slot)
+
+    # ------------------------------------------------------------------ indexes
+    def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
+                    values: torch.Tensor) -> WaveIndex:
+        """Index a request's prefilled KV for one layer. keys, values: [H_kv, N, D]."""
+        assert self.config is not None
+        store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
+                                   keys.device)
+        index = WaveIndex.build(keys, values, self.config, store=store)
+        with self._lock:
+            per_layer = self._indexes.setdefault(request_id, {})
+            if not per_layer:
+                self.counters.requests_indexed += 1
+            old = per_layer.pop(layer, None)
+            per_layer[layer] = index
+            self.counters.indexes_built += 1
+            self.counters.peak_live_requests = max(self.counters.peak_live_requests,
+                                                   len(self._indexes))
+        if old is not None:
+            old.free()
+        return index
+
+    def index(self, request_id: str, layer: str) -> WaveIndex:
+        """The index of ``request_id`` at ``layer``; a clear error if it does not exist."""
+        try:
+            return self._indexes[request_id][layer]
+        except KeyError:
+            raise RuntimeError(
+                f"retro: no wave index for request {request_id!r} layer {layer!r}; the "
+                "scheduler planned a retro decode for a request this worker never indexed"
+            ) from None
+
+    def free_request(self, request_id: str) -> bool:
+        """Free every index and buffer byte of ``request_id``; False if it held none."""
+        with self._lock:
+            per_layer = self._indexes.pop(request_id, None)
+        for index in (per_layer or {}).values():
+            index.free()
+        if self._manager is not None:
+            self._manager.free_request(request_id)
+        if per_layer is not None:
+            self.counters.requests_released += 1
+        return per_layer is not None
+
+    def live_requests(self) -> list[str]:
+        """Request ids holding indexes."""
+        with self._lock:
+            return list(self._indexes)
+
+    def live_bytes(self) -> tuple[int, int]:
+        """(host bytes, device bytes) held by live requests: the wave buffer's tiers plus
+        each index's meta data and steady zone."""
+        with self._lock:
+            indexes = [i for d in self._indexes.values() for i in d.values()]
+        host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
+        for idx in indexes:
+            extra = idx.meta_nbytes() + sum(t.numel() * t.element_size() for t in (
+                idx.sink_k, idx.sink_v, idx.win_k, idx.win_v))
+            if idx.centroids.is_cuda:
+                device += extra
+            else:
+                host += extra
+        return host, device
+
+    def close(self) -> None:
+        """Free every request and the buffer manager (execution buffers, worker thread)."""
+        for rid in self.live_requests():
+            self.free_request(rid)
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+_runtime: RetroRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> RetroRuntime:
+    """The process's :class:`RetroRuntime`."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = RetroRuntime()
+        return _runtime
