@@ -4,8 +4,9 @@ installed entry points match pyproject's (the editable install is current), 1 ot
 import importlib
 import pathlib
 import sys
-import tomllib
 from importlib.metadata import entry_points
+
+import tomllib
 
 root = pathlib.Path(__file__).resolve().parent.parent
 for name in ("vllm_retro", "kernels", "server"):

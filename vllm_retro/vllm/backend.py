@@ -58,7 +58,7 @@ def _restrict(cm: CommonAttentionMetadata, rows: list[int]) -> tuple[CommonAtten
     idx = torch.tensor(rows, dtype=torch.long)
     starts, ends = qsl[idx], qsl[idx + 1]
     lens = ends - starts
-    tokens = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts, ends)])
+    tokens = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts, ends, strict=True)])
     sub_qsl = torch.zeros(len(rows) + 1, dtype=qsl.dtype)
     torch.cumsum(lens, 0, out=sub_qsl[1:])
     dev = cm.seq_lens.device

@@ -28,7 +28,7 @@ def _write(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
     return kv.reshape(-1).float()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plane_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions in a block's plane of key and value element ``(t, d)`` (index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -35,9 +36,8 @@ def register() -> None:
             register_backend(AttentionBackendEnum.CPU_ATTN,
                              "vllm_retro.vllm.backend.RetroAttentionBackend")
         register_spec()
-        try:
+        # ValueError: already registered (by a second plugin load in this process).
+        with contextlib.suppress(ValueError):
             KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE,
                                                   "RetroConnector")
-        except ValueError:  # already registered (a second plugin load in this process)
-            pass
         _done = True
