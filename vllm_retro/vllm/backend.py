@@ -102,15 +102,13 @@ class RetroMetadataBuilder(CPUAttentionMetadataBuilder):
         """vLLM's metadata for non-retro groups; :class:`RetroMetadata` for retro ones."""
         cm = common_attn_metadata
         rt = get_runtime()
+        qlens = cm.query_start_loc_cpu[1:cm.num_reqs + 1] - cm.query_start_loc_cpu[:cm.num_reqs]
+        c = rt.counters
+        c.peak_decode_rows = max(c.peak_decode_rows, int((qlens == 1).sum()))
         if not self.retro or rt.step is None:
             return super().build(common_prefix_len, cm, fast_build)
         plan = plan_batch(rt, cm.query_start_loc_cpu, cm.slot_mapping, cm.block_table_tensor,
                           cm.num_reqs)
-        c = rt.counters
-        n_dec = len(plan.decodes) + sum(
-            1 for r in plan.dense_rows
-            if int(cm.query_start_loc_cpu[r + 1] - cm.query_start_loc_cpu[r]) == 1)
-        c.peak_decode_rows = max(c.peak_decode_rows, n_dec)
         if not plan.decodes:
             dense, tokens = super().build(common_prefix_len, cm, fast_build), None
         elif plan.dense_rows:
