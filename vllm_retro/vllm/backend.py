@@ -131,7 +131,9 @@ class RetroAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks)
-        cfg = retro_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        cfg = retro_config(vllm_config)
+        get_runtime().attach(vllm_config, cfg)
         self.retro = (cfg is not None and attn_type == AttentionType.DECODER
                       and self.sliding_window == -1)
         if not self.retro:
@@ -148,7 +150,6 @@ class RetroAttentionImpl(CPUAttentionBackendImpl):
                 f"retro does not support a full-attention layer with {', '.join(bad)}; "
                 "accepted: plain softmax attention (set additional_config "
                 "{'retro': {'enabled': false}} for this model)")
-        get_runtime().configure(cfg)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor,

@@ -40,6 +40,10 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = retro_config(vllm_config)
+        if role == KVConnectorRole.WORKER:
+            from vllm_retro.vllm.runtime import get_runtime
+
+            get_runtime().attach(vllm_config, self.config)
         self._requests: dict[str, Request] = {}
         self._group: int | None = None
         self._block_size = 0

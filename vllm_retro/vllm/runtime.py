@@ -44,6 +44,7 @@ class RetroRuntime:
 
     def __init__(self) -> None:
         self.config: RetroConfig | None = None
+        self._engine: object | None = None
         self._manager: WaveBufferManager | None = None
         self._indexes: dict[str, dict[str, WaveIndex]] = {}
         self._lock = threading.Lock()
@@ -52,21 +53,27 @@ class RetroRuntime:
         self.counters = RetroCounters()
 
     # ------------------------------------------------------------------ setup
-    def configure(self, config: RetroConfig) -> None:
-        """Set the process's retro config (the same for every layer; first call wins,
-        a different later one is an error)."""
-        if self.config is None:
-            self.config = config
-        elif self.config != config:
-            raise ValueError(f"retro runtime already configured with {self.config}, "
-                             f"got a different config {config}")
+    def attach(self, engine_config: object, config: RetroConfig | None) -> None:
+        """Bind the runtime to an engine (its ``VllmConfig``) and its retro config (None:
+        retro off). A different engine in the same process (tests, notebooks) starts from
+        a clean state: everything the previous one held is freed first."""
+        if engine_config is self._engine:
+            if config != self.config:
+                raise ValueError(f"retro runtime already configured with {self.config}, "
+                                 f"got a different config {config}")
+            return
+        self.close()
+        self._engine = engine_config
+        self.config = config
+        self.step = None
+        self._slot_to_req = {}
 
     @property
     def manager(self) -> WaveBufferManager:
         """The process's wave buffer manager (created on first use)."""
         if self._manager is None:
             if self.config is None:
-                raise RuntimeError("retro runtime used before configure()")
+                raise RuntimeError("retro runtime used while retro is off for this engine")
             self._manager = WaveBufferManager(self.config)
         return self._manager
 
