@@ -9,7 +9,7 @@ counters are read from other threads (metrics, tests).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,8 @@ class RetroCounters:
     peak_decode_rows: int = 0
     """Most requests decoded (dense or retro) in one step."""
     index_build_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+    kv_heads: int = 0
+    """KV heads per index on this worker (its tensor-parallel share)."""
 
 
 class RetroRuntime:
@@ -56,13 +57,14 @@ class RetroRuntime:
     def attach(self, engine_config: object, config: RetroConfig | None) -> None:
         """Bind the runtime to an engine (its ``VllmConfig``) and its retro config (None:
         retro off). A different engine in the same process (tests, notebooks) starts from
-        a clean state: everything the previous one held is freed first."""
+        a clean state: everything the previous one held is freed, counters restart."""
         if engine_config is self._engine:
             if config != self.config:
                 raise ValueError(f"retro runtime already configured with {self.config}, "
                                  f"got a different config {config}")
             return
         self.close()
+        self.counters = RetroCounters()
         self._engine = engine_config
         self.config = config
         self.step = None
@@ -105,6 +107,7 @@ class RetroRuntime:
             old = per_layer.pop(layer, None)
             per_layer[layer] = index
             self.counters.indexes_built += 1
+            self.counters.kv_heads = keys.shape[0]
             self.counters.peak_live_requests = max(self.counters.peak_live_requests,
                                                    len(self._indexes))
         if old is not None:

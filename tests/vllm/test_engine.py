@@ -1,0 +1,125 @@
+"""The retro plugin inside a real vLLM engine (in-process, CPU, tiny Llama)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm.engines import (
+    FULL_BUDGET,
+    TINY_RETRO,
+    engine,
+    finish_step,
+    greedy,
+    random_prompts,
+)
+from vllm_retro.config import ConfigError
+from vllm_retro.vllm.runtime import get_runtime
+from vllm_retro.vllm.settings import engine_kwargs
+
+pytestmark = pytest.mark.usefixtures("inprocess")
+
+# min_indexed_context under TINY_RETRO: 4 sink + 16 window + 64 update = 84 tokens.
+LENGTHS = [30, 60, 90, 700, 1500, 3000]
+MAX_TOKENS = [20, 100, 100, 100, 100, 100]
+
+
+def _generate(llm, lengths, max_tokens):
+    outs = llm.generate(random_prompts(lengths), [greedy(m) for m in max_tokens])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
+    # Chunked prefill (512-token chunks), mixed lengths, continuous batching; budgets
+    # covering every cluster make the wave index exact, so greedy outputs must agree.
+    with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
+        stock = _generate(llm, LENGTHS, MAX_TOKENS)
+        assert get_runtime().counters.indexes_built == 0
+    with engine(tiny_model_dir, retro={**TINY_RETRO, **FULL_BUDGET},
+                max_num_batched_tokens=512) as llm:
+        retro = _generate(llm, LENGTHS, MAX_TOKENS)
+        rt = get_runtime()
+        c = rt.counters
+        # Every request but the 30-token one (50 tokens in all) reaches 84 tokens and is
+        # indexed: the long prompts when their prefill completes, the 60-token one during
+        # decoding; 2 layers each.
+        assert c.requests_indexed == 5
+        assert c.indexes_built == 10
+        assert c.retro_decode_tokens > 2 * 4 * 90
+        assert c.kv_heads == 2
+        finish_step(llm)
+        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert retro == stock
+
+
+def test_default_budgets_stay_close_to_stock(tiny_model_dir):
+    # A random model has no attention structure to exploit, so only check that default
+    # budgets run every zone and produce valid tokens of the right count.
+    with engine(tiny_model_dir, retro=TINY_RETRO) as llm:
+        out = _generate(llm, [1500, 3000], [80, 80])
+        assert [len(o) for o in out] == [80, 80]
+        assert get_runtime().counters.retro_decode_tokens >= 2 * 2 * 79
+
+
+def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
+    # 40 blocks of 128 tokens: one 3500-token request fits, two do not. Stock vLLM must
+    # serve the four requests one after another; retro frees each request's blocks once
+    # it is indexed, so all four decode together.
+    kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
+    prompts, params = [3500] * 4, [40] * 4
+    with engine(tiny_model_dir, **kw) as llm:
+        stock = _generate(llm, prompts, params)
+        stock_peak = get_runtime().counters.peak_decode_rows
+    with engine(tiny_model_dir, retro=TINY_RETRO, **kw) as llm:
+        retro = _generate(llm, prompts, params)
+        retro_peak = get_runtime().counters.peak_decode_rows
+        assert get_runtime().counters.requests_indexed == 4
+    assert [len(o) for o in stock] == [len(o) for o in retro] == params
+    assert stock_peak == 1
+    assert retro_peak == 4
+
+
+def test_finished_and_aborted_requests_free_every_byte(tiny_model_dir):
+    with engine(tiny_model_dir, retro=TINY_RETRO) as llm:
+        rt = get_runtime()
+        eng = llm.llm_engine
+        long_a, long_b = random_prompts([2000, 2500], seed=3)
+        eng.add_request("a", long_a, greedy(200))
+        eng.add_request("b", long_b, greedy(30))
+        for _ in range(200):
+            eng.step()
+            if rt.counters.retro_decode_tokens >= 2 * 2 * 10:
+                break
+        assert len(rt.live_requests()) == 2
+        host, _ = rt.live_bytes()
+        assert host > 2 * 2 * 2000 * 2 * 32 * 4  # both requests' KV in the host tier
+        eng.abort_request(["a"])  # mid-decoding
+        while eng.has_unfinished_requests():
+            eng.step()
+        finish_step(llm)
+        assert rt.live_requests() == []
+        assert rt.live_bytes() == (0, 0)
+        assert rt.counters.requests_released == 2
+
+
+def test_bad_retro_value_fails_at_startup_naming_it(tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"retrieval_budget=2\.0"):
+        engine_kwargs(retrieval_budget=2.0)
+    bad = engine_kwargs()
+    bad["additional_config"] = {"retro": {"retrieval_budget": 2.0}}
+    with pytest.raises(Exception, match=r"retrieval_budget=2\.0 is invalid; accepted"), \
+            engine(tiny_model_dir, **bad):
+        pass
+
+
+def test_retro_settings_without_connector_fail_at_startup(tiny_model_dir):
+    with pytest.raises(Exception, match="kv-transfer-config"), \
+            engine(tiny_model_dir, additional_config={"retro": {}}):
+        pass
+
+
+def test_retro_switched_off_is_stock_vllm(tiny_model_dir):
+    with engine(tiny_model_dir, retro={"enabled": False}) as llm:
+        _generate(llm, [1500], [20])
+        rt = get_runtime()
+        assert rt.config is None
+        assert rt.counters.indexes_built == 0 and rt.counters.retro_decode_tokens == 0
