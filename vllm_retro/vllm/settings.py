@@ -14,6 +14,7 @@ from vllm_retro.config import ConfigError, RetroConfig
 
 CONNECTOR_NAME = "RetroConnector"
 CONNECTOR_MODULE = "vllm_retro.vllm.connector"
+WORKER_EXTENSION = "vllm_retro.vllm.worker_ext.RetroWorkerExtension"
 
 
 class RetroSetupError(ValueError):
@@ -30,11 +31,13 @@ def engine_kwargs(**retro: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that run retro with ``retro``
     settings (any :class:`RetroConfig` field), validated here so a bad value fails early.
 
-    Example: ``LLM(model, **engine_kwargs(retrieval_budget=0.05))``.
+    Example: ``LLM(model, **engine_kwargs(retrieval_budget=0.05))``; then
+    ``llm.collective_rpc("retro_stats")`` reports each worker's counters and live bytes.
     """
     RetroConfig.from_dict(retro)
     return {"additional_config": {"retro": dict(retro)},
-            "kv_transfer_config": kv_transfer_config()}
+            "kv_transfer_config": kv_transfer_config(),
+            "worker_extension_cls": WORKER_EXTENSION}
 
 
 def _connector_name(vllm_config: Any) -> str | None:
