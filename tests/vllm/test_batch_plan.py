@@ -1,0 +1,62 @@
+"""Matching batch rows to the scheduler's plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_retro.vllm.batch_plan import plan_batch  # noqa: E402
+from vllm_retro.vllm.plan import RetroStepMetadata, RowStep  # noqa: E402
+from vllm_retro.vllm.runtime import RetroRuntime  # noqa: E402
+
+
+def _runtime(rows: dict[str, RowStep]) -> RetroRuntime:
+    rt = RetroRuntime()
+    rt.begin_step(RetroStepMetadata(rows=rows))
+    return rt
+
+
+def test_rows_route_by_the_slot_of_their_last_token():
+    # Batch order differs from the plan's order: row 0 = "c" (prefill chunk completing its
+    # prompt), row 1 = "a" (indexed decode), row 2 = "b" (short decode), row 3 = padding.
+    rt = _runtime({
+        "a": RowStep(slot=70, start=500, num_tokens=1, indexed=True, build_index=False),
+        "b": RowStep(slot=12, start=11, num_tokens=1, indexed=False, build_index=False),
+        "c": RowStep(slot=40, start=96, num_tokens=9, indexed=False, build_index=True),
+    })
+    qsl = torch.tensor([0, 9, 10, 11, 11])
+    slot_mapping = torch.tensor([32, 33, 34, 35, 36, 37, 38, 39, 40, 70, 12])
+    block_table = torch.arange(16).reshape(4, 4)
+    plan = plan_batch(rt, qsl, slot_mapping, block_table, num_reqs=4)
+    assert plan.dense_rows == [0, 2]
+    assert [(d.request_id, d.first, d.count) for d in plan.decodes] == [("a", 9, 1)]
+    (build,) = plan.builds
+    assert build.request_id == "c" and build.num_tokens == 105
+    assert torch.equal(build.block_ids, block_table[0])
+
+
+def test_a_row_outside_the_plan_is_a_clear_error():
+    rt = _runtime({})
+    with pytest.raises(RuntimeError, match="matches no request of this step's plan"):
+        plan_batch(rt, torch.tensor([0, 1]), torch.tensor([5]), torch.zeros(1, 1), 1)
+
+
+def test_released_requests_are_freed_before_the_step():
+    from vllm_retro.config import RetroConfig
+
+    rt = RetroRuntime()
+    rt.attach(object(), RetroConfig(update_segment=64, local_window=16, segment_size=256))
+    g = torch.Generator().manual_seed(0)
+    for rid in ("x", "y", "z"):
+        for layer in ("l0", "l1"):
+            rt.build_index(rid, layer, torch.randn(2, 300, 32, generator=g),
+                           torch.randn(2, 300, 32, generator=g))
+    assert rt.live_bytes()[0] > 0
+    rt.begin_step(RetroStepMetadata(released={"x", "y", "unknown"}))
+    assert rt.live_requests() == ["z"]
+    rt.begin_step(RetroStepMetadata(released={"z"}))
+    assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert rt.counters.requests_released == 3
+    rt.close()
