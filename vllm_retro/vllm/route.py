@@ -1,0 +1,207 @@
+"""The retro route through an attention backend, shared by the CPU and CUDA backends.
+
+Per batch row of a retro layer group:
+
+- rows of requests that are not indexed (prefill chunks, short requests) run the wrapped
+  backend's dense paged kernel, on a sub-batch when the batch also holds indexed rows;
+- at the step that completes an indexable request's sequence, after the dense pass, the
+  request's KV is read back from the paged cache and indexed (segmented clustering) into
+  the wave buffer, one layer at a time inside that layer's forward;
+- rows of indexed requests append their new K/V to the index and decode through the wave
+  index and wave buffer (tripartite attention; update blocks every ``update_segment``
+  tokens).
+
+The mixins below go in front of a vLLM backend's builder and impl classes; the concrete
+backend supplies :meth:`RouteImplMixin.read_kv` for its cache layout. With retro off the
+classes behave exactly as the wrapped backend. Sliding-window, encoder and KV-sharing
+layers always take the wrapped backend's path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+
+from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
+from vllm_retro.vllm.kv_manager import RetroAttentionSpec
+from vllm_retro.vllm.runtime import get_runtime
+from vllm_retro.vllm.settings import RetroSetupError, retro_config
+
+
+@dataclass
+class RetroMetadata:
+    """Attention metadata of a retro layer group for one step."""
+
+    num_actual_tokens: int
+    plan: BatchPlan
+    dense: Any
+    """The wrapped backend's metadata for the dense rows (None when there are none)."""
+    dense_tokens: torch.Tensor | None
+    """Batch token indices of the dense rows; None when they are the whole batch."""
+
+
+def _restrict(cm: CommonAttentionMetadata, rows: list[int]) -> tuple[CommonAttentionMetadata,
+                                                                     torch.Tensor]:
+    """``cm`` for a subset of its rows, and the batch token indices of those rows."""
+    qsl = cm.query_start_loc_cpu
+    idx = torch.tensor(rows, dtype=torch.long)
+    starts, ends = qsl[idx], qsl[idx + 1]
+    lens = ends - starts
+    tokens = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts, ends, strict=True)])
+    sub_qsl = torch.zeros(len(rows) + 1, dtype=qsl.dtype)
+    torch.cumsum(lens, 0, out=sub_qsl[1:])
+    dev = cm.seq_lens.device
+    seq_lens = cm.seq_lens.index_select(0, idx.to(dev))
+    upper = cm.seq_lens_cpu_upper_bound
+    changes = dict(
+        query_start_loc=sub_qsl.to(cm.query_start_loc.device),
+        query_start_loc_cpu=sub_qsl,
+        seq_lens=seq_lens,
+        num_reqs=len(rows),
+        num_actual_tokens=int(tokens.numel()),
+        max_query_len=int(lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=cm.block_table_tensor.index_select(0, idx.to(dev)),
+        slot_mapping=cm.slot_mapping.index_select(0, tokens.to(cm.slot_mapping.device)),
+        seq_lens_cpu_upper_bound=None if upper is None else upper[idx],
+        positions=None if cm.positions is None else cm.positions[tokens.to(dev)],
+        is_prefilling=None if cm.is_prefilling is None else cm.is_prefilling[idx.to(dev)],
+        logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None,
+        req_idx=None, mm_req_doc_ranges=None, rswa_prefix_lens=None,
+        dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None,
+        replayssm_decode_base_cpu=None,
+    )
+    names = {f.name for f in fields(cm)}
+    changes = {k: v for k, v in changes.items() if k in names}
+    changes.update({k: None for k in ("_num_computed_tokens_cache",
+                                       "_token_to_req_indices_cache") if k in names})
+    return cm.replace(**changes), tokens
+
+
+class RouteBuilderMixin:
+    """Goes before a vLLM metadata builder: adds the per-row route for retro groups."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.retro = isinstance(kv_cache_spec, RetroAttentionSpec)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> Any:
+        """The wrapped builder's metadata for non-retro groups; :class:`RetroMetadata` for
+        retro ones."""
+        cm = common_attn_metadata
+        rt = get_runtime()
+        qlens = cm.query_start_loc_cpu[1:cm.num_reqs + 1] - cm.query_start_loc_cpu[:cm.num_reqs]
+        c = rt.counters
+        c.peak_decode_rows = max(c.peak_decode_rows, int((qlens == 1).sum()))
+        if not self.retro or rt.step is None:
+            return super().build(common_prefix_len, cm, fast_build)
+        plan = plan_batch(rt, cm.query_start_loc_cpu, cm.slot_mapping, cm.block_table_tensor,
+                          cm.num_reqs)
+        if not plan.decodes:
+            dense, tokens = super().build(common_prefix_len, cm, fast_build), None
+        elif plan.dense_rows:
+            sub, tokens = _restrict(cm, plan.dense_rows)
+            dense = super().build(0, sub, fast_build)
+        else:
+            dense, tokens = None, None
+        return RetroMetadata(cm.num_actual_tokens, plan, dense, tokens)
+
+
+class RouteImplMixin:
+    """Goes before a vLLM attention impl: indexed rows decode through the wave index."""
+
+    num_heads: int
+    head_size: int
+    scale: float
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None,
+                 kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **kwargs: Any) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, sinks, **kwargs)
+        vllm_config = get_current_vllm_config()
+        cfg = retro_config(vllm_config)
+        get_runtime().attach(vllm_config, cfg)
+        self.retro = (cfg is not None and attn_type == AttentionType.DECODER
+                      and sliding_window is None)
+        if not self.retro:
+            return
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise RetroSetupError(
+                f"retro does not support a full-attention layer with {', '.join(bad)}; "
+                "accepted: plain softmax attention (set additional_config "
+                "{'retro': {'enabled': false}} for this model)")
+
+    def read_kv(self, layer: Any, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's first ``num_tokens`` keys and values, [H_kv, num_tokens, D] each,
+        from this backend's paged cache."""
+        raise NotImplementedError
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
+                output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense rows through the wrapped kernel, index builds, then wave-index decodes.
+
+        query: [T, H, D]; key, value: [T, H_kv, D] (already written to ``kv_cache``);
+        output: [T, H, D] or [T, H * D].
+        """
+        if not isinstance(attn_metadata, RetroMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        md = attn_metadata
+        rt = get_runtime()
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        if md.dense is not None:
+            if md.dense_tokens is None:
+                super().forward(layer, query, key, value, kv_cache, md.dense, output,
+                                output_scale, output_block_scale)
+            else:
+                tokens = md.dense_tokens.to(query.device)
+                sub_out = out.new_empty((tokens.numel(), self.num_heads, self.head_size))
+                super().forward(layer, query.index_select(0, tokens),
+                                key.index_select(0, tokens), value.index_select(0, tokens),
+                                kv_cache, md.dense, sub_out)
+                out.index_copy_(0, tokens, sub_out)
+            rt.counters.dense_tokens += md.dense.num_actual_tokens
+        name = layer.layer_name
+        for b in md.plan.builds:
+            t0 = time.perf_counter()
+            keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
+            rt.build_index(b.request_id, name, keys, values)
+            rt.counters.index_build_seconds += time.perf_counter() - t0
+        for d in md.plan.decodes:
+            index = rt.index(d.request_id, name)
+            for t in range(d.first, d.first + d.count):
+                index.append(key[t].unsqueeze(1), value[t].unsqueeze(1))
+                out[t] = index.decode(query[t], self.scale).output.to(out.dtype)
+            rt.counters.retro_decode_tokens += d.count
+        return output
+
+
+def retro_spec(spec: AttentionSpec) -> AttentionSpec:
+    """A full-attention layer's spec as :class:`RetroAttentionSpec` when retro is on in this
+    process's engine; any other spec unchanged (for backends' ``customize_spec``)."""
+    if (get_runtime().config is None or type(spec) is not FullAttentionSpec
+            or spec.sliding_window is not None or spec.attention_chunk_size is not None):
+        return spec
+    return RetroAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})
