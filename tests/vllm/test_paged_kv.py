@@ -52,3 +52,32 @@ def test_too_short_block_row_is_a_clear_error():
     kv = torch.zeros(4, 1, 32, 64)
     with pytest.raises(ValueError, match="block row has 1 blocks; 40 tokens at block size 32"):
         read_cpu_paged_kv(kv, torch.tensor([1]), 40, "vec")
+
+
+def test_flash_attention_layout_round_trip():
+    from vllm_retro.vllm.paged_kv import read_flash_paged_kv
+
+    g = torch.Generator().manual_seed(1)
+    nb, h, bs, d, n = 6, 2, 16, 64, 37
+    kv = torch.zeros(nb, h, bs, 2 * d)
+    blocks = torch.tensor([4, 1, 3])
+    keys, values = torch.randn(h, n, d, generator=g), torch.randn(h, n, d, generator=g)
+    for t in range(n):  # what FlashAttention's cache write does, token by token
+        b, o = int(blocks[t // bs]), t % bs
+        kv[b, :, o, :d], kv[b, :, o, d:] = keys[:, t], values[:, t]
+    # FlashAttention's own split of the cache: (B, H, N, 2D) -> (B, N, H, D) x 2.
+    key_cache, _ = kv.transpose(1, 2).split(d, dim=-1)
+    assert torch.equal(key_cache[4, 5], keys[:, 5])
+    k, v = read_flash_paged_kv(kv, blocks, n)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+
+
+def test_cuda_backend_classes_wrap_flash_attention():
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_retro.vllm.backend_cuda import RetroFlashAttentionBackend
+
+    assert RetroFlashAttentionBackend.get_name() == "CUSTOM"
+    builder = RetroFlashAttentionBackend.get_builder_cls()
+    assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER
+    assert RetroFlashAttentionBackend.get_impl_cls().__name__ == "RetroFlashAttentionImpl"

@@ -82,3 +82,22 @@ def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_token
     keys = keys.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
     values = values.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
     return keys.contiguous(), values.contiguous()
+
+
+def read_flash_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``num_tokens`` tokens of one request, from the cache of
+    vLLM's FlashAttention backend: [num_blocks, H_kv, block_size, 2 * D], keys in the first
+    ``D`` channels and values in the last ``D`` (the backend splits the last dim).
+
+    Returns two contiguous [H_kv, num_tokens, D] tensors on the cache's device.
+    """
+    nb, h, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    need = -(-num_tokens // bs)
+    if block_ids.numel() < need:
+        raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
+                         f"at block size {bs} need {need}")
+    ids = block_ids[:need].to(device=kv_cache.device, dtype=torch.long)
+    blocks = kv_cache.index_select(0, ids).transpose(0, 1).reshape(h, need * bs, d2)
+    return (blocks[:, :num_tokens, :d].contiguous(), blocks[:, :num_tokens, d:].contiguous())

@@ -35,6 +35,9 @@ def register() -> None:
             # The CPU platform ignores every backend choice but CPU_ATTN.
             register_backend(AttentionBackendEnum.CPU_ATTN,
                              "vllm_retro.vllm.backend.RetroAttentionBackend")
+        elif current_platform.is_cuda():
+            register_backend(AttentionBackendEnum.CUSTOM,
+                             "vllm_retro.vllm.backend_cuda.RetroFlashAttentionBackend")
         register_spec()
         # ValueError: already registered (by a second plugin load in this process).
         with contextlib.suppress(ValueError):

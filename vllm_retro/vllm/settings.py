@@ -35,9 +35,14 @@ def engine_kwargs(**retro: Any) -> dict[str, Any]:
     ``llm.collective_rpc("retro_stats")`` reports each worker's counters and live bytes.
     """
     RetroConfig.from_dict(retro)
-    return {"additional_config": {"retro": dict(retro)},
-            "kv_transfer_config": kv_transfer_config(),
-            "worker_extension_cls": WORKER_EXTENSION}
+    kwargs: dict[str, Any] = {"additional_config": {"retro": dict(retro)},
+                              "kv_transfer_config": kv_transfer_config(),
+                              "worker_extension_cls": WORKER_EXTENSION}
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        kwargs["attention_backend"] = "CUSTOM"  # the retro FlashAttention backend
+    return kwargs
 
 
 def _connector_name(vllm_config: Any) -> str | None:
