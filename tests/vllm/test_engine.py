@@ -13,6 +13,7 @@ from tests.vllm.engines import (
     random_prompts,
 )
 from vllm_retro.config import ConfigError
+from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.runtime import get_runtime
 from vllm_retro.vllm.settings import engine_kwargs
 
@@ -76,6 +77,29 @@ def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
     assert [len(o) for o in stock] == [len(o) for o in retro] == params
     assert stock_peak == 1
     assert retro_peak == 4
+
+
+def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
+    # 40 blocks of 128 tokens. Eight short requests grow to 700 tokens each (dense: below the
+    # 1044-token indexing threshold of these settings), which needs 48 blocks; the long
+    # request, indexed when its prefill completes, arrived last and is the one vLLM
+    # preempts. It is recomputed from scratch, indexed again, and must still produce
+    # exactly what stock vLLM produces (full budgets).
+    retro = {**TINY_RETRO, **FULL_BUDGET, "update_segment": 1024}
+    kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
+    lengths, params = [100] * 8 + [1500], [600] * 9
+    with engine(tiny_model_dir, **kw) as llm:
+        stock = _generate(llm, lengths, params)
+    before = schedule_state.num_preempted()
+    with engine(tiny_model_dir, retro=retro, **kw) as llm:
+        out = _generate(llm, lengths, params)
+        c = get_runtime().counters
+        finish_step(llm)
+        assert get_runtime().live_bytes() == (0, 0)
+    after = schedule_state.num_preempted()
+    assert after[1] - before[1] >= 1  # the indexed request was preempted ...
+    assert c.requests_indexed >= 2 and c.indexes_built >= 4  # ... and indexed again
+    assert out == stock
 
 
 def test_finished_and_aborted_requests_free_every_byte(tiny_model_dir):

@@ -72,9 +72,10 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         """This step's plan: a :class:`RowStep` per scheduled request, and the released
         requests (finished since the last step, or preempted)."""
         so = scheduler_output
-        released = set(so.finished_req_ids) | set(so.preempted_req_ids or ())
+        preempted = set(so.preempted_req_ids or ())
+        released = set(so.finished_req_ids) | preempted
         for rid in released:
-            schedule_state.release(rid)
+            schedule_state.release(rid, preempted=rid in preempted)
         for rid in so.finished_req_ids:
             self._requests.pop(rid, None)
         meta = RetroStepMetadata(released=released)

@@ -11,6 +11,8 @@ import threading
 
 _lock = threading.Lock()
 _indexed_at: dict[str, int] = {}
+_preempted = 0
+_preempted_indexed = 0
 
 
 def mark_indexed(request_id: str, num_tokens: int) -> None:
@@ -20,10 +22,19 @@ def mark_indexed(request_id: str, num_tokens: int) -> None:
         _indexed_at[request_id] = num_tokens
 
 
-def release(request_id: str) -> None:
-    """Forget ``request_id`` (finished, aborted or preempted)."""
+def release(request_id: str, preempted: bool = False) -> None:
+    """Forget ``request_id`` (finished, aborted or ``preempted``)."""
+    global _preempted, _preempted_indexed
     with _lock:
-        _indexed_at.pop(request_id, None)
+        was_indexed = _indexed_at.pop(request_id, None) is not None
+        _preempted += preempted
+        _preempted_indexed += preempted and was_indexed
+
+
+def num_preempted() -> tuple[int, int]:
+    """(all, indexed) requests preempted in this process's scheduler (monotonic)."""
+    with _lock:
+        return _preempted, _preempted_indexed
 
 
 def indexed_at(request_id: str) -> int | None:
