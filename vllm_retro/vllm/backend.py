@@ -15,10 +15,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_retro.vllm.paged_kv import read_cpu_paged_kv
-from vllm_retro.vllm.route import RouteBuilderMixin, RouteImplMixin, retro_spec
+from vllm_retro.vllm.route import RouteBackendMixin, RouteBuilderMixin, RouteImplMixin
 
 
 class RetroMetadataBuilder(RouteBuilderMixin, CPUAttentionMetadataBuilder):
@@ -34,7 +33,7 @@ class RetroAttentionImpl(RouteImplMixin, CPUAttentionBackendImpl):
         return read_cpu_paged_kv(kv_cache, block_ids, num_tokens, layer.isa)
 
 
-class RetroAttentionBackend(CPUAttentionBackend):
+class RetroAttentionBackend(RouteBackendMixin, CPUAttentionBackend):
     """``CPU_ATTN`` with the retro route."""
 
     @staticmethod
@@ -49,8 +48,3 @@ class RetroAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[RetroMetadataBuilder]:
         return RetroMetadataBuilder
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Full-attention layers report :class:`RetroAttentionSpec` when retro is on."""
-        return retro_spec(super().customize_spec(spec))

@@ -23,10 +23,9 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_retro.vllm.paged_kv import read_flash_paged_kv
-from vllm_retro.vllm.route import RouteBuilderMixin, RouteImplMixin, retro_spec
+from vllm_retro.vllm.route import RouteBackendMixin, RouteBuilderMixin, RouteImplMixin
 
 
 class RetroFlashMetadataBuilder(RouteBuilderMixin, FlashAttentionMetadataBuilder):
@@ -49,7 +48,7 @@ class RetroFlashAttentionImpl(RouteImplMixin, FlashAttentionImpl):
         return read_flash_paged_kv(kv_cache, block_ids, num_tokens)
 
 
-class RetroFlashAttentionBackend(FlashAttentionBackend):
+class RetroFlashAttentionBackend(RouteBackendMixin, FlashAttentionBackend):
     """FlashAttention with the retro route, selected as ``CUSTOM``."""
 
     @staticmethod
@@ -63,8 +62,3 @@ class RetroFlashAttentionBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[RetroFlashMetadataBuilder]:
         return RetroFlashMetadataBuilder
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Full-attention layers report :class:`RetroAttentionSpec` when retro is on."""
-        return retro_spec(super().customize_spec(spec))

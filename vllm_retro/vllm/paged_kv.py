@@ -60,6 +60,16 @@ def plane_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int
     return k_pos, v_pos
 
 
+def _blocks_for(block_ids: torch.Tensor, num_tokens: int, block_size: int,
+                device: torch.device) -> torch.Tensor:
+    """The leading entries of a block-table row that hold ``num_tokens`` tokens (long)."""
+    need = -(-num_tokens // block_size)
+    if block_ids.numel() < need:
+        raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
+                         f"at block size {block_size} need {need}")
+    return block_ids[:need].to(device=device, dtype=torch.long)
+
+
 def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
                       isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the first ``num_tokens`` tokens of one request.
@@ -70,12 +80,9 @@ def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_token
     """
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
-    need = -(-num_tokens // bs)
-    if block_ids.numel() < need:
-        raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
-                         f"at block size {bs} need {need}")
+    ids = _blocks_for(block_ids, num_tokens, bs, kv_cache.device)
+    need = ids.numel()
     k_pos, v_pos = plane_layout(isa, kv_cache.dtype, bs, d)
-    ids = block_ids[:need].to(device=kv_cache.device, dtype=torch.long)
     planes = kv_cache.reshape(nb, h, 2 * bs * d).index_select(0, ids)  # [need, H, plane]
     keys = planes.index_select(2, k_pos).view(need, h, bs, d)
     values = planes.index_select(2, v_pos).view(need, h, bs, d)
@@ -94,10 +101,7 @@ def read_flash_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tok
     """
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
-    need = -(-num_tokens // bs)
-    if block_ids.numel() < need:
-        raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
-                         f"at block size {bs} need {need}")
-    ids = block_ids[:need].to(device=kv_cache.device, dtype=torch.long)
+    ids = _blocks_for(block_ids, num_tokens, bs, kv_cache.device)
+    need = ids.numel()
     blocks = kv_cache.index_select(0, ids).transpose(0, 1).reshape(h, need * bs, d2)
     return (blocks[:, :num_tokens, :d].contiguous(), blocks[:, :num_tokens, d:].contiguous())

@@ -198,10 +198,14 @@ class RouteImplMixin:
         return output
 
 
-def retro_spec(spec: AttentionSpec) -> AttentionSpec:
-    """A full-attention layer's spec as :class:`RetroAttentionSpec` when retro is on in this
-    process's engine; any other spec unchanged (for backends' ``customize_spec``)."""
-    if (get_runtime().config is None or type(spec) is not FullAttentionSpec
-            or spec.sliding_window is not None or spec.attention_chunk_size is not None):
-        return spec
-    return RetroAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+class RouteBackendMixin:
+    """Goes before a vLLM attention backend class: full-attention layers report
+    :class:`RetroAttentionSpec` when retro is on in this process's engine."""
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        spec = super().customize_spec(spec)
+        if (get_runtime().config is None or type(spec) is not FullAttentionSpec
+                or spec.sliding_window is not None or spec.attention_chunk_size is not None):
+            return spec
+        return RetroAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})
