@@ -1,5 +1,5 @@
 """Exit 0 when every top-level package of this checkout imports from this checkout and the
-installed entry points match pyproject's (the editable install is current), 1 otherwise."""
+installed entry points and console scripts match pyproject's (the editable install is current), 1 otherwise."""
 
 import importlib
 import pathlib
@@ -14,7 +14,10 @@ for name in ("vllm_retro", "kernels", "server"):
     if mod.__file__ is None or pathlib.Path(mod.__file__).resolve().parent.parent != root:
         sys.exit(1)
 
-declared = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("entry-points", {})
+project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+declared = dict(project.get("entry-points", {}))
+if "scripts" in project:
+    declared["console_scripts"] = project["scripts"]
 for group, items in declared.items():
     installed = {e.name: e.value for e in entry_points(group=group)}
     if any(installed.get(name) != value for name, value in items.items()):

@@ -74,6 +74,10 @@ class WaveBufferManager:
         shape = (num_heads, tokens, head_dim)
         return k[:need].view(shape), v[:need].view(shape)
 
+    def exec_nbytes(self) -> int:
+        """Device bytes of the shared execution buffers (K and V, every dtype and device)."""
+        return sum(2 * k.numel() * k.element_size() for k, _ in self._exec.values())
+
     def close(self) -> None:
         """Free every request, the execution buffers, and stop the worker."""
         for rid in self.live_requests():

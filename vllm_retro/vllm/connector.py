@@ -23,6 +23,7 @@ from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.settings import retro_config
+from vllm_retro.vllm.stats import RetroConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from vllm_retro.vllm.metrics import RetroPromMetrics
 
 
 class RetroConnector(KVConnectorBase_V1, SupportsHMA):
@@ -136,3 +139,41 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         """Nothing to wait for."""
+
+    # ------------------------------------------------------------------ metrics
+    def get_kv_connector_stats(self) -> RetroConnectorStats | None:
+        """Worker side, after every step: this worker's counter increments, gauges and index
+        build times (see :mod:`vllm_retro.vllm.stats`). The scheduler side reports nothing."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        from vllm_retro.vllm.runtime import get_runtime
+
+        return get_runtime().take_stats(_worker_rank())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> RetroConnectorStats | None:
+        """Rebuild the stats object from its payload (API server side)."""
+        return RetroConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> RetroPromMetrics | None:
+        """Retro's families on ``/metrics`` (see :mod:`vllm_retro.vllm.metrics`)."""
+        from vllm_retro.vllm.metrics import RetroPromMetrics
+
+        if retro_config(vllm_config) is None:
+            return None
+        return RetroPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _worker_rank() -> int:
+    """This worker's rank in the engine's worker group (0 without distributed state)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_world_group().rank_in_group
+    except (AssertionError, AttributeError):
+        return 0

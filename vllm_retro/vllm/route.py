@@ -104,6 +104,8 @@ class RouteBuilderMixin:
             return super().build(common_prefix_len, cm, fast_build)
         plan = plan_batch(rt, cm.query_start_loc_cpu, cm.slot_mapping, cm.block_table_tensor,
                           cm.num_reqs)
+        c.sparse_decode_tokens += sum(d.count for d in plan.decodes)
+        c.dense_decode_tokens += sum(1 for r in plan.dense_rows if int(qlens[r]) == 1)
         if not plan.decodes:
             dense, tokens = super().build(common_prefix_len, cm, fast_build), None
         elif plan.dense_rows:
@@ -188,11 +190,12 @@ class RouteImplMixin:
             t0 = time.perf_counter()
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
             rt.build_index(b.request_id, name, keys, values)
-            rt.counters.index_build_seconds += time.perf_counter() - t0
+            rt.note_build_time(b.request_id, time.perf_counter() - t0)
         for d in md.plan.decodes:
             index = rt.index(d.request_id, name)
             for t in range(d.first, d.first + d.count):
-                index.append(key[t].unsqueeze(1), value[t].unsqueeze(1))
+                if index.append(key[t].unsqueeze(1), value[t].unsqueeze(1)):
+                    rt.counters.index_updates += 1
                 out[t] = index.decode(query[t], self.scale).output.to(out.dtype)
             rt.counters.retro_decode_tokens += d.count
         return output

@@ -17,6 +17,15 @@ from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
+
+_BUFFER_COUNTERS = {"cluster_hits": "cache_hit_clusters", "cluster_misses": "cache_miss_clusters",
+                    "bytes_h2d": "host_to_device_bytes", "pages_admitted": "cache_admitted_pages",
+                    "pages_evicted": "cache_evicted_pages"}
+_RUNTIME_COUNTERS = {"requests_indexed": "indexed_requests", "indexed_tokens": "indexed_tokens",
+                     "index_updates": "index_updates",
+                     "sparse_decode_tokens": "sparse_decode_tokens",
+                     "dense_decode_tokens": "dense_decode_tokens"}
 
 
 @dataclass
@@ -36,6 +45,14 @@ class RetroCounters:
     peak_decode_rows: int = 0
     """Most requests decoded (dense or retro) in one step."""
     index_build_seconds: float = 0.0
+    indexed_tokens: int = 0
+    """Context tokens of the requests indexed (once per request, not per layer)."""
+    index_updates: int = 0
+    """(request, layer) update blocks clustered into an index during decoding."""
+    sparse_decode_tokens: int = 0
+    """Decoded tokens served through the wave index (once per token, not per layer)."""
+    dense_decode_tokens: int = 0
+    """Decoded tokens of retro layer groups served by vLLM's dense kernel (short requests)."""
     kv_heads: int = 0
     """KV heads per index on this worker (its tensor-parallel share)."""
 
@@ -52,6 +69,8 @@ class RetroRuntime:
         self.step: RetroStepMetadata | None = None
         self._slot_to_req: dict[int, tuple[str, RowStep]] = {}
         self.counters = RetroCounters()
+        self._reported: dict[str, float] = {}
+        self._build_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def attach(self, engine_config: object, config: RetroConfig | None) -> None:
@@ -65,6 +84,8 @@ class RetroRuntime:
             return
         self.close()
         self.counters = RetroCounters()
+        self._reported = {}
+        self._build_seconds = {}
         self._engine = engine_config
         self.config = config
         self.step = None
@@ -104,6 +125,7 @@ class RetroRuntime:
             per_layer = self._indexes.setdefault(request_id, {})
             if not per_layer:
                 self.counters.requests_indexed += 1
+                self.counters.indexed_tokens += keys.shape[1]
             old = per_layer.pop(layer, None)
             per_layer[layer] = index
             self.counters.indexes_built += 1
@@ -113,6 +135,13 @@ class RetroRuntime:
         if old is not None:
             old.free()
         return index
+
+    def note_build_time(self, request_id: str, seconds: float) -> None:
+        """Add ``seconds`` (reading back one layer's KV and indexing it) to the request's
+        index build time."""
+        self.counters.index_build_seconds += seconds
+        with self._lock:
+            self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
         """The index of ``request_id`` at ``layer``; a clear error if it does not exist."""
@@ -155,6 +184,35 @@ class RetroRuntime:
             else:
                 host += extra
         return host, device
+
+    def take_stats(self, rank: int) -> RetroConnectorStats | None:
+        """This worker's payload for vLLM's connector-stats route: counter increments since
+        the previous call, current gauges, and the index build time (seconds, all layers
+        on this worker) of each request indexed since then. None while retro is off."""
+        if self.config is None:
+            return None
+        now = {new: getattr(self.counters, old) for old, new in _RUNTIME_COUNTERS.items()}
+        if self._manager is not None:
+            snap = self._manager.stats.snapshot()
+            now.update({new: snap[old] for old, new in _BUFFER_COUNTERS.items()})
+        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        with self._lock:
+            live = len(self._indexes)
+            clusters = sum(i.num_clusters * i.num_kv_heads for d in self._indexes.values()
+                           for i in d.values())
+            builds = list(self._build_seconds.values())
+            self._build_seconds = {}
+        host, device = self.live_bytes()
+        if self._manager is not None:
+            device += self._manager.exec_nbytes()
+        r = str(rank)
+        return RetroConnectorStats(data={
+            COUNTERS: {r: deltas},
+            GAUGES: {r: {"live_requests": live, "clusters": clusters, "host_tier_bytes": host,
+                         "device_tier_bytes": device}},
+            BUILD_SECONDS: {r: builds} if builds else {},
+        })
 
     def close(self) -> None:
         """Free every request and the buffer manager (execution buffers, worker thread)."""
