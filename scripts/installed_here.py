@@ -1,5 +1,6 @@
 """Exit 0 when every top-level package of this checkout imports from this checkout and the
-installed entry points and console scripts match pyproject's (the editable install is current), 1 otherwise."""
+installed entry points and console scripts match pyproject's (the editable install is
+current), 1 otherwise."""
 
 import importlib
 import pathlib

@@ -22,6 +22,7 @@ from server.default_model import DEFAULT_SERVED_NAME, default_model_dir
 from server.retro_args import add_retro_arguments, retro_overrides, strip_retro_arguments
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         "assembled from its registry packages on first use and cached.")
     serve.epilog = (serve.epilog or "").replace("vllm serve", "vllm-retro serve")
     # None marks "not given" so the embedded default can be chosen; loopback by default.
-    serve.set_defaults(model=None, host=DEFAULT_HOST)
+    # Drain (not abort) on SIGTERM: in-flight requests get DEFAULT_SHUTDOWN_TIMEOUT_S to
+    # finish and the engine processes exit on their own instead of being killed mid-step.
+    serve.set_defaults(model=None, host=DEFAULT_HOST,
+                       shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S)
     add_retro_arguments(serve)
     return parser
 
