@@ -8,9 +8,12 @@ export TRANSFORMERS_OFFLINE := 1
 setup:
 	./scripts/setup-venv.sh
 
+# MODEL: a local model directory (default: the embedded Qwen2.5-Coder-0.5B-Instruct);
+# SERVE_ARGS: more `vllm-retro serve` options, e.g. SERVE_ARGS="--port 9000 --api-key KEY".
+MODEL ?=
+SERVE_ARGS ?=
 serve: setup
-	@echo "vllm-retro serve: not yet -- the OpenAI-compatible server lands with the server issue."
-	@echo "Installed: $$($(PY) -c 'import vllm_retro; print(vllm_retro.__file__)')"
+	.venv/bin/vllm-retro serve $(MODEL) $(SERVE_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -4,6 +4,11 @@ budgets."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +85,31 @@ def test_default_model_answers_and_is_indexed(default_server: Server,
     assert sample(text, "vllm_retro:decode_tokens_total", route="sparse", **labels) >= 1
     assert sample(text, "vllm_retro:index_build_seconds_count", **labels) == 1
     assert sample(text, "vllm_retro:live_requests", **labels) == 0
+
+
+def _readme_block(lang: str, marker: str) -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(rf"```{lang}\n(.*?)```", readme, flags=re.S)
+    hits = [b for b in blocks if marker in b]
+    assert len(hits) == 1, f"README: expected one {lang} block with {marker!r}"
+    return hits[0]
+
+
+def test_readme_examples_work_as_written(default_server: Server) -> None:
+    """The README's curl and openai examples, run as written (only the port differs), get
+    answers from the default model."""
+    curl = _readme_block("bash", "curl -s http://127.0.0.1:8000/v1/chat/completions")
+    py = _readme_block("python", 'OpenAI(base_url="http://127.0.0.1:8000/v1"')
+    base = "http://127.0.0.1:8000"
+    if shutil.which("curl"):
+        out = subprocess.run(["bash", "-c", curl.replace(base, default_server.url)],
+                             capture_output=True, text=True, timeout=300, check=True)
+        reply = json.loads(out.stdout)
+        assert reply["model"] == DEFAULT_SERVED_NAME
+        assert "def " in reply["choices"][0]["message"]["content"]
+    out = subprocess.run([sys.executable, "-c", py.replace(base, default_server.url)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert len(out.stdout.split()) > 5, out.stdout
 
 
 def test_default_server_stops_on_sigterm(default_server: Server) -> None:
