@@ -22,6 +22,9 @@ from server.default_model import DEFAULT_SERVED_NAME, default_model_dir
 from server.retro_args import add_retro_arguments, retro_overrides, strip_retro_arguments
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MODEL_TOKEN = ":default:"
+"""Stands for "no MODEL given" on vLLM's argument list: vLLM's parser insists on a positional
+model before options such as ``--served-model-name``."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 2
 
 
@@ -52,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S)
     add_retro_arguments(serve)
     return parser
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None
+               ) -> argparse.Namespace:
+    """Parse a ``vllm-retro`` command line (``argv`` without the program name)."""
+    argv = list(argv)
+    if argv[:1] == ["serve"] and (len(argv) == 1 or argv[1].startswith("-")) and not any(
+            a == "--model" or a.startswith("--model=") for a in argv):
+        argv.insert(1, DEFAULT_MODEL_TOKEN)
+    return (parser or build_parser()).parse_args(argv)
 
 
 def apply_retro(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,7 +112,7 @@ def apply_retro(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_model(args: argparse.Namespace) -> None:
     """MODEL from the positional argument or ``--model``; the embedded default otherwise."""
-    if args.model_tag is not None:
+    if args.model_tag not in (None, DEFAULT_MODEL_TOKEN):
         args.model = args.model_tag
     if args.model is None:
         print("vllm-retro: no MODEL given; serving the embedded default "
@@ -174,7 +187,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry point ``vllm-retro``."""
-    args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
+    args = parse_args(argv if argv is not None else sys.argv[1:])
     if args.command == "serve":
         serve(args)
 

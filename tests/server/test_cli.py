@@ -35,7 +35,7 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _serve(parser: argparse.ArgumentParser, *argv: str) -> argparse.Namespace:
-    return parser.parse_args(["serve", *argv])
+    return cli.parse_args(["serve", *argv], parser)
 
 
 def test_apply_retro_folds_flags_and_json_into_engine_options(
@@ -208,7 +208,7 @@ def test_defaults(parser: argparse.ArgumentParser) -> None:
     assert args.port == 8000
     assert args.shutdown_timeout == cli.DEFAULT_SHUTDOWN_TIMEOUT_S
     assert args.model is None
-    assert args.model_tag is None
+    assert args.model_tag in (None, cli.DEFAULT_MODEL_TOKEN)  # "no MODEL" either way
 
 
 def test_resolve_model_local_dir_goes_offline(parser: argparse.ArgumentParser, tmp_path: Path,
@@ -258,14 +258,17 @@ def test_resolve_model_without_model_uses_embedded_default(
     assert args.served_model_name == ["mine"]
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="vLLM's FlexibleArgumentParser requires a positional MODEL "
-                          "whenever --served-model-name is given")
-def test_served_model_name_without_model(parser: argparse.ArgumentParser) -> None:
-    """``vllm-retro serve --served-model-name X`` (embedded default model, own name) should
-    parse; today vLLM's argument preprocessing raises ValueError with a traceback."""
-    args = _serve(parser, "--served-model-name", "mine")
-    assert args.served_model_name == ["mine"]
+def test_served_model_name_without_model(parser: argparse.ArgumentParser, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vllm-retro serve --served-model-name X`` (embedded default model, own name) parses
+    although vLLM's own preprocessing insists on a positional model, and serves the default
+    model under that name."""
+    monkeypatch.setattr(cli, "default_model_dir", lambda: tmp_path)
+    for argv in (("--served-model-name", "mine"), ("--served-model-name=mine",)):
+        args = _serve(parser, *argv)
+        assert args.served_model_name == ["mine"]
+        cli.resolve_model(args)
+        assert args.model == str(tmp_path) and args.served_model_name == ["mine"]
 
 
 # ---------------------------------------------------------------------- banner
