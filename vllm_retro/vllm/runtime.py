@@ -221,6 +221,9 @@ class RetroRuntime:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+        # The next manager's counters start from zero: so must its reported baseline.
+        self._reported = {k: v for k, v in self._reported.items()
+                          if k not in _BUFFER_COUNTERS.values()}
 
 
 _runtime: RetroRuntime | None = None
