@@ -5,16 +5,22 @@ attention runs through the strongest kernel available on the machine — vLLM's 
 paged-attention kernel on CPU, PyTorch's FlashAttention SDPA backend on CUDA — and the wave
 index + wave buffer (default budgets, 5% device cache, asynchronous updates) serves the same
 queries; both are timed step by step, interleaved, in the same run. Printed and written to
-``bench/results/decode_step_<device>.json``: median step times, their ratio, bytes read per
-step, the buffer's hit ratio, and (CUDA) the host->device bandwidth of the gather kernel
+``bench/results/decode_step_<device>.{json,png}``: median step times, their ratio, bytes read
+per step, the buffer's hit ratio, and (CUDA) the host->device bandwidth of the gather kernel
 against a plain ``copy_`` of the same bytes.
+
+Bytes-moved lower bound: the machine's read bandwidth is measured in the same run (a
+reduction over a buffer far larger than the caches, or device memory on CUDA); each method's
+bytes per step divided by it is the fastest that step could be, and ``*_bw_efficiency`` =
+that bound / the measured time says how close each method gets to the memory limit.
+Cases whose KV does not fit in memory (dense copy plus host tier) are skipped and recorded.
 
 The KV is synthetic but structured (keys drawn around a few thousand directions, queries
 drifting slowly between steps) so that the index has real clusters and the cache real
 temporal locality; the hit ratio on real model data is measured by the tests
 (``tests/buffer/test_real_data.py``).
 
-    .venv/bin/python bench/decode_step.py                       # 32K and 128K, batch 1 and 8
+    .venv/bin/python bench/decode_step.py                 # 8K-128K, batch 1, 8, 32
     .venv/bin/python bench/decode_step.py --contexts 32768 --batches 1 --steps 10
 """
 
@@ -143,6 +149,36 @@ def h2d_bandwidth(device: torch.device, rows: int = 1 << 16) -> dict[str, float]
     return out
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a streaming read (sum over an fp32 buffer of ``nbytes``), best of 5."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def fits(n: int, batch: int, device: torch.device) -> tuple[bool, str]:
+    """Whether one case's KV fits: the dense copy plus the host tier (plus slack) in RAM,
+    and on CUDA the dense KV on the device."""
+    kv = 2 * batch * HKV * n * D * 2
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    if 2.5 * kv > avail:
+        return False, f"KV {kv / 2**30:.1f} GiB x2.5 > {avail / 2**30:.1f} GiB available RAM"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if 1.5 * kv > free:
+            return False, f"KV {kv / 2**30:.1f} GiB x1.5 > {free / 2**30:.1f} GiB free on device"
+    return True, ""
+
+
 def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
     """Time full vs retro decode steps for one (context, batch)."""
     dtype = torch.bfloat16
@@ -190,6 +226,11 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         "token_hit_ratio": snap["hit_tokens"] / max(1, snap["hit_tokens"] + snap["miss_tokens"]),
         "index_build_s_per_request": build_s, "case_wall_s": time.perf_counter() - t0,
     }
+    bw = args.read_bw
+    row["full_lower_bound_ms"] = full_bytes / bw * 1e3
+    row["retro_lower_bound_ms"] = row["retro_bytes_per_step"] / bw * 1e3
+    row["full_bw_efficiency"] = row["full_lower_bound_ms"] / full_ms
+    row["retro_bw_efficiency"] = row["retro_lower_bound_ms"] / retro_ms
     print(f"ctx {n:>6} batch {batch}: full {full_ms:8.2f} ms  retro {retro_ms:8.2f} ms  "
           f"speedup {row['speedup']:5.2f}x  bytes {row['bytes_ratio']:5.1f}x fewer  "
           f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
@@ -198,8 +239,8 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--kmeans-iters", type=int, default=2,
@@ -214,10 +255,18 @@ def main() -> None:
         or platform.machine(),
         "threads": args.threads, "shape": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D},
         "dtype": "bfloat16", "config": RetroConfig(kmeans_iters=args.kmeans_iters).to_dict(),
-        "steps": args.steps, "cases": [],
+        "steps": args.steps, "cases": [], "skipped": [],
     }
+    args.read_bw = read_bandwidth(device)
+    result["read_bandwidth_GBps"] = args.read_bw / 1e9
+    print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     for n in args.contexts:
         for b in args.batches:
+            ok, why = fits(n, b, device)
+            if not ok:
+                print(f"ctx {n:>6} batch {b}: skipped ({why})", flush=True)
+                result["skipped"].append({"context": n, "batch": b, "reason": why})
+                continue
             result["cases"].append(bench_case(n, b, args, device))
     if device.type == "cuda":
         result["h2d"] = h2d_bandwidth(device)
@@ -225,7 +274,38 @@ def main() -> None:
     out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """Step-time ratio (full / retro) and bandwidth efficiency vs context, one line per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for b in sorted({c["batch"] for c in result["cases"]}):
+        rows = sorted((c for c in result["cases"] if c["batch"] == b), key=lambda c: c["context"])
+        ctx = [c["context"] // 1024 for c in rows]
+        ax1.plot(ctx, [c["speedup"] for c in rows], "o-", label=f"batch {b}")
+        ax1.plot(ctx, [c["bytes_ratio"] for c in rows], "x:", color=ax1.lines[-1].get_color())
+        ax2.plot(ctx, [c["full_bw_efficiency"] for c in rows], "s--",
+                 color=ax1.lines[-1].get_color(), label=f"full, batch {b}")
+        ax2.plot(ctx, [c["retro_bw_efficiency"] for c in rows], "o-",
+                 color=ax1.lines[-1].get_color(), label=f"retro, batch {b}")
+    ax1.axhline(1.0, color="grey", lw=0.5)
+    ax1.set(xscale="log", yscale="log", xlabel="context (K tokens)",
+            ylabel="full / retro (o: step time, x: bytes read)",
+            title=f"decode step, {result['device']}")
+    ax2.set(xscale="log", xlabel="context (K tokens)", ylim=(0, 1),
+            ylabel="bytes lower bound / measured time",
+            title=f"bandwidth efficiency ({result['read_bandwidth_GBps']:.0f} GB/s read)")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
