@@ -1,20 +1,36 @@
 """Baseline selection policies sharing the wave index's machinery (steady zone, store,
-decode kernel); only how the exactly-read tokens are chosen differs.
+decode kernel); only how the exactly-read tokens are chosen differs. None has an estimation
+zone (the paper's peers have none).
 
 - :class:`QuestIndex`: Quest-style pages of contiguous tokens ranked by the per-dimension
-  min/max upper bound of ``q . k`` (Tang et al., 2024), no estimation zone.
+  min/max upper bound of ``q . k`` (Tang et al., 2024);
+- :class:`PQCacheIndex`: tokens ranked by product-quantised ``q . k_hat`` (Zhang et al., 2025);
+- :class:`StreamingIndex`: StreamingLLM (Xiao et al., 2024), sinks plus a local window
+  widened by the budget (the most recent indexed tokens);
+- :class:`OracleIndex`: the exact top tokens by ``q . k``, an upper bound for token selection.
+
+**The budget rule.** Every method attends exactly the same steady zone (first
+``sink_tokens``, last ``local_window`` + not-yet-indexed tokens) plus ``token_budget`` indexed
+tokens per KV head, set with ``set_token_budget``. The functional entry points default it to
+:func:`retrieval_token_budget`, the expected size of the wave index's retrieval zone for the
+same config; the attention-level comparison (:mod:`vllm_retro.index.compare`) matches, per
+decode step, the tokens the wave index actually retrieved (mean over KV heads). Quest reads
+whole pages: ``round(token_budget / page_size)`` of them.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+import kernels
 from kernels.scoring import group_scores_from_logits
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.clustering import Clusters
+from vllm_retro.index.clustering import Clusters, clusters_per_segment
 from vllm_retro.index.functional import validate_qkv
+from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import Selection, WaveIndex
 
@@ -83,23 +99,215 @@ class QuestIndex(WaveIndex):
         top = torch.topk(scores, k, dim=1).indices
         return Selection(top, top[:, :0])
 
+    def set_token_budget(self, tokens: int) -> None:
+        """Read ``round(tokens / page_size)`` pages per decode step."""
+        self.num_pages = max(0, round(tokens / self.page_size))
+
+
+class TokenIndex(WaveIndex):
+    """Base of the token-granular baselines: every indexed token is its own one-token
+    'cluster' (ids in position order), so the store, steady zone and decode kernel are the
+    wave index's; a subclass ranks the indexed tokens in :meth:`token_scores` and the top
+    ``token_budget`` of them are read exactly."""
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        self.token_budget = 0  # indexed tokens read exactly per decode step and KV head
+
+    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
+        return page_clusters(keys, values, 1)
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Read the top ``tokens`` indexed tokens (per KV head) at each decode step."""
+        self.token_budget = max(0, int(tokens))
+
+    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Rank of every indexed token for query [H, G, D] fp32: [H, N_indexed] (higher is
+        read first)."""
+        raise NotImplementedError
+
+    def select(self, query: torch.Tensor, scale: float) -> Selection:
+        h = self.num_kv_heads
+        k = min(self.token_budget, self.num_clusters)
+        if k <= 0:
+            none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
+            return Selection(none, none)
+        scores = self.token_scores(query.reshape(h, -1, self.head_dim).float(), scale)
+        top = torch.topk(scores, k, dim=1).indices
+        return Selection(top, top[:, :0])
+
+
+class OracleIndex(TokenIndex):
+    """The exact top tokens: ranked by the GQA group's summed softmax of the true ``q . k``
+    (the wave index's own cluster scoring applied to one-token clusters)."""
+
+    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        return kernels.cluster_scores(query, self._scoring_centroids(), self.sizes, scale,
+                                      backend=self.backend)
+
+
+class StreamingIndex(TokenIndex):
+    """StreamingLLM: the attention sinks and a local window widened by ``token_budget``
+    tokens, i.e. the most recent indexed tokens; the query plays no part."""
+
+    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        n = self.num_clusters
+        return torch.arange(n, device=query.device, dtype=torch.float32)[None].expand(
+            self.num_kv_heads, n)
+
+
+class PQCacheIndex(TokenIndex):
+    """PQCache-style selection: product-quantised keys (``subspaces`` sub-spaces, ``2 **
+    bits`` k-means codewords each, per KV head) fitted on the first indexed block (the
+    prefill's middle); later blocks are encoded with those codebooks, as PQCache does for
+    tokens leaving the local window. Tokens are ranked by the GQA group's summed softmax
+    of the lookup-table logits ``q . k_hat``."""
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
+                 subspaces: int = 2, bits: int = 6, iters: int | None = None):
+        if subspaces < 1 or head_dim % subspaces:
+            raise ValueError(f"subspaces={subspaces}; accepted: a positive divisor of "
+                             f"head_dim={head_dim}")
+        if not 1 <= bits <= 16:
+            raise ValueError(f"bits={bits}; accepted: an integer in [1, 16]")
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        self.subspaces, self.bits = subspaces, bits
+        self.iters = config.kmeans_iters if iters is None else iters
+        self.pq: ProductQuantizer | None = None
+        self.codes = torch.empty(num_kv_heads, 0, subspaces, dtype=torch.int64, device=device)
+
+    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   clusters: Clusters) -> None:
+        super()._add_block(keys, values, start, clusters)
+        if self.pq is None:
+            self.pq = fit_pq(keys, self.subspaces, self.bits, self.iters)
+        self.codes = torch.cat([self.codes, pq_encode(self.pq, keys)], dim=1)
+
+    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        assert self.pq is not None  # select() only calls this with indexed tokens
+        logits = pq_logits(self.pq, self.codes, query) * scale
+        return group_scores_from_logits(logits, self.sizes > 0)
+
+
+def retrieval_token_budget(config: RetroConfig, n_indexed: int) -> int:
+    """The shared budget rule: indexed tokens each method reads exactly per KV head.
+
+    The expected size of the wave index's retrieval zone over ``n_indexed`` prefill-indexed
+    tokens: ``num_retrieval(C)`` clusters of ``n_indexed / C`` tokens on average, ``C`` the
+    clusters its segmented clustering makes (one per ``cluster_size`` tokens per segment).
+    """
+    if n_indexed <= 0:
+        return 0
+    seg = min(config.segment_size, n_indexed)
+    lens = [min(seg, n_indexed - s) for s in range(0, n_indexed, seg)]
+    c = sum(clusters_per_segment(lens, config.cluster_size))
+    return round(config.num_retrieval(c) * n_indexed / c)
+
+
+BASELINES: dict[str, type[WaveIndex]] = {
+    "quest": QuestIndex,
+    "pqcache": PQCacheIndex,
+    "streaming": StreamingIndex,
+    "oracle": OracleIndex,
+}
+"""Baseline selection policies by name; each has ``set_token_budget(tokens)``."""
+
+
+def baseline_attention(
+    method: str,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_budget: int | None = None,
+    config: RetroConfig | None = None,
+    scale: float | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, dict]:
+    """One decode step of a baseline (a name of :data:`BASELINES`) over a context.
+
+    query: [num_heads, head_dim]; keys, values: [num_kv_heads, seq_len, head_dim] post-RoPE,
+    the query's own token last (as :func:`vllm_retro.index.sparse_attention`). The steady
+    zone of ``config`` plus ``token_budget`` indexed tokens per KV head (default: the shared
+    rule :func:`retrieval_token_budget`) are attended exactly; no estimation zone.
+    ``options`` go to the index (e.g. ``page_size``, ``subspaces``, ``bits``).
+
+    Returns ``(output [num_heads, head_dim] in query's dtype, stats)``: the stats of
+    :func:`vllm_retro.index.sparse_attention` plus ``token_budget``.
+    """
+    if method not in BASELINES:
+        raise ValueError(f"method={method!r}; accepted: {', '.join(BASELINES)}")
+    validate_qkv(query, keys, values)
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r} is invalid; accepted: a positive number")
+    if token_budget is not None and (isinstance(token_budget, bool)
+                                     or not isinstance(token_budget, int) or token_budget < 0):
+        raise ValueError(f"token_budget={token_budget!r}; accepted: a non-negative integer")
+    config = (config or RetroConfig()).replace(estimation_budget=0.0)
+    index = BASELINES[method].build(keys, values, config, **options)
+    if token_budget is None:
+        token_budget = retrieval_token_budget(config, index.num_tokens - index.num_steady)
+    index.set_token_budget(token_budget)  # type: ignore[attr-defined]
+    res = index.decode(query, scale)
+    return res.output, {**index.zone_stats(res.selection, res.n_exact),
+                        "token_budget": token_budget}
+
 
 def quest_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    token_budget: int,
+    token_budget: int | None = None,
     config: RetroConfig | None = None,
     scale: float | None = None,
     page_size: int = 16,
 ) -> tuple[torch.Tensor, dict]:
-    """Quest-style baseline with the same steady zone as the wave index plus
-    ``round(token_budget / page_size)`` pages read exactly. Shapes as
-    :func:`vllm_retro.index.sparse_attention`; ``token_budget`` counts retrieved tokens
-    (steady zone excluded)."""
-    validate_qkv(query, keys, values)
-    config = (config or RetroConfig()).replace(estimation_budget=0.0)
-    index = QuestIndex.build(keys, values, config, page_size=page_size)
-    index.num_pages = max(0, round(token_budget / page_size))
-    res = index.decode(query, scale)
-    return res.output, index.zone_stats(res.selection, res.n_exact)
+    """Quest-style baseline: the steady zone plus ``round(token_budget / page_size)`` pages
+    read exactly. Shapes and ``token_budget`` as :func:`baseline_attention`."""
+    return baseline_attention("quest", query, keys, values, token_budget, config, scale,
+                              page_size=page_size)
+
+
+def pqcache_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_budget: int | None = None,
+    config: RetroConfig | None = None,
+    scale: float | None = None,
+    subspaces: int = 2,
+    bits: int = 6,
+) -> tuple[torch.Tensor, dict]:
+    """PQCache-style baseline: the steady zone plus the top ``token_budget`` tokens by
+    product-quantised scores (``subspaces`` x ``2 ** bits`` codewords) read exactly.
+    Shapes and ``token_budget`` as :func:`baseline_attention`."""
+    return baseline_attention("pqcache", query, keys, values, token_budget, config, scale,
+                              subspaces=subspaces, bits=bits)
+
+
+def streaming_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_budget: int | None = None,
+    config: RetroConfig | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """StreamingLLM baseline: the sinks and the last ``local_window + token_budget`` tokens.
+    Shapes and ``token_budget`` as :func:`baseline_attention`."""
+    return baseline_attention("streaming", query, keys, values, token_budget, config, scale)
+
+
+def oracle_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_budget: int | None = None,
+    config: RetroConfig | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Exact top-k oracle: the steady zone plus the ``token_budget`` indexed tokens of the
+    highest true attention (GQA group summed). Shapes and ``token_budget`` as
+    :func:`baseline_attention`."""
+    return baseline_attention("oracle", query, keys, values, token_budget, config, scale)

@@ -1,0 +1,100 @@
+"""Product quantisation of keys (Jégou et al., 2011), as the PQCache baseline uses it.
+
+Per KV head the head dimension is cut into ``m`` equal contiguous sub-spaces; each gets a
+codebook of ``2 ** bits`` codewords by Euclidean k-means over the indexed keys' sub-vectors,
+and every key one code per sub-space. A query's approximate logits ``q . k_hat`` are sums of
+per-sub-space lookup tables (``q_s . codeword``) indexed by the codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ProductQuantizer:
+    """Codebooks of one (request, layer), every KV head and sub-space fitted independently."""
+
+    codebooks: torch.Tensor
+    """[H, m, K, D / m] fp32 codewords (K = 2 ** bits, or fewer when fitted on fewer keys)."""
+
+    @property
+    def num_subspaces(self) -> int:
+        """m, the number of sub-spaces."""
+        return int(self.codebooks.shape[1])
+
+    @property
+    def num_codewords(self) -> int:
+        """K, codewords per sub-space."""
+        return int(self.codebooks.shape[2])
+
+
+def _split(x: torch.Tensor, m: int) -> torch.Tensor:
+    """[H, N, D] -> [H * m, N, D / m] fp32, sub-space-major per head."""
+    h, n, d = x.shape
+    return x.float().reshape(h, n, m, d // m).permute(0, 2, 1, 3).reshape(h * m, n, d // m)
+
+
+def _nearest(x: torch.Tensor, codewords: torch.Tensor) -> torch.Tensor:
+    """x: [S, N, d], codewords: [S, K, d] -> [S, N] int64 index of the nearest codeword."""
+    # argmin ||x - c||^2 == argmin (||c||^2 - 2 x . c); ||x||^2 is constant per point
+    dist = codewords.square().sum(-1)[:, None, :] - 2 * torch.bmm(x, codewords.transpose(1, 2))
+    return dist.argmin(-1)
+
+
+def fit_pq(keys: torch.Tensor, subspaces: int, bits: int, iters: int) -> ProductQuantizer:
+    """Fit codebooks on keys [H, N, D] (N >= 1; D divisible by ``subspaces``).
+
+    Euclidean k-means per (head, sub-space) with ``min(2 ** bits, N)`` codewords, initialised
+    from keys at evenly strided positions; an emptied codeword keeps its previous value.
+    """
+    h, n, d = keys.shape
+    if subspaces < 1 or d % subspaces:
+        raise ValueError(f"subspaces={subspaces} must be positive and divide head_dim={d}")
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits={bits}; accepted: an integer in [1, 16]")
+    if n < 1:
+        raise ValueError("fit_pq needs at least one key")
+    x = _split(keys, subspaces)  # [S, N, ds]
+    k = min(2 ** bits, n)
+    init = (torch.arange(k, device=keys.device) * n) // k
+    codewords = x[:, init].clone()
+    for _ in range(iters):
+        assign = _nearest(x, codewords)
+        sums = torch.zeros_like(codewords).scatter_add_(
+            1, assign[..., None].expand_as(x), x)
+        counts = torch.zeros(codewords.shape[:2], device=x.device).scatter_add_(
+            1, assign, torch.ones_like(assign, dtype=torch.float32))
+        codewords = torch.where(counts[..., None] > 0,
+                                sums / counts.clamp_min(1.0)[..., None], codewords)
+    return ProductQuantizer(codewords.reshape(h, subspaces, k, d // subspaces))
+
+
+def pq_encode(pq: ProductQuantizer, keys: torch.Tensor) -> torch.Tensor:
+    """Codes of keys [H, N, D]: [H, N, m] int64 (nearest codeword per sub-space)."""
+    h, n, _ = keys.shape
+    m = pq.num_subspaces
+    codewords = pq.codebooks.reshape(h * m, pq.num_codewords, -1)
+    return _nearest(_split(keys, m), codewords).reshape(h, m, n).transpose(1, 2)
+
+
+def pq_decode(pq: ProductQuantizer, codes: torch.Tensor) -> torch.Tensor:
+    """Reconstructed keys from codes [H, N, m]: [H, N, D] fp32."""
+    h, n, m = codes.shape
+    ds = pq.codebooks.shape[-1]
+    idx = codes.transpose(1, 2)[..., None].expand(h, m, n, ds)
+    return torch.gather(pq.codebooks, 2, idx).permute(0, 2, 1, 3).reshape(h, n, m * ds)
+
+
+def pq_logits(pq: ProductQuantizer, codes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Approximate ``q . k`` by lookup tables. query: [H, G, D]; codes: [H, N, m].
+
+    Returns [H, G, N] fp32 ``sum_s q_s . codebook_s[code_s]`` (unscaled).
+    """
+    h, g, d = query.shape
+    n, m = codes.shape[1], pq.num_subspaces
+    lut = torch.einsum("hgmd,hmkd->hgmk", query.float().reshape(h, g, m, d // m), pq.codebooks)
+    idx = codes.transpose(1, 2)[:, None].expand(h, g, m, n)
+    return torch.gather(lut, 3, idx).sum(2)
