@@ -1,0 +1,119 @@
+"""Command line: ``python -m bench.accuracy [--contexts 4096 8192] [--tasks ...] [--configs ...]
+[--samples N] [--out bench/results/accuracy_{ctx}.json] [--quick] [--margin M]``.
+
+Generates the samples, serves them under each configuration (one engine at a time), prints the
+task x config table and writes one JSON (+ PNG bar plot) per context. With ``--quick`` (CI):
+single-needle only, one ~2.5K-token context, ``full`` and ``retro``, 3 samples, and the exit
+status is 1 if retro's mean accuracy is below full attention's by more than ``--margin``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.accuracy.report import plot, summarize, table, write_json
+from bench.accuracy.runner import CONFIGS, make_samples, run_config, tokenizer_fns
+from bench.accuracy.tasks import TASKS
+
+MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF dequantised, served in bf16)"
+QUICK = {"tasks": ["niah_single"], "contexts": [2560], "configs": ["full", "retro"],
+         "samples": 3}
+#: With 3 quick samples one answer flipping (0.33) is tolerated, two (0.67) fail the gate.
+QUICK_MARGIN = 0.34
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line (``--quick`` fills in unset options with :data:`QUICK`)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy",
+                                 description="End-to-end long-context accuracy of retro vs "
+                                             "stock vLLM on synthetic RULER-style tasks.")
+    ap.add_argument("--contexts", type=int, nargs="+", help="target prompt lengths, tokens "
+                    "(default 4096 8192)")
+    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: all")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all")
+    ap.add_argument("--samples", type=int, help="samples per task and context (default 2)")
+    ap.add_argument("--seed", type=int, default=0, help="first sample seed")
+    ap.add_argument("--out", help="JSON path; '{ctx}' is replaced by the context length "
+                    "(default bench/results/accuracy_{ctx}.json, accuracy_quick.json "
+                    "with --quick); the PNG goes next to it")
+    ap.add_argument("--quick", action="store_true", help="small CI run with a pass/fail gate")
+    ap.add_argument("--margin", type=float, help="fail (exit 1) if a config's mean accuracy is "
+                    f"below full's by more than this (default {QUICK_MARGIN} with --quick, "
+                    "else no gate)")
+    ap.add_argument("--model", help="model directory (default: ensure_qwen_coder())")
+    args = ap.parse_args(argv)
+    defaults: dict[str, Any] = (dict(QUICK) if args.quick else
+                                {"tasks": list(TASKS), "contexts": [4096, 8192],
+                                 "configs": list(CONFIGS), "samples": 2})
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = ("bench/results/accuracy_quick.json" if args.quick
+                    else "bench/results/accuracy_{ctx}.json")
+    if len(args.contexts) > 1 and "{ctx}" not in args.out:
+        ap.error("--out needs '{ctx}' when several contexts are run")
+    if args.margin is None and args.quick:
+        args.margin = QUICK_MARGIN
+    return args
+
+
+def gate(summary: dict[str, Any], margin: float) -> list[str]:
+    """Configurations whose mean accuracy is below ``full``'s by more than ``margin``."""
+    full = summary["mean"].get("full")
+    if full is None:
+        return []
+    return [c for c, m in summary["mean"].items() if m < full - margin - 1e-9]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the harness; returns the exit status (1 when the accuracy gate fails)."""
+    args = parse_args(argv)
+    from vllm_retro.models import ensure_qwen_coder
+
+    model_dir = Path(args.model) if args.model else ensure_qwen_coder()
+    command = "python -m bench.accuracy " + shlex.join(sys.argv[1:] if argv is None else argv)
+    render, count_tokens = tokenizer_fns(model_dir)
+    failed: list[str] = []
+    for ctx in args.contexts:
+        samples = make_samples(args.tasks, [ctx], args.samples, args.seed, render, count_tokens)
+        t0 = time.perf_counter()
+        runs = [run_config(model_dir, c, samples) for c in args.configs]
+        summary = summarize(runs, args.tasks)
+        title = f"accuracy at {ctx} tokens ({args.samples} samples/task)"
+        print(table(summary, f"\n{title}\n"))
+        print("wall time per config: " + ", ".join(
+            f"{r['config']} {r['wall_s']:.0f} s" for r in runs))
+        out = Path(args.out.replace("{ctx}", str(ctx)))
+        result = {
+            "command": command, "model": MODEL_NAME, "model_dir": str(model_dir),
+            "context_tokens": ctx, "tasks": args.tasks, "samples_per_task": args.samples,
+            "seeds": list(range(args.seed, args.seed + args.samples)),
+            "configs": {c: CONFIGS[c] for c in args.configs},
+            "decoding": "greedy (temperature 0), max_tokens per task",
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "wall_s_per_config": {r["config"]: r["wall_s"] for r in runs},
+            **summary,
+            "runs": runs,
+        }
+        if args.margin is not None:
+            result["margin"] = args.margin
+            bad = gate(summary, args.margin)
+            result["gate_failed"] = bad
+            failed += [f"{c}@{ctx}" for c in bad]
+        write_json(result, out)
+        plot(summary, out.with_suffix(".png"), title)
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+    if failed:
+        print(f"accuracy gate failed (margin {args.margin}): {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

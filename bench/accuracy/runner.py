@@ -1,0 +1,103 @@
+"""Configurations and the serving loop: one vLLM offline engine per configuration, in process.
+
+Engines start the way the test-suite starts them (``tests/vllm/engines.py``): in-process engine
+core, bf16, eager, and an explicit shutdown so the next configuration starts clean.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.accuracy.scoring import score
+from bench.accuracy.tasks import Sample, generate
+
+#: Retro settings per configuration; ``None`` is stock vLLM (full attention).
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "full": None,
+    "retro": {},
+    "retro_half": {"retrieval_budget": 0.009},
+    "retro_double": {"retrieval_budget": 0.036},
+    "retro_no_est": {"estimation_budget": 0.0},
+}
+#: KV cache of the CPU engine, GiB (Qwen2.5-0.5B: 12 KiB per token in bf16).
+KVCACHE_GIB = "2"
+
+
+def tokenizer_fns(model_dir: Path | str) -> tuple[Callable[[str], str], Callable[[str], int]]:
+    """``(render, count_tokens)`` of the model's tokenizer: ``render`` wraps a user message in
+    the chat template (with the generation prompt), ``count_tokens`` counts a rendered text's
+    tokens exactly as the engine will tokenize it (no extra special tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def render(user: str) -> str:
+        msgs = [{"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def count_tokens(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return render, count_tokens
+
+
+def make_samples(tasks: Sequence[str], contexts: Sequence[int], samples: int, seed: int,
+                 render: Callable[[str], str], count_tokens: Callable[[str], int]
+                 ) -> list[Sample]:
+    """Samples of every task at every context: seeds ``seed .. seed + samples - 1``."""
+    return [generate(t, ctx, seed + i, render, count_tokens)
+            for ctx in contexts for t in tasks for i in range(samples)]
+
+
+@contextmanager
+def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: int
+           ) -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` (bf16, eager) with retro at ``retro`` settings, or stock
+    vLLM for ``None``; shut down on exit (see ``tests/vllm/engines.py`` for why)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
+    from vllm import LLM
+
+    from vllm_retro.vllm import engine_kwargs
+
+    extra = engine_kwargs(**retro) if retro is not None else {}
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=max_model_len,
+              enforce_eager=True, seed=0, **extra)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def run_config(model_dir: Path | str, name: str, samples: Sequence[Sample],
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve every sample under configuration ``name`` (a key of :data:`CONFIGS`) with greedy
+    decoding; returns ``{"config", "retro", "wall_s", "engine_start_s", "samples": [...]}``
+    where each sample record holds the answer and its score in [0, 1]."""
+    from vllm import SamplingParams
+
+    retro = CONFIGS[name]
+    max_len = max(s.prompt_tokens + s.max_tokens for s in samples) + 16
+    t0 = time.perf_counter()
+    with engine(model_dir, retro, max_len) as llm:
+        t_start = time.perf_counter() - t0
+        params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in samples]
+        outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    records = []
+    for s, o in zip(samples, outs, strict=True):
+        answer = o.outputs[0].text
+        records.append({**s.record(), "answer": answer,
+                        "score": score(answer, s.expected, s.forbidden)})
+    log(f"[accuracy] {name}: {len(samples)} samples in {wall:.1f} s "
+        f"(engine start {t_start:.1f} s)")
+    return {"config": name, "retro": retro, "wall_s": round(wall, 2),
+            "engine_start_s": round(t_start, 2), "samples": records}
