@@ -1,0 +1,148 @@
+"""The two decode stacks compared: dense SDPA over resident KV, and the wave index + buffer.
+
+Both append the step's new token to every layer first and then attend over the whole
+context including it, so their outputs are comparable token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from vllm_retro.buffer import WaveBufferManager
+from vllm_retro.config import RetroConfig
+from vllm_retro.index import WaveIndex
+
+
+def sdpa_context(device: torch.device, dtype: torch.dtype, head_dim: int
+                 ) -> tuple[Callable[[], AbstractContextManager], str]:
+    """(context-manager factory, name) selecting the SDPA backend: FlashAttention on CUDA,
+    else memory-efficient attention (both with native GQA), probed on a tiny input; on CPU
+    PyTorch's default choice."""
+    if device.type != "cuda":
+        return nullcontext, "torch SDPA (CPU)"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(1, 4, 1, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, 2, 16, head_dim, dtype=dtype, device=device)
+    errors = []
+    for backend, name in ((SDPBackend.FLASH_ATTENTION, "FlashAttention"),
+                          (SDPBackend.EFFICIENT_ATTENTION, "memory-efficient")):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+                F.scaled_dot_product_attention(q.expand(1, 4, 8, head_dim), kv, kv,
+                                               is_causal=True, enable_gqa=True)
+        except RuntimeError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        return (lambda b=backend: sdpa_kernel([b])), f"torch SDPA ({name} backend)"
+    raise SystemExit("no fused SDPA backend with GQA on this device:\n" + "\n".join(errors))
+
+
+class DenseStack:
+    """KV of every layer resident on the device, ``[B, H_kv, capacity, D]`` per layer."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device, sdpa: Callable[[],
+                                                                         AbstractContextManager]):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+        self.sdpa = sdpa
+
+    def nbytes(self) -> int:
+        """Device bytes of the KV buffers."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k)
+
+    def step(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Append one token per request and layer, then decode attention.
+
+        q: [L, B, H_q, D]; k_new, v_new: [L, B, H_kv, D]. Returns [L, B, H_q, D].
+        """
+        pos = self.length
+        self.length += 1
+        outs = []
+        with self.sdpa():
+            for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+                k[:, :, pos] = k_new[layer]
+                v[:, :, pos] = v_new[layer]
+                out = F.scaled_dot_product_attention(
+                    q[layer][:, :, None], k[:, :, :pos + 1], v[:, :, :pos + 1], enable_gqa=True)
+                outs.append(out[:, :, 0])
+        return torch.stack(outs)
+
+
+class RetroStack:
+    """One :class:`WaveIndex` per (request, layer), each over a wave buffer store (host tier,
+    pinned on CUDA; device block cache; asynchronous updates), one manager for the stack."""
+
+    def __init__(self, layers: int, batch: int, cfg: RetroConfig, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg = cfg
+        self.dtype, self.device = dtype, device
+        self.manager = WaveBufferManager(cfg)
+        self.indexes: list[list[WaveIndex | None]] = [[None] * batch for _ in range(layers)]
+
+    def build(self, layer: int, request: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Index one request-layer's prefill. keys, values: [H_kv, N, D] post-RoPE, device."""
+        h, _, d = keys.shape
+        store = self.manager.store(f"req{request}", h, d, self.dtype, self.device)
+        self.indexes[layer][request] = WaveIndex.build(keys, values, self.cfg, store=store)
+
+    def bound_queue(self, depth: int = 2) -> None:
+        """Wait for the update worker while more than ``depth`` jobs are queued, so staged
+        prefill copies (pinned host memory) cannot pile up while building."""
+        if self.manager.stats.queue_depth > depth:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for every queued worker job (the worker runs jobs in order)."""
+        worker = self.manager.worker
+        worker.wait(worker.submit(lambda: None))
+
+    def step(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Append one token per request and layer, then tripartite decode.
+
+        q: [L, B, H_q, D]; k_new, v_new: [L, B, H_kv, D]. Returns [L, B, H_q, D].
+        """
+        outs = []
+        for layer, row in enumerate(self.indexes):
+            per_req = []
+            for b, index in enumerate(row):
+                assert index is not None
+                index.append(k_new[layer, b][:, None], v_new[layer, b][:, None])
+                per_req.append(index.decode(q[layer, b]).output)
+            outs.append(torch.stack(per_req))
+        return torch.stack(outs)
+
+    def device_nbytes(self) -> int:
+        """Bytes on the compute device: meta indexes, steady zones, block caches and the
+        shared execution buffers (on CPU the same structures, in RAM)."""
+        total = self.manager.exec_nbytes()
+        for row in self.indexes:
+            for index in row:
+                if index is None:
+                    continue
+                total += index.meta_nbytes() + index.store.device_nbytes()
+                total += sum(t.numel() * t.element_size()
+                             for t in (index.sink_k, index.sink_v, index.win_k, index.win_v))
+        return total
+
+    def host_nbytes(self) -> int:
+        """Host-tier bytes held by every store."""
+        return self.manager.live_bytes()[0]
+
+    def num_clusters(self) -> int:
+        """Clusters per KV head of the first request-layer (0 if none)."""
+        index = self.indexes[0][0]
+        return 0 if index is None else index.num_clusters
+
+    def close(self) -> None:
+        """Free every store and stop the worker."""
+        self.manager.close()
+        self.indexes = []
