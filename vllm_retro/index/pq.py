@@ -44,11 +44,37 @@ def _nearest(x: torch.Tensor, codewords: torch.Tensor) -> torch.Tensor:
     return dist.argmin(-1)
 
 
+def _kmeans_pp_init(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
+    """k-means++ seeding on a batch of point sets x [S, N, d]: [S, k, d] codewords.
+
+    Strided or uniform seeding often leaves a dense group of keys without a codeword of its
+    own, which Lloyd iterations never repair; D^2 sampling almost never does.
+    """
+    s, n, _ = x.shape
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    rows = torch.arange(s, device=x.device)
+    first = torch.randint(n, (s,), generator=gen, device=x.device)
+    x2 = x.square().sum(-1)  # [S, N]
+
+    def dist2(c: torch.Tensor) -> torch.Tensor:  # [S, d] -> [S, N]
+        return x2 - 2 * torch.bmm(x, c[:, :, None])[..., 0] + c.square().sum(-1)[:, None]
+
+    chosen = [x[rows, first]]
+    d2 = dist2(chosen[0])
+    for _ in range(1, k):
+        w = d2.clamp_min(0)
+        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w))  # all points equal
+        nxt = x[rows, torch.multinomial(w, 1, generator=gen)[:, 0]]
+        chosen.append(nxt)
+        d2 = torch.minimum(d2, dist2(nxt))
+    return torch.stack(chosen, dim=1)
+
+
 def fit_pq(keys: torch.Tensor, subspaces: int, bits: int, iters: int) -> ProductQuantizer:
     """Fit codebooks on keys [H, N, D] (N >= 1; D divisible by ``subspaces``).
 
-    Euclidean k-means per (head, sub-space) with ``min(2 ** bits, N)`` codewords, initialised
-    from keys at evenly strided positions; an emptied codeword keeps its previous value.
+    Euclidean k-means per (head, sub-space) with ``min(2 ** bits, N)`` codewords, seeded by
+    k-means++ (a fixed generator: deterministic); an emptied codeword keeps its value.
     """
     h, n, d = keys.shape
     if subspaces < 1 or d % subspaces:
@@ -58,9 +84,7 @@ def fit_pq(keys: torch.Tensor, subspaces: int, bits: int, iters: int) -> Product
     if n < 1:
         raise ValueError("fit_pq needs at least one key")
     x = _split(keys, subspaces)  # [S, N, ds]
-    k = min(2 ** bits, n)
-    init = (torch.arange(k, device=keys.device) * n) // k
-    codewords = x[:, init].clone()
+    codewords = _kmeans_pp_init(x, min(2 ** bits, n))
     for _ in range(iters):
         assign = _nearest(x, codewords)
         sums = torch.zeros_like(codewords).scatter_add_(
@@ -69,7 +93,7 @@ def fit_pq(keys: torch.Tensor, subspaces: int, bits: int, iters: int) -> Product
             1, assign, torch.ones_like(assign, dtype=torch.float32))
         codewords = torch.where(counts[..., None] > 0,
                                 sums / counts.clamp_min(1.0)[..., None], codewords)
-    return ProductQuantizer(codewords.reshape(h, subspaces, k, d // subspaces))
+    return ProductQuantizer(codewords.reshape(h, subspaces, -1, d // subspaces))
 
 
 def pq_encode(pq: ProductQuantizer, keys: torch.Tensor) -> torch.Tensor:
