@@ -83,13 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.contexts:
         samples = make_samples(args.tasks, [ctx], args.samples, args.seed, render, count_tokens)
         t0 = time.perf_counter()
-        runs = [run_config(model_dir, c, samples) for c in args.configs]
+        out = Path(args.out.replace("{ctx}", str(ctx)))
+        runs: list[dict[str, Any]] = []
+        for c in args.configs:
+            runs.append(run_config(model_dir, c, samples))
+            # Checkpoint after each configuration, so an interrupted long run keeps its results.
+            write_json({"command": command, "context_tokens": ctx, "complete": False,
+                        "runs": runs}, out.with_suffix(".partial.json"))
         summary = summarize(runs, args.tasks)
         title = f"accuracy at {ctx} tokens ({args.samples} samples/task)"
         print(table(summary, f"\n{title}\n"))
         print("wall time per config: " + ", ".join(
             f"{r['config']} {r['wall_s']:.0f} s" for r in runs))
-        out = Path(args.out.replace("{ctx}", str(ctx)))
         result = {
             "command": command, "model": MODEL_NAME, "model_dir": str(model_dir),
             "context_tokens": ctx, "tasks": args.tasks, "samples_per_task": args.samples,
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += [f"{c}@{ctx}" for c in bad]
         write_json(result, out)
         plot(summary, out.with_suffix(".png"), title)
+        out.with_suffix(".partial.json").unlink(missing_ok=True)
         print(f"wrote {out} and {out.with_suffix('.png')}")
     if failed:
         print(f"accuracy gate failed (margin {args.margin}): {', '.join(failed)}")
