@@ -1,0 +1,44 @@
+"""Command-line options, quick-mode defaults and the accuracy gate (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.accuracy.__main__ import QUICK_MARGIN, gate, parse_args
+from bench.accuracy.runner import CONFIGS
+from bench.accuracy.tasks import TASKS
+
+
+def test_defaults_run_everything_at_4k_and_8k():
+    args = parse_args([])
+    assert args.contexts == [4096, 8192] and args.tasks == list(TASKS)
+    assert args.configs == list(CONFIGS) and args.margin is None
+    assert args.out == "bench/results/accuracy_{ctx}.json"
+
+
+def test_quick_mode_is_small_and_gated():
+    args = parse_args(["--quick"])
+    assert args.tasks == ["niah_single"] and args.configs == ["full", "retro"]
+    assert len(args.contexts) == 1 and 2000 <= args.contexts[0] <= 3000
+    assert args.samples <= 4 and args.margin == QUICK_MARGIN
+    assert parse_args(["--quick", "--samples", "5", "--margin", "0.1"]).samples == 5
+
+
+def test_several_contexts_need_a_ctx_placeholder():
+    with pytest.raises(SystemExit):
+        parse_args(["--contexts", "1024", "2048", "--out", "x.json"])
+    assert parse_args(["--contexts", "1024", "--out", "x.json"]).out == "x.json"
+
+
+def test_config_knobs():
+    assert CONFIGS["full"] is None and CONFIGS["retro"] == {}
+    assert CONFIGS["retro_half"] == {"retrieval_budget": 0.009}
+    assert CONFIGS["retro_double"] == {"retrieval_budget": 0.036}
+    assert CONFIGS["retro_no_est"] == {"estimation_budget": 0.0}
+
+
+def test_gate():
+    summary = {"mean": {"full": 1.0, "retro": 0.67, "retro_half": 0.5}}
+    assert gate(summary, QUICK_MARGIN) == ["retro_half"]
+    assert gate(summary, 0.6) == []
+    assert gate({"mean": {"retro": 0.0}}, 0.1) == []  # no full-attention baseline
