@@ -116,7 +116,7 @@ def run(argv: list[str] | None = None) -> dict:
             else platform.processor() or platform.machine())
     print(f"bench.gpu on {name}: {shape}, {str(dtype).removeprefix('torch.')}, "
           f"dense = {sdpa_name}", flush=True)
-    cases = [run_case(n, b, opts) for n in contexts for b in batches]
+    cases: list[dict] = []
     result = {
         "device": name, "device_type": device_type, "torch": torch.__version__,
         "triton": triton_version, "cuda": torch.version.cuda,
@@ -125,11 +125,14 @@ def run(argv: list[str] | None = None) -> dict:
         "kernel_backend": cfg.kernel_backend, "config": cfg.to_dict(), "steps": opts.steps,
         "warmup": opts.warmup, "host_limit_bytes": host_limit, "cases": cases,
     }
-    print(_table(cases))
     out = args.out or (ROOT / "bench" / "results"
                        / f"gpu_{device_type}{'_reduced' if reduced else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    for n in contexts:
+        for b in batches:
+            cases.append(run_case(n, b, opts))
+            out.write_text(json.dumps(result, indent=2))  # partial results survive a kill
+    print(_table(cases))
     print(f"wrote {out}")
     return result
 

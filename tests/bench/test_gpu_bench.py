@@ -54,6 +54,7 @@ def test_reduced_cpu(tmp_path: pathlib.Path) -> None:
     output approximates dense attention on the structured synthetic data."""
     out = tmp_path / "gpu.json"
     result = run(["--device", "cpu", "--reduced", "--batches", "1", "2", "--steps", "2",
+                  "--kmeans-iters", "3",
                   "--out", str(out)])
     _check_result(result, out)
     assert result["reduced"] and result["kernel_backend"] == "auto"
