@@ -195,3 +195,25 @@ def test_build_prom_metrics_only_with_retro() -> None:
                                              _metric_types(reg), LABELNAMES, PER_ENGINE)
     assert isinstance(prom, RetroPromMetrics)
     assert reg.get_sample_value(PREFIX + "live_requests", ENGINE1) == 0
+
+
+def test_second_engine_in_one_process_registers_again() -> None:
+    """Two engines with stats logging in one process (offline ``LLM``s one after the other)
+    both register retro's families in prometheus_client's default registry, as vLLM's own
+    families do; the newer one's are exposed."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from vllm_retro.vllm.metrics import RetroPromMetrics, unregister_retro_metrics
+
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    try:
+        RetroPromMetrics(cfg, types, ["model_name", "engine"], {0: ["a", "0"]})
+        second = RetroPromMetrics(cfg, types, ["model_name", "engine"], {0: ["b", "0"]})
+        second.observe({"counters": {"0": {"indexed_requests": 2}}}, 0)
+        assert REGISTRY.get_sample_value("vllm_retro:indexed_requests_total",
+                                         {"model_name": "b", "engine": "0"}) == 2
+        assert REGISTRY.get_sample_value("vllm_retro:indexed_requests_total",
+                                         {"model_name": "a", "engine": "0"}) is None
+    finally:
+        unregister_retro_metrics()

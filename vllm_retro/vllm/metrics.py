@@ -89,6 +89,17 @@ def family_names() -> list[str]:
     return list(dict.fromkeys(f.name for f in FAMILIES))
 
 
+def unregister_retro_metrics() -> None:
+    """Drop earlier retro families from prometheus_client's default registry, as vLLM does
+    for its own (``unregister_vllm_metrics``, which only matches ``vllm:``), so a second
+    engine with stats logging in the same process (offline ``LLM``, tests) can register."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith(PREFIX):
+            REGISTRY.unregister(collector)
+
+
 class RetroPromMetrics(KVConnectorPromMetrics):
     """Registers :data:`FAMILIES` with vLLM's labels (model name, engine) and records each
     step's payload into them."""
@@ -96,6 +107,7 @@ class RetroPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        unregister_retro_metrics()
         self._children: dict[tuple[str, str | None], dict[int, Any]] = {}
         made: dict[str, Any] = {}
         for fam in FAMILIES:
