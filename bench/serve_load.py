@@ -158,7 +158,8 @@ def build_prompts(n: int, prompt_tokens: int, cpt: float, seed: int) -> list[str
 
 @dataclass
 class RequestResult:
-    """One request as the client saw it (times in seconds from the run's start)."""
+    """One request as the client saw it (times in seconds from the run's start;
+    ``token_times``: when each streamed token arrived)."""
 
     index: int
     start: float = 0.0
@@ -381,15 +382,18 @@ def plot(results: list[RequestResult], server: dict[str, Any], title: str, path:
              "e2e_s": "end-to-end latency"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (key, values) in zip(axes, data.items(), strict=True):
-        xs = np.sort(np.asarray(values) * 1000)
+        xs = np.sort(np.asarray(values))
         ax.step(xs, np.arange(1, len(xs) + 1) / max(1, len(xs)), where="post",
                 label=f"client (n={len(xs)})")
         srv = server["latency"][key]
         for q, style in zip(sm.QUANTILES, (":", "--", "-."), strict=True):
             v = srv[f"p{round(q * 100)}"]
             if not math.isnan(v):
-                ax.axvline(v * 1000, color="C1", ls=style, label=f"server p{round(q * 100)}")
-        ax.set(title=names[key], xlabel="ms", ylabel="fraction of samples", ylim=(0, 1.02))
+                ax.axvline(v, color="C1", ls=style, label=f"server p{round(q * 100)}")
+        ax.set(title=names[key], xlabel="seconds", ylabel="fraction of samples",
+               ylim=(0, 1.02))
+        if key == "itl_s" and len(xs) and xs[0] > 0:
+            ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=10)
@@ -455,8 +459,8 @@ def run_against(args: argparse.Namespace, url: str) -> dict[str, Any]:
     print(format_report(client, server, rows), flush=True)
     return {"model": model, "chars_per_token": cpt, "client": client, "server": server,
             "comparison": rows,
-            "per_request": [{k: v for k, v in asdict(r).items() if k != "token_times"}
-                            | {"n_token_chunks": len(r.token_times)} for r in results],
+            "per_request": [asdict(r) | {"n_token_chunks": len(r.token_times)}
+                            for r in results],
             "_results": results}
 
 
