@@ -26,9 +26,6 @@ import math
 import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,80 +37,12 @@ import httpx
 import numpy as np
 
 from bench import serve_metrics as sm
+from server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DEFAULT_URL = "http://127.0.0.1:8000"
 FALLBACK_CHARS_PER_TOKEN = 4.0
-
-
-# --------------------------------------------------------------------------------------------
-# Spawned server
-# --------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class SpawnedServer:
-    """A ``vllm-retro serve`` process started by this bench (its own process group)."""
-
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    @classmethod
-    def start(cls, model_dir: str, serve_args: list[str], log: Path) -> SpawnedServer:
-        """Start ``vllm-retro serve MODEL_DIR SERVE_ARGS --port <free>`` on 127.0.0.1, its
-        output to ``log``. ``VLLM_CPU_KVCACHE_SPACE`` defaults to 2 (GiB) unless set."""
-        port = free_port()
-        exe = Path(sys.executable).parent / "vllm-retro"
-        cmd = [str(exe), "serve", model_dir, *serve_args, "--host", "127.0.0.1",
-               "--port", str(port)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
-        with log.open("w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        print(f"spawned: {shlex.join(cmd)} (log {log})", flush=True)
-        return cls(proc, f"http://127.0.0.1:{port}", log)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the server's combined stdout/stderr."""
-        return self.log.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until ``/health`` answers 200; raise with the log tail if the process exits
-        or ``timeout_s`` seconds pass."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 30.0) -> float:
-        """SIGTERM and wait up to ``timeout_s``; SIGKILL the process group after that.
-        Returns the seconds the server took to exit."""
-        if self.proc.poll() is not None:
-            return 0.0
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        return time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,14 +414,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     url = args.url.rstrip("/")
     if args.spawn_server:
         log = Path(tempfile.mkdtemp(prefix="serve_load_")) / "server.log"
-        server = SpawnedServer.start(args.spawn_server, serve_args, log)
+        server = ServerProcess.start([args.spawn_server, *serve_args], log,
+                                     {"VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+                                         "VLLM_CPU_KVCACHE_SPACE", "2")})
     try:
         if server is not None:
             server.wait_ready(args.ready_timeout)
             url = server.url
         report = run_against(args, url)
     finally:
-        stopped_s = server.stop() if server is not None else None
+        stopped_s = server.stop(30.0) if server is not None else None
     results = report.pop("_results")
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k != "api_key"}
