@@ -7,7 +7,8 @@ reference otherwise. Modules:
 - :mod:`kernels.scoring` — GQA-summed softmax scores of centroids;
 - :mod:`kernels.gather` — execution-buffer assembly from the device cache and the host tier;
 - :mod:`kernels.tripartite_attention` — weighted decode attention over exact tokens and
-  size-weighted centroids, merged through log-sum-exp.
+  size-weighted centroids (the paper's estimator, or the spread-corrected *tilted* one),
+  merged through log-sum-exp.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ from kernels.kmeans import (
     scatter_sum_triton,
 )
 from kernels.scoring import cluster_scores_ref, cluster_scores_triton
-from kernels.tripartite_attention import tripartite_decode_ref, tripartite_decode_triton
+from kernels.tripartite_attention import (
+    TiltTerms,
+    tripartite_decode_ref,
+    tripartite_decode_triton,
+)
 
 __all__ = [
+    "TiltTerms",
     "cluster_scores",
     "gather_rows",
     "kmeans_assign",
@@ -84,10 +90,11 @@ def cluster_scores(query: Tensor, centroids: Tensor, sizes: Tensor, scale: float
 def tripartite_decode(
     query: Tensor, k_exact: Tensor, v_exact: Tensor, n_exact: Tensor, centroids: Tensor,
     value_sums: Tensor, sizes: Tensor, est_ids: Tensor, n_est: Tensor, scale: float,
-    backend: str = "auto",
+    tilt: TiltTerms | None = None, backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Dispatching :func:`kernels.tripartite_attention.tripartite_decode_ref`."""
-    args = (query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est, scale)
+    args = (query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est, scale,
+            tilt)
     if resolve_backend(backend, query.device) == "triton":
         return tripartite_decode_triton(*args)
     return tripartite_decode_ref(*args)

@@ -12,15 +12,62 @@ i.e. softmax attention with a log-weight bias ``log(size_i)`` on each centroid a
 value ``VS_i / size_i`` as its value (paper eq. 2-4). Everything accumulates in fp32 through
 an online (log-sum-exp) softmax, so the zones merge exactly. Empty clusters (size 0) and
 padding contribute nothing; a row with nothing to attend returns zeros and ``lse = -inf``.
+
+With :class:`TiltTerms` the estimated clusters are corrected for the spread of their keys
+(the *tilted* estimator). For query head ``g`` and cluster ``i`` with spread ``sp_i`` and
+finite-sample deviate ``a_i``::
+
+    w_i   = size_i * exp(scale * q.C_i) * exp(log_tilt(qvar_g * sp_i, a_i))
+    value = VS_i / size_i + sp_i * vshift_g
+
+where ``log_tilt(v, a) = log E[exp(sqrt(v) Y)]`` for ``Y`` a standard normal truncated to
+``[-a, a]``: the expected ``exp(scale * q.(k - C_i))`` over the cluster's keys when
+``scale * q.(k - C_i)`` has variance ``v`` across them, and no key lies beyond the extremes of a
+sample of ``size_i`` (see :mod:`vllm_retro.index.estimator`). It is >= 0, so the corrected
+weight never falls below the paper's Jensen bound, and it grows like ``a * sqrt(v)``, not
+``v / 2``, so it cannot overshoot the way the plain log-normal correction does.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import block_size, check_float, take_rows
+
+_SQRT1_2 = 0.7071067811865476
+
+
+@dataclass(frozen=True)
+class TiltTerms:
+    """Inputs of the tilted estimator (see the module docstring); all fp32."""
+
+    spreads: torch.Tensor
+    """[R, C] each cluster's mean squared distance of its keys from the centroid."""
+    deviates: torch.Tensor
+    """[R, C] expected largest standard-normal deviate among ``size`` samples (0 if size <= 1)."""
+    qvar: torch.Tensor
+    """[R, G] variance of ``scale * q.(k - C)`` per unit of spread, per query head."""
+    vshift: torch.Tensor
+    """[R, G, D] shift of an estimated cluster's value per unit of spread, per query head."""
+
+
+def log_tilt_ref(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``log E[exp(sqrt(v) * Y)]`` for ``Y ~ N(0, 1)`` truncated to ``[-a, a]`` (any shapes
+    that broadcast; computed in fp64, returned as fp32): ``v / 2 + log(Phi(a - sqrt v) -
+    Phi(-a - sqrt v)) - log(Phi(a) - Phi(-a))``; 0 where ``a <= 0`` or ``v <= 0``."""
+    v64, a64 = v.double().clamp_min(0), a.double()
+    sv = v64.sqrt()
+    a_safe = a64.clamp_min(1e-6)
+    l1 = torch.special.log_ndtr(a_safe - sv)
+    l2 = torch.special.log_ndtr(-a_safe - sv)
+    num = l1 + torch.log1p(-torch.exp(l2 - l1))
+    den = torch.log(torch.erf(a_safe * _SQRT1_2))
+    out = (v64 / 2 + num - den).clamp_min(0)
+    return torch.where((a64 > 0) & (v64 > 0), out, torch.zeros_like(out)).float()
 
 
 def _estimation_terms(
@@ -55,12 +102,14 @@ def tripartite_decode_ref(
     est_ids: torch.Tensor,
     n_est: torch.Tensor,
     scale: float,
+    tilt: TiltTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch weighted decode attention.
 
     query: [R, G, D]; k_exact, v_exact: [R, T, D] exact tokens (steady + retrieval zones),
     valid up to n_exact[r] ([R] ints); centroids, value_sums: [R, C, D]; sizes: [R, C];
-    est_ids: [R, E] cluster ids of the estimation zone, valid up to n_est[r] ([R] ints).
+    est_ids: [R, E] cluster ids of the estimation zone, valid up to n_est[r] ([R] ints);
+    ``tilt``: the tilted estimator's terms (None: the paper's estimator).
     Returns (out [R, G, D] in query's dtype, lse [R, G] fp32 natural-log softmax denominator).
     """
     t = k_exact.shape[1]
@@ -72,23 +121,66 @@ def tripartite_decode_ref(
     vals = torch.cat([v_exact.float(), vmean], dim=1)
     bias = torch.cat([bias_x, bias_e], dim=1)  # [R, T + E]
     logits = torch.bmm(query.float(), keys.transpose(1, 2)) * scale + bias[:, None, :]
+    spread = None
+    if tilt is not None:
+        ids = est_ids.long().clamp(0, max(centroids.shape[1] - 1, 0))
+        spread = torch.gather(tilt.spreads.float(), 1, ids)  # [R, E]
+        dev = torch.gather(tilt.deviates.float(), 1, ids)
+        lt = log_tilt_ref(tilt.qvar.float()[..., None] * spread[:, None, :], dev[:, None, :])
+        logits[..., t:] = logits[..., t:] + lt  # -inf (padding, empty) stays -inf
     lse = torch.logsumexp(logits, dim=2)  # [R, G]
     finite = torch.isfinite(lse)
     p = torch.exp(logits - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
     out = torch.bmm(p, vals)
+    if spread is not None:
+        # sum_i p_i * sp_i * vshift: the value correction, weighted by the corrected mass
+        out = out + (p[..., t:] * spread[:, None, :]).sum(2, keepdim=True) * tilt.vshift.float()
     out = torch.where(finite[..., None], out, torch.zeros_like(out))
     return out.to(query.dtype), lse
 
 
 @triton.jit
+def _log_erfcx(z):
+    # log(erfc(z) * exp(z^2)) for z >= 0: Numerical Recipes' erfcc (Chebyshev fit, fractional
+    # error < 1.2e-7 everywhere) with the exp(-z^2) factor left out, so nothing underflows
+    t = 1.0 / (1.0 + 0.5 * z)
+    p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    return tl.log(t) + p
+
+
+@triton.jit
+def _log_tilt(v, a):
+    # Triton version of log_tilt_ref. With A1 = v/2 + log Phi(a - sqrt v) and
+    # A2 = v/2 + log Phi(-a - sqrt v), the result is A1 + log(1 - exp(A2 - A1)) - log erf(a/sqrt2).
+    # log Phi(-x) = log(1/2) + log erfcx(x/sqrt2) - x^2/2 (x >= 0), and the v/2 - x^2/2 terms
+    # are folded analytically: no cancellation for large v.
+    v = tl.maximum(v, 0.0)
+    sv = tl.sqrt(v)
+    a_safe = tl.maximum(a, 1e-6)
+    x1 = a_safe - sv
+    z1 = tl.abs(x1) * 0.7071067811865476
+    lx1 = _log_erfcx(z1)
+    a1_neg = -0.6931471805599453 + lx1 + a_safe * sv - 0.5 * a_safe * a_safe
+    a1_pos = 0.5 * v + tl.log(1.0 - 0.5 * tl.exp(lx1 - z1 * z1))
+    a1 = tl.where(x1 <= 0.0, a1_neg, a1_pos)
+    z2 = (a_safe + sv) * 0.7071067811865476
+    a2 = -0.6931471805599453 + _log_erfcx(z2) - a_safe * sv - 0.5 * a_safe * a_safe
+    den = tl.log(tl.erf(a_safe * 0.7071067811865476))
+    out = tl.maximum(a1 + tl.log(1.0 - tl.exp(a2 - a1)) - den, 0.0)
+    return tl.where((a > 0.0) & (v > 0.0), out, 0.0)
+
+
+@triton.jit
 def _tripartite_split_kernel(
-    Q, KX, VX, NX, CEN, VS, SZ, EID, NE,
-    ACC, MX, LS,
+    Q, KX, VX, NX, CEN, VS, SZ, EID, NE, SP, DV, QV,
+    ACC, MX, LS, RA,
     G, D, C, E, chunk, scale,
     sq_r, sq_g, skx_r, skx_t, svx_r, svx_t,
-    sc_r, sc_c, svs_r, svs_c, ssz_r, se_r,
+    sc_r, sc_c, svs_r, svs_c, ssz_r, se_r, ssp_r, sdv_r, sqv_r,
     sacc_r, sacc_s, sacc_g, sm_r, sm_s,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILT: tl.constexpr,
 ):
     r = tl.program_id(0)
     sp = tl.program_id(1)
@@ -107,6 +199,9 @@ def _tripartite_split_kernel(
     ).to(tl.float32) * scale
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     ssum = tl.zeros([BLOCK_G], tl.float32)
+    racc = tl.zeros([BLOCK_G], tl.float32)  # sum of p * spread (tilted estimator only)
+    if TILT:
+        qv = tl.load(QV + r * sqv_r + offs_g, mask=gmask, other=0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for off in range(start, end, BLOCK_N):
         pos = off + tl.arange(0, BLOCK_N)
@@ -128,11 +223,17 @@ def _tripartite_split_kernel(
         bias = tl.where(is_x, 0.0, tl.log(tl.maximum(sz, 1.0)))
         bias = tl.where(is_x | is_e, bias, float("-inf"))
         s = tl.dot(q, tl.trans(k), input_precision="ieee") + bias[None, :]
+        if TILT:
+            spr = tl.load(SP + r * ssp_r + cid, mask=is_e, other=0.0)
+            dv = tl.load(DV + r * sdv_r + cid, mask=is_e, other=0.0)
+            s += _log_tilt(qv[:, None] * spr[None, :], dv[None, :])
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         ssum = ssum * alpha + tl.sum(p, axis=1)
+        if TILT:
+            racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
     base = r * sacc_r + sp * sacc_s
@@ -142,22 +243,30 @@ def _tripartite_split_kernel(
     )
     tl.store(MX + r * sm_r + sp * sm_s + offs_g, m, mask=gmask)
     tl.store(LS + r * sm_r + sp * sm_s + offs_g, ssum, mask=gmask)
+    if TILT:
+        tl.store(RA + r * sm_r + sp * sm_s + offs_g, racc, mask=gmask)
 
 
 def merge_partials(
-    acc: torch.Tensor, m: torch.Tensor, lsum_parts: torch.Tensor
+    acc: torch.Tensor, m: torch.Tensor, lsum_parts: torch.Tensor,
+    spread_parts: torch.Tensor | None = None, vshift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split partial softmax states exactly.
 
     acc: [R, S, G, D] unnormalised outputs; m: [R, S, G] running maxima; lsum_parts:
-    [R, S, G] softmax sums (relative to m). Returns (out [R, G, D] fp32, lse [R, G] fp32).
+    [R, S, G] softmax sums (relative to m); for the tilted estimator, spread_parts [R, S, G]
+    the sums of ``p * spread`` (relative to m) and vshift [R, G, D] the value shift per unit
+    of spread. Returns (out [R, G, D] fp32, lse [R, G] fp32).
     """
     mmax = m.amax(dim=1, keepdim=True)  # [R, 1, G]
     mmax_safe = torch.where(torch.isfinite(mmax), mmax, torch.zeros_like(mmax))
     w = torch.exp(m - mmax_safe)  # exp(-inf) = 0 for empty splits
     lsum = (lsum_parts * w).sum(dim=1)  # [R, G]
     tiny = torch.finfo(torch.float32).tiny
-    out = (acc * w[..., None]).sum(dim=1) / lsum.clamp_min(tiny)[..., None]
+    num = (acc * w[..., None]).sum(dim=1)
+    if spread_parts is not None and vshift is not None:
+        num = num + (spread_parts * w).sum(dim=1)[..., None] * vshift.float()
+    out = num / lsum.clamp_min(tiny)[..., None]
     out = torch.where((lsum > 0)[..., None], out, torch.zeros_like(out))
     lse = torch.where(lsum > 0, mmax_safe[:, 0] + torch.log(lsum.clamp_min(tiny)),
                       torch.full_like(lsum, -torch.inf))
@@ -181,6 +290,7 @@ def tripartite_decode_triton(
     est_ids: torch.Tensor,
     n_est: torch.Tensor,
     scale: float,
+    tilt: TiltTerms | None = None,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`tripartite_decode_ref` (same arguments and result), split
@@ -205,6 +315,13 @@ def tripartite_decode_triton(
         sizes = torch.zeros(r, 1, dtype=torch.int32, device=dev)
         est_ids = torch.zeros(r, 1, dtype=torch.int32, device=dev)
         n_est = torch.zeros_like(n_est)
+        tilt = None
+    if tilt is not None:
+        spreads = tilt.spreads.to(dev, torch.float32).contiguous()
+        deviates = tilt.deviates.to(dev, torch.float32).contiguous()
+        qvar = tilt.qvar.to(dev, torch.float32).contiguous()
+    else:  # never read (TILT=False): any fp32 pointer will do
+        spreads = deviates = qvar = torch.zeros(r, 1, dtype=torch.float32, device=dev)
     block_d = block_size(d)
     block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
     total = int((n_exact + n_est).max().item()) if r else 0
@@ -214,17 +331,23 @@ def tripartite_decode_triton(
     acc = torch.empty(r, splits, g, d, dtype=torch.float32, device=dev)
     mx = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
     ls = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
+    ra = torch.empty_like(ls) if tilt is not None else ls
     if r == 0:
         return torch.empty_like(query), torch.empty(0, g, dtype=torch.float32, device=dev)
     _tripartite_split_kernel[(r, splits)](
         query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est,
-        acc, mx, ls,
+        spreads, deviates, qvar,
+        acc, mx, ls, ra,
         g, d, centroids.shape[1], est_ids.shape[1], chunk, float(scale),
         query.stride(0), query.stride(1), k_exact.stride(0), k_exact.stride(1),
         v_exact.stride(0), v_exact.stride(1), centroids.stride(0), centroids.stride(1),
         value_sums.stride(0), value_sums.stride(1), sizes.stride(0), est_ids.stride(0),
+        spreads.stride(0), deviates.stride(0), qvar.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
-        BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d, TILT=tilt is not None,
     )
-    out, lse = merge_partials(acc, mx, ls)
+    if tilt is not None:
+        out, lse = merge_partials(acc, mx, ls, ra, tilt.vshift.to(dev))
+    else:
+        out, lse = merge_partials(acc, mx, ls)
     return out.to(query.dtype), lse
