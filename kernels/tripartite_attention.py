@@ -20,12 +20,13 @@ finite-sample deviate ``a_i``::
     w_i   = size_i * exp(scale * q.C_i) * exp(log_tilt(qvar_g * sp_i, a_i))
     value = VS_i / size_i + sp_i * vshift_g
 
-where ``log_tilt(v, a) = log E[exp(sqrt(v) Y)]`` for ``Y`` a standard normal truncated to
-``[-a, a]``: the expected ``exp(scale * q.(k - C_i))`` over the cluster's keys when
-``scale * q.(k - C_i)`` has variance ``v`` across them, and no key lies beyond the extremes of a
-sample of ``size_i`` (see :mod:`vllm_retro.index.estimator`). It is >= 0, so the corrected
-weight never falls below the paper's Jensen bound, and it grows like ``a * sqrt(v)``, not
-``v / 2``, so it cannot overshoot the way the plain log-normal correction does.
+where ``log_tilt(v, a) = log E[exp(sqrt(v) Y)]`` for ``Y`` a normal truncated to ``[-a, a]``
+standard deviations and rescaled to unit variance: the expected ``exp(scale * q.(k - C_i))``
+over the cluster's keys when ``scale * q.(k - C_i)`` has variance ``v`` across them, and no key
+lies beyond the extremes of a sample of ``size_i`` (see :mod:`vllm_retro.index.estimator`). It
+is >= 0, so the corrected weight never falls below the paper's Jensen bound; it is ``v / 2``
+(the log-normal correction) for small ``v`` but grows like ``sqrt(v)``, not ``v / 2``, so it
+cannot overshoot the way the plain log-normal correction does.
 """
 
 from __future__ import annotations
@@ -48,20 +49,30 @@ class TiltTerms:
     spreads: torch.Tensor
     """[R, C] each cluster's mean squared distance of its keys from the centroid."""
     deviates: torch.Tensor
-    """[R, C] expected largest standard-normal deviate among ``size`` samples (0 if size <= 1)."""
+    """[R, C] expected largest standard-normal deviate among ``size`` samples: 0 (no
+    correction, size <= 1) or >= 0.5 (fp32 keeps the truncated variance accurate there)."""
     qvar: torch.Tensor
     """[R, G] variance of ``scale * q.(k - C)`` per unit of spread, per query head."""
     vshift: torch.Tensor
     """[R, G, D] shift of an estimated cluster's value per unit of spread, per query head."""
 
 
+def truncated_variance_ref(a: torch.Tensor) -> torch.Tensor:
+    """Variance of ``N(0, 1)`` truncated to ``[-a, a]``: ``1 - 2 a phi(a) / erf(a / sqrt 2)``
+    (fp64; ``a > 0``)."""
+    a = a.double()
+    return 1 - 2 * a * torch.exp(-a * a / 2) / (2 * torch.pi) ** 0.5 / torch.erf(a * _SQRT1_2)
+
+
 def log_tilt_ref(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``log E[exp(sqrt(v) * Y)]`` for ``Y ~ N(0, 1)`` truncated to ``[-a, a]`` (any shapes
-    that broadcast; computed in fp64, returned as fp32): ``v / 2 + log(Phi(a - sqrt v) -
-    Phi(-a - sqrt v)) - log(Phi(a) - Phi(-a))``; 0 where ``a <= 0`` or ``v <= 0``."""
-    v64, a64 = v.double().clamp_min(0), a.double()
+    """``log E[exp(sqrt(v) * Y)]`` for ``Y`` a standard normal truncated to ``[-a, a]`` and
+    rescaled to unit variance (any shapes that broadcast; computed in fp64, returned as fp32).
+    With ``u = v / truncated_variance_ref(a)``: ``u / 2 + log(Phi(a - sqrt u) -
+    Phi(-a - sqrt u)) - log(Phi(a) - Phi(-a))``; 0 where ``a <= 0`` or ``v <= 0``."""
+    a64 = a.double()
+    a_safe = a64.clamp_min(1e-3)
+    v64 = v.double().clamp_min(0) / truncated_variance_ref(a_safe)
     sv = v64.sqrt()
-    a_safe = a64.clamp_min(1e-6)
     l1 = torch.special.log_ndtr(a_safe - sv)
     l2 = torch.special.log_ndtr(-a_safe - sv)
     num = l1 + torch.log1p(-torch.exp(l2 - l1))
@@ -156,9 +167,12 @@ def _log_tilt(v, a):
     # A2 = v/2 + log Phi(-a - sqrt v), the result is A1 + log(1 - exp(A2 - A1)) - log erf(a/sqrt2).
     # log Phi(-x) = log(1/2) + log erfcx(x/sqrt2) - x^2/2 (x >= 0), and the v/2 - x^2/2 terms
     # are folded analytically: no cancellation for large v.
-    v = tl.maximum(v, 0.0)
+    a_safe = tl.maximum(a, 1e-3)
+    erf_a = tl.erf(a_safe * 0.7071067811865476)
+    # rescale to unit variance: divide by the variance of N(0,1) truncated to [-a, a]
+    tvar = 1.0 - 0.7978845608028654 * a_safe * tl.exp(-0.5 * a_safe * a_safe) / erf_a
+    v = tl.maximum(v, 0.0) / tvar
     sv = tl.sqrt(v)
-    a_safe = tl.maximum(a, 1e-6)
     x1 = a_safe - sv
     z1 = tl.abs(x1) * 0.7071067811865476
     lx1 = _log_erfcx(z1)
@@ -167,7 +181,7 @@ def _log_tilt(v, a):
     a1 = tl.where(x1 <= 0.0, a1_neg, a1_pos)
     z2 = (a_safe + sv) * 0.7071067811865476
     a2 = -0.6931471805599453 + _log_erfcx(z2) - a_safe * sv - 0.5 * a_safe * a_safe
-    den = tl.log(tl.erf(a_safe * 0.7071067811865476))
+    den = tl.log(erf_a)
     out = tl.maximum(a1 + tl.log(1.0 - tl.exp(a2 - a1)) - den, 0.0)
     return tl.where((a > 0.0) & (v > 0.0), out, 0.0)
 

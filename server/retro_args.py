@@ -7,9 +7,10 @@ import dataclasses
 import typing
 from typing import Any
 
-from vllm_retro.config import CACHE_POLICIES, KERNEL_BACKENDS, RetroConfig
+from vllm_retro.config import CACHE_POLICIES, ESTIMATORS, KERNEL_BACKENDS, RetroConfig
 
-_CHOICES = {"cache_policy": CACHE_POLICIES, "kernel_backend": KERNEL_BACKENDS}
+_CHOICES = {"cache_policy": CACHE_POLICIES, "kernel_backend": KERNEL_BACKENDS,
+            "estimator": ESTIMATORS}
 _DEST = "retro__"
 
 

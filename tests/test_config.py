@@ -33,6 +33,7 @@ def test_defaults_follow_the_paper():
     ("cache_pages", -1, "an integer in [0,"),
     ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
+    ("estimator", "paper", "one of 'tilted', 'centroid'"),
     ("enabled", "yes", "true or false"),
     ("retrieval_budget", True, "a number in (0.0, 1.0]"),
 ])

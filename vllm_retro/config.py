@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+ESTIMATORS = ("tilted", "centroid")
 CACHE_POLICIES = ("lru", "lfu")
 
 
@@ -69,6 +70,10 @@ class RetroConfig:
     """Fraction of clusters (top by centroid score) whose tokens are attended exactly."""
     estimation_budget: float = 0.232
     """Fraction of clusters (the next ones by score) estimated from centroid and value sum."""
+    estimator: str = "tilted"
+    """How an estimated cluster is weighted: 'tilted' corrects the centroid's weight and mean
+    value for the spread of the cluster's keys (see ``vllm_retro.index.estimator``);
+    'centroid' is the paper's size * exp(q.C / sqrt(d)), a lower bound of the true mass."""
 
     # --- wave index: decode-time updates ----------------------------------------------------
     update_segment: int = 1024
@@ -112,6 +117,7 @@ class RetroConfig:
                 f"[0, {1.0 - self.retrieval_budget:g}] so that retrieval_budget "
                 f"({self.retrieval_budget:g}) + estimation_budget <= 1",
             )
+        _check_choice("estimator", self.estimator, ESTIMATORS)
         _check_int("update_segment", self.update_segment, 16, 1 << 20)
         _check_int("update_clusters", self.update_clusters, 1, self.update_segment)
         _check_int("page_size", self.page_size, 1, 1024)

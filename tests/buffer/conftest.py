@@ -17,7 +17,8 @@ def random_clusters(h: int, m: int, c: int, g: torch.Generator, max_skew: float 
     offsets = torch.zeros(h, c + 1, dtype=torch.int64)
     offsets[:, 1:] = sizes.long().cumsum(1)
     zeros = torch.zeros(h, c, 1)
-    return Clusters(centroids=zeros, value_sums=zeros, sizes=sizes, order=order, offsets=offsets)
+    return Clusters(centroids=zeros, value_sums=zeros, sizes=sizes, spreads=zeros[..., 0],
+                    key_sq=zeros[:, 0], cross=zeros[:, :1], order=order, offsets=offsets)
 
 
 class RefCache:

@@ -1,4 +1,7 @@
-"""vllm_retro.index.clustering: segmented spherical k-means and the cluster layout."""
+"""vllm_retro.index.clustering: segmented spherical k-means, the cluster layout and the
+residual moments (spreads, per-dimension key variance, value-key cross-covariance)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,6 +12,8 @@ from vllm_retro.index.clustering import cluster_block, clusters_per_segment, sph
 def _check_layout(cl, keys, values, segment_size):
     h, m, d = keys.shape
     c = cl.num_clusters
+    key_sq = torch.zeros(h, d, dtype=torch.float64)
+    cross = torch.zeros(h, d, d, dtype=torch.float64)
     assert cl.centroids.shape == (h, c, d) and cl.value_sums.shape == (h, c, d)
     assert cl.sizes.shape == (h, c) and cl.offsets.shape == (h, c + 1)
     for i in range(h):
@@ -27,6 +32,15 @@ def _check_layout(cl, keys, values, segment_size):
                                        keys[i, members].float().mean(0), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(cl.value_sums[i, j].float(),
                                        values[i, members].float().sum(0), rtol=1e-4, atol=1e-4)
+            dk = keys[i, members].double() - keys[i, members].double().mean(0)
+            dv = values[i, members].double() - values[i, members].double().mean(0)
+            assert float(cl.spreads[i, j]) == pytest.approx(float((dk * dk).sum(1).mean()),
+                                                            rel=1e-4, abs=1e-5)
+            key_sq[i] += (dk * dk).sum(0)
+            cross[i] += dv.T @ dk
+    assert cl.spreads.dtype == torch.float32 and (cl.spreads[cl.sizes == 0] == 0).all()
+    torch.testing.assert_close(cl.key_sq.double(), key_sq, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cl.cross.double(), cross, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("h,m,d,seg,tpc", [(2, 300, 32, 128, 16), (1, 1000, 64, 1000, 16),
@@ -54,8 +68,8 @@ def test_triton_backend_matches_torch(rng, triton_device):
                       backend="triton")
     # identical up to argmax ties from rounding: near-identical clusterings
     assert (a.sizes == b.sizes.cpu()).float().mean() > 0.95
-    _check_layout(type(b)(*[t.cpu() for t in (b.centroids, b.value_sums, b.sizes, b.order,
-                                                b.offsets)]), keys, values, 512)
+    cpu = {f.name: getattr(b, f.name).cpu() for f in dataclasses.fields(b)}
+    _check_layout(dataclasses.replace(b, **cpu), keys, values, 512)
 
 
 def test_recovers_separated_directions(rng):

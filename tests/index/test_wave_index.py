@@ -4,12 +4,14 @@ import pytest
 import torch
 
 from kernels.scoring import cluster_scores_ref
+from kernels.tripartite_attention import log_tilt_ref
 from tests.helpers import full_attention, rel_err
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex, sparse_attention
 
 ALL = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
 NO_EST = RetroConfig(estimation_budget=0.0)
+PAPER = RetroConfig(estimator="centroid")
 
 
 def _qkv(hq, hkv, n, d, rng, dtype=torch.float32):
@@ -73,12 +75,105 @@ def _paper_reference(index, res, q, k, v):
                                        (torch.float16, 1e-2), (torch.bfloat16, 2e-2)])
 def test_estimation_zone_follows_the_paper(dtype, tol, rng):
     """Output = (exact tokens + sum_i exp(q.C_i) VS_i) / (their weights + sum_i s_i exp(q.C_i)),
-    at default budgets, in every dtype."""
+    at default budgets, in every dtype, with ``estimator='centroid'``."""
+    q, k, v = _qkv(4, 2, 3000, 64, rng, dtype)
+    index = WaveIndex.build(k, v, PAPER)
+    res = index.decode(q, return_positions=True)
+    assert res.output.dtype == dtype and not res.output.isnan().any()
+    assert rel_err(res.output, _paper_reference(index, res, q, k, v)) < tol
+
+
+def _tilted_reference(index, res, q, k, v, rank=8):
+    """The tilted estimator in fp64 from the clusters' members (not the index's statistics):
+    spread, Blom deviate, pooled per-dimension variance share and rank-8 pooled value-key
+    cross-covariance per KV head. [Hq, D]."""
+    hq, d = q.shape
+    hkv = index.num_kv_heads
+    g, scale = hq // hkv, d ** -0.5
+    q, k, v = q.double(), k.double(), v.double()
+    st = index.store
+    members, profile, pmat = {}, [], []
+    for h in range(hkv):
+        key_sq, cross = torch.zeros(d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64)
+        for c in range(index.num_clusters):
+            pos = st.positions[h, st.offsets[h, c]:st.offsets[h, c + 1]]
+            if len(pos):
+                dk, dv = k[h, pos] - k[h, pos].mean(0), v[h, pos] - v[h, pos].mean(0)
+                members[h, c] = (pos, float((dk * dk).sum(1).mean()))
+                key_sq, cross = key_sq + (dk * dk).sum(0), cross + dv.T @ dk
+        u, sv, vh = torch.linalg.svd(cross / key_sq.sum())
+        profile.append(key_sq / key_sq.sum())
+        pmat.append(u[:, :rank] @ torch.diag(sv[:rank]) @ vh[:rank])
+    out = torch.empty(hq, d, dtype=torch.float64)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for i in range(hq):
+        h = i // g
+        pos = res.exact_positions[h][res.exact_positions[h] >= 0]
+        w = torch.exp(k[h, pos] @ q[i] * scale)
+        num, den = w @ v[h, pos], w.sum()
+        qvar = scale ** 2 * float((q[i] ** 2) @ profile[h])
+        vshift = scale * pmat[h] @ q[i]
+        for c in res.selection.estimation_ids[h].tolist():
+            if (h, c) not in members:
+                continue
+            cpos, spread = members[h, c]
+            n = len(cpos)
+            a = float(normal.icdf(torch.tensor((n - 0.375) / (n + 0.25)))) if n > 1 else 0.0
+            lt = float(log_tilt_ref(torch.tensor(qvar * spread), torch.tensor(a)))
+            we = n * torch.exp(k[h, cpos].mean(0) @ q[i] * scale + lt)
+            num = num + we * (v[h, cpos].mean(0) + spread * vshift)
+            den = den + we
+        out[i] = num / den
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-4), (torch.float32, 1e-4),
+                                       (torch.bfloat16, 3e-2)])
+def test_tilted_estimation_zone_follows_its_model(dtype, tol, rng):
+    """The default estimator: each estimated cluster weighted by n e^{q.C} e^{log_tilt} with
+    the value shifted by spread * vshift, statistics recomputed here from the members."""
     q, k, v = _qkv(4, 2, 3000, 64, rng, dtype)
     index = WaveIndex.build(k, v, RetroConfig())
     res = index.decode(q, return_positions=True)
     assert res.output.dtype == dtype and not res.output.isnan().any()
-    assert rel_err(res.output, _paper_reference(index, res, q, k, v)) < tol
+    assert rel_err(res.output, _tilted_reference(index, res, q, k, v)) < tol
+    assert rel_err(res.output, _paper_reference(index, res, q, k, v)) > 0.05  # it differs
+
+
+def test_tilted_beats_the_paper_on_gaussian_keys(rng):
+    """Where the model holds (Gaussian keys and values, values correlated with keys), the
+    tilted estimate is closer to full attention than the paper's, query after query."""
+    hq, hkv, n, d = 8, 2, 6000, 64
+    mix = torch.randn(hkv, d, d, generator=rng) / d ** 0.5
+    k = torch.randn(hkv, n, d, generator=rng) * 1.5
+    v = k @ mix + 0.5 * torch.randn(hkv, n, d, generator=rng)
+    tilted, paper = WaveIndex.build(k, v, RetroConfig()), WaveIndex.build(k, v, PAPER)
+    wins, errs = 0, []
+    for _ in range(12):
+        q = torch.randn(hq, d, generator=rng) * 1.5
+        ref = full_attention(q, k, v)
+        et, ep = rel_err(tilted.decode(q).output, ref), rel_err(paper.decode(q).output, ref)
+        wins += et < ep
+        errs.append((et, ep))
+    assert wins >= 11, errs
+    assert sum(e for e, _ in errs) < 0.85 * sum(e for _, e in errs), errs
+
+
+def test_estimators_agree_without_estimation_or_spread(rng):
+    q, k, v = _qkv(4, 2, 3000, 64, rng)
+    for cfg in (NO_EST, ALL):
+        a = WaveIndex.build(k, v, cfg).decode(q).output
+        b = WaveIndex.build(k, v, cfg.replace(estimator="centroid")).decode(q).output
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # every cluster a run of identical keys and values: zero spread, nothing to correct
+    k = k[:, ::8].repeat_interleave(8, 1)[:, :3000].contiguous()
+    v = v[:, ::8].repeat_interleave(8, 1)[:, :3000].contiguous()
+    cfg = RetroConfig(cluster_size=8)
+    a = WaveIndex.build(k, v, cfg)
+    assert float(a.spreads.max()) < 1e-8
+    torch.testing.assert_close(a.decode(q).output,
+                               WaveIndex.build(k, v, cfg.replace(estimator="centroid"))
+                               .decode(q).output, rtol=1e-5, atol=1e-5)
 
 
 def test_zones_are_ranked_by_group_softmax(rng):

@@ -28,7 +28,7 @@ import torch
 import kernels
 from kernels.scoring import group_scores_from_logits
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.clustering import Clusters, clusters_per_segment
+from vllm_retro.index.clustering import Clusters, clusters_per_segment, residual_moments
 from vllm_retro.index.functional import validate_qkv
 from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
 from vllm_retro.index.store import ClusterStore
@@ -46,10 +46,18 @@ def page_clusters(keys: torch.Tensor, values: torch.Tensor, page_size: int) -> C
     vs = torch.nn.functional.pad(values.float(), (0, 0, 0, pad)).reshape(h, p, page_size, d)
     offsets = torch.zeros(p + 1, dtype=torch.int64, device=keys.device)
     offsets[1:] = sizes.to(torch.int64).cumsum(0)
+    kmean = ks.sum(2) / sizes[None, :, None]
+    slot = torch.arange(p * page_size, device=keys.device)
+    assign = torch.where(slot < m, slot // page_size, -1)[None, :].expand(h, -1)
+    spread, key_sq, cross = residual_moments(ks.reshape(h, -1, d), vs.reshape(h, -1, d), assign,
+                                             kmean, vs.sum(2) / sizes[None, :, None])
     return Clusters(
-        centroids=(ks.sum(2) / sizes[None, :, None]).to(keys.dtype),
+        centroids=kmean.to(keys.dtype),
         value_sums=vs.sum(2).to(values.dtype),
         sizes=sizes[None, :].expand(h, p).contiguous(),
+        spreads=spread / sizes[None, :],
+        key_sq=key_sq,
+        cross=cross,
         order=torch.arange(m, device=keys.device)[None, :].expand(h, m).contiguous(),
         offsets=offsets[None, :].expand(h, p + 1).contiguous(),
     )

@@ -4,8 +4,11 @@ Each (KV head, segment) is clustered independently: keys are mean-centred per se
 normalised, centroids start from an evenly strided choice of the segment's keys, and
 ``iters`` rounds of assignment / renormalised-mean update follow (an emptied cluster keeps its
 previous centroid). The meta index then stores, per cluster, the arithmetic mean of its *raw*
-keys (the Jensen lower bound of eq. 3 needs exactly that mean), the sum of its values and
-its size; clusters that end empty get size 0 and are masked everywhere downstream.
+keys (the Jensen lower bound of eq. 3 needs exactly that mean), the sum of its values, its
+size and its *spread* (mean squared distance of its keys from that mean); clusters that end
+empty get size 0 and are masked everywhere downstream. The block's residual moments (per
+dimension key variance, key-value cross-covariance), summed over clusters, feed the tilted
+estimator (:mod:`vllm_retro.index.estimator`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ class Clusters:
     """[H, C, D] sum of each cluster's values, KV dtype (accumulated in fp32)."""
     sizes: torch.Tensor
     """[H, C] int32 tokens per cluster (0 = empty, masked)."""
+    spreads: torch.Tensor
+    """[H, C] fp32 mean of ``|k - centroid|^2`` over each cluster's keys (0 for empty ones)."""
+    key_sq: torch.Tensor
+    """[H, D] fp32 sum over the block's tokens of ``(k - centroid)^2``, per dimension."""
+    cross: torch.Tensor
+    """[H, D, D] fp32 sum over the block's tokens of ``(v - mean v) (k - centroid)^T``
+    (centroid and mean value of the token's cluster)."""
     order: torch.Tensor
     """[H, M] int64 token offsets within the block, sorted by cluster (cluster-contiguous)."""
     offsets: torch.Tensor
@@ -42,6 +52,27 @@ class Clusters:
     def num_clusters(self) -> int:
         """Clusters per head, empty ones included."""
         return int(self.sizes.shape[1])
+
+
+def residual_moments(
+    keys: torch.Tensor, values: torch.Tensor, assign: torch.Tensor,
+    key_means: torch.Tensor, value_means: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Second moments of keys and values about their cluster's means, in fp32.
+
+    keys, values: [S, N, D]; assign: [S, N] cluster of each token (-1 = padding);
+    key_means, value_means: [S, K, D]. Returns (spread sums [S, K]: sum of ``|k - C|^2``
+    per cluster; key_sq [S, D]: sum of ``(k - C)^2`` per dimension; cross [S, D, D]: sum of
+    ``(v - mean v)(k - C)^T``).
+    """
+    valid = (assign >= 0)[..., None]
+    a = assign.clamp_min(0)
+    dk = (keys.float() - take_rows(key_means.float(), a)) * valid
+    dv = (values.float() - take_rows(value_means.float(), a)) * valid
+    sq = dk * dk
+    spread = torch.zeros(key_means.shape[:2], dtype=torch.float32, device=keys.device)
+    spread.scatter_add_(1, a, sq.sum(-1))
+    return spread, sq.sum(1), torch.bmm(dv.transpose(1, 2), dk)
 
 
 def clusters_per_segment(segment_lengths: list[int], tokens_per_cluster: int) -> list[int]:
@@ -117,11 +148,14 @@ def cluster_block(
     kmax = max(ks)
     vp = torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     sums, counts = kernels.scatter_sum(torch.cat([kp, vp], dim=2), assign, kmax, backend=backend)
+    means = sums / counts.clamp_min(1.0)[..., None]
+    spread, key_sq, cross = residual_moments(kp, vp, assign, means[..., :d], means[..., d:])
     # keep each segment's first k_j slots: [H, n_seg, kmax] -> [H, C]
     slot = torch.arange(kmax, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
     c_total = sum(ks)
     counts = counts.reshape(h, n_seg, kmax)[:, slot].reshape(h, c_total)
     sums = sums.reshape(h, n_seg, kmax, 2 * d)[:, slot].reshape(h, c_total, 2 * d)
+    spread = spread.reshape(h, n_seg, kmax)[:, slot].reshape(h, c_total)
     centroids = sums[..., :d] / counts.clamp_min(1.0)[..., None]
     # global (block-local) cluster id of every token, then a stable sort gives the layout
     seg_base = torch.tensor([0] + ks[:-1], device=dev).cumsum(0)  # [n_seg]
@@ -135,6 +169,9 @@ def cluster_block(
         centroids=centroids.to(keys.dtype),
         value_sums=sums[..., d:].to(values.dtype),
         sizes=sizes,
+        spreads=spread / counts.clamp_min(1.0),
+        key_sq=key_sq.reshape(h, n_seg, d).sum(1),
+        cross=cross.reshape(h, n_seg, d, d).sum(1),
         order=order,
         offsets=offsets,
     )

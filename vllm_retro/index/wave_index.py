@@ -24,6 +24,7 @@ import torch
 import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, cluster_block
+from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 from vllm_retro.index.store import ClusterStore, DenseClusterStore
 
 
@@ -70,6 +71,9 @@ class WaveIndex:
         self.centroids = empty
         self.value_sums = empty
         self.sizes = torch.empty(num_kv_heads, 0, dtype=torch.int32, device=device)
+        self.spreads = torch.empty(num_kv_heads, 0, dtype=torch.float32, device=device)
+        self.deviates = torch.empty_like(self.spreads)
+        self.residuals = ResidualModel(num_kv_heads, head_dim, device)
         self._centroids_f32: torch.Tensor | None = None
         self.sink_k = self.sink_v = empty
         self.win_k = self.win_v = empty
@@ -118,6 +122,10 @@ class WaveIndex:
         self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
         self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
         self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
+        self.spreads = torch.cat([self.spreads, clusters.spreads.to(self.spreads)], dim=1)
+        self.deviates = torch.cat(
+            [self.deviates, expected_max_deviate(clusters.sizes).to(self.deviates)], dim=1)
+        self.residuals.add(clusters.key_sq, clusters.cross)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Add decoded tokens. key, value: [H_kv, n, D] (n >= 1) post-RoPE.
@@ -174,11 +182,15 @@ class WaveIndex:
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
         self.win_k = self.win_v = empty
         self.sizes = self.sizes[:, :0]
+        self.spreads = self.deviates = self.spreads[:, :0]
+        self.residuals = ResidualModel(self.num_kv_heads, self.head_dim, self.sizes.device)
 
     def meta_nbytes(self) -> int:
-        """Bytes of the meta index (centroids, value sums, sizes)."""
-        return sum(t.numel() * t.element_size() for t in (self.centroids, self.value_sums,
-                                                          self.sizes))
+        """Bytes of the meta index (centroids, value sums, sizes, the tilted estimator's
+        per-cluster spreads and deviates and per-head residual model)."""
+        return self.residuals.nbytes() + sum(
+            t.numel() * t.element_size()
+            for t in (self.centroids, self.value_sums, self.sizes, self.spreads, self.deviates))
 
     # ------------------------------------------------------------------ decode
     def select(self, query: torch.Tensor, scale: float) -> Selection:
@@ -211,9 +223,14 @@ class WaveIndex:
             sel.retrieval_ids, [(self.sink_k, self.sink_v), (self.win_k, self.win_v)])
         n_est = torch.full((h,), sel.estimation_ids.shape[1], dtype=torch.int64,
                            device=query.device)
+        q = query.reshape(h, -1, d)
+        tilt = None
+        if self.config.estimator == "tilted" and sel.estimation_ids.shape[1]:
+            qvar, vshift = self.residuals.query_terms(q, scale)
+            tilt = kernels.TiltTerms(self.spreads, self.deviates, qvar, vshift)
         out, lse = kernels.tripartite_decode(
-            query.reshape(h, -1, d), k_exact, v_exact, n_exact, self.centroids,
-            self.value_sums, self.sizes, sel.estimation_ids, n_est, scale, backend=self.backend,
+            q, k_exact, v_exact, n_exact, self.centroids, self.value_sums, self.sizes,
+            sel.estimation_ids, n_est, scale, tilt, backend=self.backend,
         )
         self.store.step_done()
         positions = None
