@@ -24,6 +24,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_half": {"retrieval_budget": 0.009},
     "retro_double": {"retrieval_budget": 0.036},
     "retro_no_est": {"estimation_budget": 0.0},
+    "retro_centroid": {"estimator": "centroid"},
 }
 #: KV cache of the CPU engine, GiB (Qwen2.5-0.5B: 12 KiB per token in bf16).
 KVCACHE_GIB = "2"

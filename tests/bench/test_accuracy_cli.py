@@ -35,6 +35,7 @@ def test_config_knobs():
     assert CONFIGS["retro_half"] == {"retrieval_budget": 0.009}
     assert CONFIGS["retro_double"] == {"retrieval_budget": 0.036}
     assert CONFIGS["retro_no_est"] == {"estimation_budget": 0.0}
+    assert CONFIGS["retro_centroid"] == {"estimator": "centroid"}
 
 
 def test_gate():

@@ -112,13 +112,15 @@ def compare_policies(
 ) -> dict[str, AttentionAccuracy]:
     """The wave index against baselines at the same exact-token budget, on one layer.
 
-    - ``wave``: the wave index at ``config`` (default budgets);
+    - ``wave``: the wave index at ``config`` (default budgets and estimator);
+    - ``wave_centroid``: the same with the paper's estimator (``estimator='centroid'``);
     - ``wave_no_estimation``: the same retrieval zone, estimation zone dropped;
     - ``quest``: Quest-style pages, as many tokens per step as the wave index retrieved.
     Shapes as :func:`evaluate_policy`.
     """
     cfg = config or RetroConfig()
     no_est = cfg.replace(estimation_budget=0.0)
+    centroid = cfg.replace(estimator="centroid")
     args = (queries, keys, values, positions, scale, top_k)
     wave = evaluate_policy(lambda k, v: WaveIndex.build(k, v, cfg), *args)
     budget = wave.retrieved_tokens
@@ -129,6 +131,7 @@ def compare_policies(
 
     return {
         "wave": wave,
+        "wave_centroid": evaluate_policy(lambda k, v: WaveIndex.build(k, v, centroid), *args),
         "wave_no_estimation": evaluate_policy(lambda k, v: WaveIndex.build(k, v, no_est), *args),
         "quest": evaluate_policy(lambda k, v: QuestIndex.build(k, v, no_est), *args,
                                  step=quest_step),
