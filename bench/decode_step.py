@@ -104,10 +104,15 @@ def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torc
 
 def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
     """Bytes one decode step reads: all centroids (scoring), the estimated clusters'
-    centroids and value sums, and the K/V rows of the execution buffer."""
+    centroids and value sums (with the tilted estimator also their fp32 spread and deviate,
+    and each KV head's fp32 profile and rank-r factors), and the K/V rows of the execution
+    buffer."""
     c = index.num_clusters
     e = index.config.num_estimation(c)
-    return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem
+    tilt = 0
+    if index.config.estimator == "tilted":
+        tilt = HKV * (8 * e + 4 * D * (1 + 2 * index.residuals.rank))
+    return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem + tilt
 
 
 def sync(device: torch.device) -> None:
