@@ -36,13 +36,12 @@ def _inputs(r, g, t, c, e, d, dtype, rng):
     return (cast(q), cast(kx), cast(vx), n_exact, cast(cen), cast(vs), sizes, est, n_est)
 
 
-def test_ref_matches_paper_equations(rng):
-    """out = (sum_j e^{s_j} v_j + sum_i e^{q.C_i} VS_i) / (sum_j e^{s_j} + sum_i s_i e^{q.C_i})"""
-    r, g, t, c, e, d = 3, 2, 9, 12, 5, 32
-    args = _inputs(r, g, t, c, e, d, torch.float64, rng)
-    q, kx, vx, nx, cen, vs, sizes, est, ne = args
-    scale = d ** -0.5
-    out, lse = tripartite_decode_ref(*args, scale)
+def _check_written_out(args, out, lse, scale, cluster):
+    """Compare (out, lse) with the softmax written out per row and head in fp64: exact tokens
+    weighted e^{s q.k_j}, then ``cluster(i, h, cid) -> (weight, weighted value)`` per
+    estimated cluster."""
+    q, kx, vx, nx, _, _, _, est, ne = args
+    r, g, d = q.shape
     for i in range(r):
         for h in range(g):
             num = torch.zeros(d, dtype=torch.float64)
@@ -51,14 +50,28 @@ def test_ref_matches_paper_equations(rng):
                 w = torch.exp(q[i, h] @ kx[i, j] * scale)
                 num, den = num + w * vx[i, j], den + w
             for m in range(int(ne[i])):
-                cid = est[i, m]
-                w = torch.exp(q[i, h] @ cen[i, cid] * scale)
-                num, den = num + w * vs[i, cid], den + sizes[i, cid] * w
+                w, wv = cluster(i, h, int(est[i, m]))
+                num, den = num + wv, den + w
             if den > 0:
                 torch.testing.assert_close(out[i, h], num / den, rtol=1e-5, atol=1e-5)
                 assert abs(float(lse[i, h]) - float(torch.log(den))) < 1e-5
             else:
                 assert (out[i, h] == 0).all() and lse[i, h] == float("-inf")
+
+
+def test_ref_matches_paper_equations(rng):
+    """out = (sum_j e^{s_j} v_j + sum_i e^{q.C_i} VS_i) / (sum_j e^{s_j} + sum_i s_i e^{q.C_i})"""
+    r, g, t, c, e, d = 3, 2, 9, 12, 5, 32
+    args = _inputs(r, g, t, c, e, d, torch.float64, rng)
+    q, _, _, _, cen, vs, sizes, _, _ = args
+    scale = d ** -0.5
+    out, lse = tripartite_decode_ref(*args, scale)
+
+    def cluster(i, h, cid):
+        w = torch.exp(q[i, h] @ cen[i, cid] * scale)
+        return sizes[i, cid] * w, w * vs[i, cid]
+
+    _check_written_out(args, out, lse, scale, cluster)
 
 
 @pytest.mark.parametrize("r,g,t,c,e,d", [
@@ -188,31 +201,20 @@ def test_ref_tilted_matches_written_out_estimator(rng):
     """w_i = size_i e^{s q.C_i} e^{lt_i}, value_i = VS_i / size_i + sp_i vshift."""
     r, g, t, c, e, d = 3, 2, 9, 12, 5, 32
     args = _inputs(r, g, t, c, e, d, torch.float64, rng)
-    q, kx, vx, nx, cen, vs, sizes, est, ne = args
+    q, _, _, _, cen, vs, sizes, _, _ = args
     tilt = _tilt(r, g, c, d, rng)
     scale = d ** -0.5
     out, lse = tripartite_decode_ref(*args, scale, tilt)
-    for i in range(r):
-        for h in range(g):
-            num = torch.zeros(d, dtype=torch.float64)
-            den = torch.tensor(0.0, dtype=torch.float64)
-            for j in range(int(nx[i])):
-                w = torch.exp(q[i, h] @ kx[i, j] * scale)
-                num, den = num + w * vx[i, j], den + w
-            for m in range(int(ne[i])):
-                cid = est[i, m]
-                if sizes[i, cid] == 0:
-                    continue
-                sp = tilt.spreads[i, cid].double()
-                lt = log_tilt_ref(tilt.qvar[i, h] * tilt.spreads[i, cid], tilt.deviates[i, cid])
-                w = sizes[i, cid] * torch.exp(q[i, h] @ cen[i, cid] * scale + lt.double())
-                value = vs[i, cid] / sizes[i, cid] + sp * tilt.vshift[i, h].double()
-                num, den = num + w * value, den + w
-            if den > 0:
-                torch.testing.assert_close(out[i, h], num / den, rtol=1e-5, atol=1e-5)
-                assert abs(float(lse[i, h]) - float(torch.log(den))) < 1e-5
-            else:
-                assert (out[i, h] == 0).all() and lse[i, h] == float("-inf")
+
+    def cluster(i, h, cid):
+        if sizes[i, cid] == 0:
+            return torch.tensor(0.0, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        sp = tilt.spreads[i, cid].double()
+        lt = log_tilt_ref(tilt.qvar[i, h] * tilt.spreads[i, cid], tilt.deviates[i, cid])
+        w = sizes[i, cid] * torch.exp(q[i, h] @ cen[i, cid] * scale + lt.double())
+        return w, w * (vs[i, cid] / sizes[i, cid] + sp * tilt.vshift[i, h].double())
+
+    _check_written_out(args, out, lse, scale, cluster)
 
 
 def test_zero_spread_tilt_is_the_paper_estimator(rng):
