@@ -124,7 +124,7 @@ def sync(device: torch.device) -> None:
 def h2d_bandwidth(device: torch.device, rows: int = 1 << 16) -> dict[str, float]:
     """GB/s of the gather kernel reading scattered pinned host rows vs a plain copy_ of the
     same bytes (contiguous pinned -> device)."""
-    import kernels
+    from vllm_retro import kernels
 
     host_k = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()
     host_v = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()

@@ -35,7 +35,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
+from vllm_retro import kernels  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate  # noqa: E402
 

@@ -17,16 +17,15 @@ import os
 
 import torch
 from torch import Tensor
-
-from kernels.gather import gather_rows_ref, gather_rows_triton
-from kernels.kmeans import (
+from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
+from vllm_retro.kernels.kmeans import (
     kmeans_assign_ref,
     kmeans_assign_triton,
     scatter_sum_ref,
     scatter_sum_triton,
 )
-from kernels.scoring import cluster_scores_ref, cluster_scores_triton
-from kernels.tripartite_attention import (
+from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
+from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     tripartite_decode_ref,
     tripartite_decode_triton,

@@ -1,16 +1,53 @@
-"""Helpers shared by the kernel launchers."""
+"""Helpers shared by the kernel launchers, and the one place that imports Triton.
+
+Triton is optional: the torch references run without it (CPU installs need not have it). When
+it is missing, ``triton`` and ``tl`` here are stand-ins: ``@triton.jit`` still defines the
+kernels, and launching one (or using any other Triton function) raises one clear error.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import triton
+
+_MISSING = ("Triton is not installed, so the Triton kernels cannot run; install it "
+            "(`pip install triton`, or vllm-retro[cuda]) or use kernel_backend='torch'")
+
+
+class _NoTriton:
+    """Stands in for ``triton`` / ``triton.language`` when Triton is not installed."""
+
+    def jit(self, fn: Any = None, **_: Any) -> Any:
+        return self  # a "kernel" that fails when launched
+
+    def __getitem__(self, _grid: Any) -> Any:
+        raise ModuleNotFoundError(_MISSING)
+
+    def __getattr__(self, name: str) -> Any:
+        raise ModuleNotFoundError(_MISSING)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # the torch references need no Triton
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+    HAVE_TRITON = False
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
 def block_size(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum): Triton tile extents must be powers of two."""
-    return max(minimum, triton.next_power_of_2(max(int(n), 1)))
+    return max(minimum, next_power_of_2(n))
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

@@ -9,10 +9,7 @@ vectors). All arithmetic is fp32 whatever the input dtype.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from kernels._common import block_size, check_float
+from vllm_retro.kernels._common import block_size, check_float, tl, triton
 
 
 def _valid_masks(

@@ -14,10 +14,7 @@ Clusters with size 0 (empty, or padding) get ``-inf``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from kernels._common import block_size, check_float
+from vllm_retro.kernels._common import block_size, check_float, tl, triton
 
 
 def group_scores_from_logits(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import tomllib
 
 root = pathlib.Path(__file__).resolve().parent.parent
-for name in ("vllm_retro", "kernels", "server"):
+for name in ("vllm_retro", "vllm_retro.kernels", "vllm_retro.server"):
     mod = importlib.import_module(name)
     if mod.__file__ is None or pathlib.Path(mod.__file__).resolve().parent.parent != root:
         sys.exit(1)

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
 import urllib.request
 from typing import Any
 
-from server.default_model import DEFAULT_SERVED_NAME, default_model_dir
-from server.retro_args import add_retro_arguments, retro_overrides, strip_retro_arguments
+from vllm_retro.server.default_model import DEFAULT_SERVED_NAME, default_model_dir
+from vllm_retro.server.retro_args import add_retro_arguments, retro_overrides, strip_retro_arguments
+from vllm_retro.server.supervisor import CHILD_ENV, STARTUP_LOG_CHOICES, supervise
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MODEL_TOKEN = ":default:"
 """Stands for "no MODEL given" on vLLM's argument list: vLLM's parser insists on a positional
 model before options such as ``--served-model-name``."""
-DEFAULT_SHUTDOWN_TIMEOUT_S = 2
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5
+"""Seconds in-flight requests get to finish on SIGTERM. It also bounds how long vLLM waits for
+its engine processes to exit before killing them (which logs an EngineDeadError traceback);
+they take 2-3 s to exit on CPU, so 2 s was too short."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,9 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     # None marks "not given" so the embedded default can be chosen; loopback by default.
     # Drain (not abort) on SIGTERM: in-flight requests get DEFAULT_SHUTDOWN_TIMEOUT_S to
     # finish and the engine processes exit on their own instead of being killed mid-step.
+    # gpu_memory_utilization None marks "not chosen" (the KV cache is then sized from free
+    # memory on CPU, see size_kv_cache); vLLM's default is restored before vLLM sees it.
+    # enforce_eager None likewise marks "not chosen" (eager is the CPU default, see
+    # choose_execution_mode).
     serve.set_defaults(model=None, host=DEFAULT_HOST,
-                       shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S)
+                       shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S, gpu_memory_utilization=None,
+                       enforce_eager=None)
     add_retro_arguments(serve)
+    # Handled by the supervisor (server/supervisor.py) before the server starts; listed here
+    # for --help.
+    logs = serve.add_argument_group("Start-up log")
+    logs.add_argument("--log-file", metavar="PATH",
+                      help="file receiving the server's whole output (default: "
+                           "$VLLM_RETRO_CACHE/logs/serve-<time>.log)")
+    logs.add_argument("--startup-log", choices=STARTUP_LOG_CHOICES, default="brief",
+                      help="'brief' shows only vllm-retro's lines until the server is ready "
+                           "(everything goes to --log-file); 'full' shows vLLM's too")
     return parser
 
 
@@ -78,15 +97,15 @@ def apply_retro(args: argparse.Namespace) -> dict[str, Any]:
     extra = dict(args.additional_config or {})
     given = extra.get("retro") or {}
     if not isinstance(given, dict):
-        raise SystemExit(f"vllm-retro: --additional-config 'retro' must be a JSON object of "
-                         f"settings, got {given!r}")
+        raise SystemExit(f"vllm-retro: error: --additional-config 'retro' must be a JSON "
+                         f"object of settings, got {given!r}")
     settings = {**given, **retro_overrides(args)}
     strip_retro_arguments(args)
     try:
         cfg = RetroConfig.from_dict(settings)
         kwargs = engine_kwargs(**settings)
     except (ConfigError, TypeError) as exc:
-        raise SystemExit(f"vllm-retro: {exc}") from None
+        raise SystemExit(f"vllm-retro: error: {exc}") from None
     ktc = args.kv_transfer_config
     if ktc is not None and ktc.kv_connector != CONNECTOR_NAME:
         raise SystemExit(
@@ -97,15 +116,15 @@ def apply_retro(args: argparse.Namespace) -> dict[str, Any]:
     args.kv_transfer_config = KVTransferConfig(**kwargs["kv_transfer_config"])
     ext = getattr(args, "worker_extension_cls", "")
     if ext and ext != kwargs["worker_extension_cls"]:
-        raise SystemExit(f"vllm-retro: --worker-extension-cls {ext!r} would replace retro's "
-                         f"{kwargs['worker_extension_cls']!r}; omit it")
+        raise SystemExit(f"vllm-retro: error: --worker-extension-cls {ext!r} would replace "
+                         f"retro's {kwargs['worker_extension_cls']!r}; omit it")
     args.worker_extension_cls = kwargs["worker_extension_cls"]
     backend = kwargs.get("attention_backend")
     if backend is not None:
         mine = args.attention_backend
         if mine not in (None, backend):
-            raise SystemExit(f"vllm-retro: --attention-backend {mine} is not retro's; retro "
-                             f"needs {backend} (its FlashAttention-based backend); omit it")
+            raise SystemExit(f"vllm-retro: error: --attention-backend {mine} is not retro's; "
+                             f"retro needs {backend} (its FlashAttention-based backend); omit it")
         args.attention_backend = backend
     return cfg.to_dict()
 
@@ -121,10 +140,91 @@ def resolve_model(args: argparse.Namespace) -> None:
         if not args.served_model_name:
             args.served_model_name = [DEFAULT_SERVED_NAME]
     args.model_tag = None
+    check_model(args.model)
     if os.path.isdir(args.model):
         # A local model needs no hub access; without these, tokenizer loading may try it.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def check_model(model: str) -> None:
+    """Stop with one line unless ``model`` is a local model directory (or, with hub access
+    allowed, something that could be a hub name)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"vllm-retro: error: {model} has no config.json, so it is not a "
+                             "model directory (expected a Hugging Face model folder: "
+                             "config.json, weights, tokenizer)")
+        return
+    if os.path.exists(path):
+        raise SystemExit(f"vllm-retro: error: MODEL {model} is a file; give the model's "
+                         "directory")
+    looks_local = model.startswith(("/", ".", "~")) or model.count("/") != 1
+    if looks_local or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise SystemExit(f"vllm-retro: error: model directory {model} does not exist; MODEL "
+                         "must be a local model directory (or leave it out to serve the "
+                         f"embedded {DEFAULT_SERVED_NAME})")
+
+
+def check_port(host: str | None, port: int) -> None:
+    """Stop with one line if ``host:port`` cannot be bound (in use, or not an address here)."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "", port))
+        except OSError as exc:
+            why = ("is in use (another server?)" if exc.errno == 98
+                   else f"cannot be opened ({exc.strerror})")
+            raise SystemExit(f"vllm-retro: error: port {port} on {host or 'all addresses'} "
+                             f"{why}; pick another with --port N") from None
+
+
+def choose_execution_mode(args: argparse.Namespace) -> str | None:
+    """On CPU, when the user chose neither ``--[no-]enforce-eager`` nor a compilation setting
+    (``-O``, ``--compilation-config``), run eager and return the banner line saying so; None
+    otherwise. Measured on the 0.5B default model (2 cores): torch.compile adds 60-75 s to
+    every start and decodes no faster (batch 1: 20.0 vs 21.3 tokens/s eager; batch 4: 80.7 vs
+    90.0), and eager with a set KV size also skips vLLM's warm-up pass."""
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    chose = args.enforce_eager is not None
+    if args.enforce_eager is None:
+        args.enforce_eager = EngineArgs.enforce_eager  # vLLM's default
+    compile_given = (args.optimization_level != EngineArgs.optimization_level
+                     or args.compilation_config != CompilationConfig())
+    if chose or compile_given or not current_platform.is_cpu():
+        return None
+    args.enforce_eager = True
+    return ("vllm-retro: eager execution (on CPU torch.compile costs a minute per start and "
+            "decodes no faster); --no-enforce-eager compiles")
+
+
+def size_kv_cache(args: argparse.Namespace) -> str | None:
+    """On CPU, when the user chose no KV-cache size (no ``VLLM_CPU_KVCACHE_SPACE``,
+    ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization``), set
+    ``--kv-cache-memory-bytes`` from the memory free now (:mod:`server.kv_budget`) and return
+    the banner line saying so; None otherwise. Restores vLLM's default utilization."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm_retro.server.kv_budget import NotEnoughMemory, auto_kv_budget
+
+    chosen = (os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") != ""
+              or args.kv_cache_memory_bytes is not None
+              or args.gpu_memory_utilization is not None)
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = EngineArgs.gpu_memory_utilization  # vLLM's default
+    if chosen or not current_platform.is_cpu():
+        return None
+    try:
+        budget = auto_kv_budget(args.model)
+    except NotEnoughMemory as exc:
+        raise SystemExit(f"vllm-retro: error: {exc}") from None
+    args.kv_cache_memory_bytes = budget.kv_bytes
+    return f"vllm-retro: {budget.describe()}"
 
 
 def _base_url(args: argparse.Namespace) -> str:
@@ -176,18 +276,33 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.logger import configure_logging_from_args
 
     settings = apply_retro(args)
+    for name in ("log_file", "startup_log"):  # the supervisor's; vLLM must not see them
+        vars(args).pop(name, None)
+    check_port(args.host, args.port)
     resolve_model(args)
+    notes = [size_kv_cache(args), choose_execution_mode(args)]
     cli_env_setup()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     print(banner(args, settings), flush=True)
+    for line in filter(None, notes):
+        print(line, flush=True)
     _announce_when_ready(_base_url(args))
     ServeSubcommand.cmd(args)
 
 
+def _wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help", "--version") or a.startswith("--help=") for a in argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console script entry point ``vllm-retro``."""
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    """Console script entry point ``vllm-retro``. ``serve`` runs under the start-up
+    supervisor (:mod:`server.supervisor`) unless this process is the supervised server."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if (argv[:1] == ["serve"] and os.environ.get(CHILD_ENV) != "1"
+            and not _wants_help(argv)):
+        sys.exit(supervise(argv))
+    args = parse_args(argv)
     if args.command == "serve":
         serve(args)
 

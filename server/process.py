@@ -38,12 +38,14 @@ class ServerProcess:
     @classmethod
     def start(cls, args: list[str], log: Path, env: dict[str, str] | None = None
               ) -> ServerProcess:
-        """Run ``vllm-retro serve ARGS --port <free>`` with stdout and stderr to ``log``;
-        ``env`` is added to this process's environment."""
+        """Run ``vllm-retro serve ARGS --port <free>`` with its whole output (start-up log
+        included) to ``log``; ``env`` is added to this process's environment."""
         port = free_port()
         with log.open("w") as out:
             proc = subprocess.Popen(
-                [str(CONSOLE_SCRIPT), "serve", *args, "--port", str(port)], stdout=out,
+                [str(CONSOLE_SCRIPT), "serve", *args, "--port", str(port),
+                 "--startup-log", "full", "--log-file", str(log.with_suffix(".full.log"))],
+                stdout=out,
                 stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                 start_new_session=True)
         return cls(proc, f"http://127.0.0.1:{port}", log)

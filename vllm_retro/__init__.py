@@ -1,6 +1,19 @@
 """vllm-retro: RetroInfer's wave index and wave buffer for vLLM's KV cache."""
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# The repository keeps kernels/ and server/ at its root (the project's layout); installs map
+# them to vllm_retro.kernels / vllm_retro.server (pyproject's package-dir). A source checkout
+# used without installing (e.g. `python -m bench.gpu` on a machine with only torch + triton)
+# has no such mapping, so there the repository root joins this package's search path. An
+# installed wheel has vllm_retro/kernels/ itself and never takes this branch.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_here)
+if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(
+        _os.path.join(_root, "kernels", "tripartite_attention.py")):
+    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
 
 
 def register() -> None:

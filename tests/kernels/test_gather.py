@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from kernels.gather import gather_rows_ref, gather_rows_triton
+from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
 
 
 @pytest.mark.parametrize("h,t,d,off", [(1, 1, 32, 0), (2, 77, 64, 5), (4, 200, 128, 68),

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from kernels.kmeans import (
+from vllm_retro.kernels.kmeans import (
     kmeans_assign_ref,
     kmeans_assign_triton,
     scatter_sum_ref,

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-
-from kernels.scoring import cluster_scores_ref, cluster_scores_triton
+from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
 
 
 def test_ref_matches_naive(rng):

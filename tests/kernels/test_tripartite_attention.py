@@ -7,8 +7,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
-from kernels.tripartite_attention import (
+from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     _log_tilt,
     log_tilt_ref,

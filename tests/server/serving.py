@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vllm_retro.server.process import ServerProcess as Server
+
 from bench import serve_metrics
-from server.process import ServerProcess as Server
 
 __all__ = ["Server", "help_lines", "sample", "start_server"]
 

@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import server.cli as cli  # noqa: E402
-from server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
+import vllm_retro.server.cli as cli  # noqa: E402
+from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
+
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.vllm.settings import CONNECTOR_MODULE, CONNECTOR_NAME, WORKER_EXTENSION  # noqa: E402
 
@@ -217,6 +218,7 @@ def test_resolve_model_local_dir_goes_offline(parser: argparse.ArgumentParser, t
     (without overriding a value the user already set)."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    (tmp_path / "config.json").write_text("{}")
     args = _serve(parser, str(tmp_path))
     cli.resolve_model(args)
     assert args.model == str(tmp_path)
@@ -243,6 +245,7 @@ def test_resolve_model_without_model_uses_embedded_default(
     ``--served-model-name`` is kept). The real default is a ~400 MB download, so its
     directory lookup is replaced by ``tmp_path`` here."""
     monkeypatch.setattr(cli, "default_model_dir", lambda: tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     args = _serve(parser)
     cli.resolve_model(args)
@@ -264,6 +267,7 @@ def test_served_model_name_without_model(parser: argparse.ArgumentParser, tmp_pa
     although vLLM's own preprocessing insists on a positional model, and serves the default
     model under that name."""
     monkeypatch.setattr(cli, "default_model_dir", lambda: tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     for argv in (("--served-model-name", "mine"), ("--served-model-name=mine",)):
         args = _serve(parser, *argv)
         assert args.served_model_name == ["mine"]
@@ -274,6 +278,7 @@ def test_served_model_name_without_model(parser: argparse.ArgumentParser, tmp_pa
 # ---------------------------------------------------------------------- banner
 
 def _banner(parser: argparse.ArgumentParser, tmp_path: Path, *argv: str) -> str:
+    (tmp_path / "config.json").write_text("{}")
     args = _serve(parser, str(tmp_path), *argv)
     settings = cli.apply_retro(args)
     cli.resolve_model(args)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.gather import HIT, MISS
 from vllm_retro.index.store import expand_runs
+from vllm_retro.kernels.gather import HIT, MISS
 
 
 @dataclass(frozen=True)

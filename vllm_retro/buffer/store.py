@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-import kernels
-from kernels.gather import HIT, MISS
+from vllm_retro import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockCache
 from vllm_retro.buffer.host_tier import HostTier, bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
@@ -34,6 +33,7 @@ from vllm_retro.buffer.policy import make_policy
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts
+from vllm_retro.kernels.gather import HIT, MISS
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.manager import WaveBufferManager

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-import kernels
-from kernels.scoring import group_scores_from_logits
+from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, clusters_per_segment, residual_moments
 from vllm_retro.index.functional import validate_qkv
 from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import Selection, WaveIndex
+from vllm_retro.kernels.scoring import group_scores_from_logits
 
 
 def page_clusters(keys: torch.Tensor, values: torch.Tensor, page_size: int) -> Clusters:

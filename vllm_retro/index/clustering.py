@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from kernels._common import take_rows
+from vllm_retro import kernels
+from vllm_retro.kernels._common import take_rows
 
 
 @dataclass(frozen=True)

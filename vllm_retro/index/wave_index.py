@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-import kernels
+from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, cluster_block
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate

@@ -1,0 +1,193 @@
+"""Start-up supervision of ``vllm-retro serve``.
+
+The command a user types runs this small supervisor (it imports neither torch nor vLLM). It
+starts the real server (:func:`vllm_retro.server.cli.serve`) as a child process with all of
+its output — its own, vLLM's, the engine-core and worker processes' — piped through here:
+
+- every line goes to a log file (``--log-file``, default
+  ``$VLLM_RETRO_CACHE/logs/serve-<time>.log``), named in the banner;
+- until the server is ready, only vllm-retro's own lines reach the terminal (banner, model
+  assembly, the KV-cache size); ``--startup-log full`` shows everything;
+- once ``ready at`` is printed, everything is passed through (vLLM's request and stats logs);
+- if the server exits before it is ready, the root cause is read out of the log and printed as
+  one or two plain lines plus the log's path, and the exit status is non-zero.
+
+SIGTERM, SIGINT and SIGHUP are forwarded to the server, which drains and exits; the
+supervisor then exits with its status. The server dies with the supervisor
+(``PR_SET_PDEATHSIG``), so no engine process outlives a killed supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+CHILD_ENV = "VLLM_RETRO_SERVE_CHILD"
+"""Set in the server process's environment: it runs the server instead of supervising."""
+
+OWN_PREFIXES = ("vllm-retro:", "[vllm-retro]")
+READY_MARK = "vllm-retro: ready at "
+_OWN_ERROR = re.compile(r"^vllm-retro(?: serve)?: error: (.*)$")
+"""vllm-retro's own fatal messages (and argparse's, whose prog is ``vllm-retro serve``)."""
+STARTUP_LOG_CHOICES = ("brief", "full")
+
+# A Python exception line as vLLM's processes print it, possibly behind its log prefixes
+# "(Worker pid=123) " and "ERROR 11-23 08:26:39 [file.py:1063] ".
+_EXC_LINE = re.compile(
+    r"^(?:\([\w-]+(?: pid=\d+)?\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?"
+    r"(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
+# Wrappers that only point at the real cause printed before them.
+_WRAPPERS = ("Engine core initialization failed", "EngineDeadError", "see root cause",
+             "See root cause", "Worker proc", "WorkerProc initialization failed")
+
+_HINTS = (
+    (re.compile(r"Available memory on node|less than requested memory for kv|"
+                r"Cannot allocate memory|out of memory", re.I),
+     "not enough free memory for the model and its KV cache: free memory, or choose a smaller "
+     "KV cache with --kv-cache-memory-bytes (e.g. 1G)"),
+    (re.compile(r"Address already in use|Errno 98"),
+     "the port is in use: stop the other server or pick another port with --port N"),
+    (re.compile(r"max_model_len|max seq len|KV cache is needed", re.I),
+     "the KV cache cannot hold one request of --max-model-len tokens: lower --max-model-len "
+     "or raise --kv-cache-memory-bytes"),
+)
+
+
+def split_supervisor_options(argv: list[str]) -> tuple[list[str], Path | None, str]:
+    """Remove ``--log-file PATH`` and ``--startup-log {brief,full}`` (either ``--x v`` or
+    ``--x=v``) from a ``vllm-retro`` argument list; returns (rest, log_file, startup_log).
+    Raises SystemExit with a one-line message for a bad value."""
+    rest: list[str] = []
+    log_file: Path | None = None
+    startup = "brief"
+    it = iter(argv)
+    for a in it:
+        name, eq, val = a.partition("=")
+        if name in ("--log-file", "--startup-log"):
+            if not eq:
+                val = next(it, None)
+                if val is None:
+                    raise SystemExit(f"vllm-retro: {name} needs a value")
+            if name == "--log-file":
+                log_file = Path(val).expanduser()
+            elif val in STARTUP_LOG_CHOICES:
+                startup = val
+            else:
+                raise SystemExit(f"vllm-retro: --startup-log {val!r} is invalid; accepted: "
+                                 f"{', '.join(STARTUP_LOG_CHOICES)}")
+            continue
+        rest.append(a)
+    return rest, log_file, startup
+
+
+KEEP_LOGS = 20
+"""Default-location logs kept; older ones are removed when a server starts."""
+
+
+def default_log_file() -> Path:
+    """``$VLLM_RETRO_CACHE/logs/serve-<local time>-<pid>.log``; removes all but the newest
+    :data:`KEEP_LOGS` - 1 earlier ones."""
+    from vllm_retro.models import default_cache_dir
+
+    logs = default_cache_dir() / "logs"
+    old = sorted(logs.glob("serve-*.log"), key=lambda p: p.stat().st_mtime)
+    for stale in old[: max(0, len(old) - (KEEP_LOGS - 1))]:
+        stale.unlink(missing_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return logs / f"serve-{stamp}-{os.getpid()}.log"
+
+
+def failure_summary(lines: Iterable[str]) -> list[str]:
+    """One or two plain lines saying why a server that never became ready stopped, read from
+    its log lines: vllm-retro's own error if it printed one, else the first root-cause
+    exception (not the wrappers that only point back at it), with a hint for known causes."""
+    own, causes = None, []
+    for line in lines:
+        line = line.rstrip("\n")
+        m = _OWN_ERROR.match(line)
+        if m:
+            own = m.group(1)
+        m = _EXC_LINE.match(line.strip())
+        if m and not any(w in line for w in _WRAPPERS):
+            causes.append(f"{m.group(1)}: {m.group(2)}")
+    if own is not None:
+        return [own]
+    if not causes:
+        return ["the server stopped before it was ready, without an error message"]
+    cause = causes[0]
+    for pattern, hint in _HINTS:
+        if pattern.search(cause):
+            return [hint, f"(vLLM said: {_shorten(cause)})"]
+    return [_shorten(cause)]
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the supervisor dies (Linux), so nothing is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    os.setpgrp()  # signals from the terminal reach the supervisor only, which forwards them
+
+
+def supervise(argv: list[str], out: IO[str] | None = None) -> int:
+    """Run ``vllm-retro ARGV`` (a ``serve`` command) as a supervised child; returns the exit
+    status to leave with. ``out`` is where the user's lines go (default stdout)."""
+    out = out or sys.stdout
+    argv, log_file, startup = split_supervisor_options(argv)
+    log_file = log_file or default_log_file()
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = log_file.open("w", buffering=1)
+    except OSError as exc:
+        print(f"vllm-retro: cannot write the log file {log_file}: {exc.strerror}; choose "
+              "another with --log-file PATH", file=out, flush=True)
+        return 2
+    env = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vllm_retro.server.cli", *argv]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, text=True, errors="replace",
+                            bufsize=1, preexec_fn=_die_with_parent)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+
+    print(f"vllm-retro: log {log_file}", file=out, flush=True)
+    ready = False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        if ready or startup == "full" or (line.startswith(OWN_PREFIXES)
+                                          and not _OWN_ERROR.match(line)):
+            out.write(line)
+            out.flush()
+        if not ready and line.startswith(READY_MARK):
+            ready = True
+    code = proc.wait()
+    log.close()
+    if ready:
+        return code if code >= 0 else 128 - code
+    if code == 0:  # e.g. --help
+        return 0
+    reason = failure_summary(log_file.read_text(errors="replace").splitlines())
+    lines = [f"vllm-retro: the server did not start: {reason[0]}", *reason[1:],
+             f"vllm-retro: full log: {log_file}"]
+    print("\n".join(lines), file=out, flush=True)
+    return code if code > 0 else 1
