@@ -35,9 +35,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from vllm_retro.server.process import ServerProcess
 
 from bench import serve_metrics as sm
+from vllm_retro.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -17,11 +17,12 @@ import os
 
 import torch
 from torch import Tensor
+
 from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
 from vllm_retro.kernels.kmeans import (
-    kmeans_assign_ref,
+    kmeans_assign_torch,
     kmeans_assign_triton,
-    scatter_sum_ref,
+    scatter_sum_torch,
     scatter_sum_triton,
 )
 from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
@@ -64,18 +65,20 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def kmeans_assign(x: Tensor, centroids: Tensor, n_valid: Tensor, k_valid: Tensor,
                   backend: str = "auto") -> Tensor:
-    """Dispatching :func:`kernels.kmeans.kmeans_assign_ref`."""
+    """Dispatching :func:`kernels.kmeans.kmeans_assign_ref` (the torch backend runs its
+    faster, bit-identical :func:`kernels.kmeans.kmeans_assign_torch`)."""
     if resolve_backend(backend, x.device) == "triton":
         return kmeans_assign_triton(x, centroids, n_valid, k_valid)
-    return kmeans_assign_ref(x, centroids, n_valid, k_valid)
+    return kmeans_assign_torch(x, centroids, n_valid, k_valid)
 
 
 def scatter_sum(x: Tensor, assign: Tensor, num_clusters: int,
                 backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Dispatching :func:`kernels.kmeans.scatter_sum_ref`."""
+    """Dispatching :func:`kernels.kmeans.scatter_sum_ref` (the torch backend runs its faster,
+    bit-identical :func:`kernels.kmeans.scatter_sum_torch`)."""
     if resolve_backend(backend, x.device) == "triton":
         return scatter_sum_triton(x, assign, num_clusters)
-    return scatter_sum_ref(x, assign, num_clusters)
+    return scatter_sum_torch(x, assign, num_clusters)
 
 
 def cluster_scores(query: Tensor, centroids: Tensor, sizes: Tensor, scale: float,

@@ -14,6 +14,7 @@ one PCIe read and no staging copy.
 from __future__ import annotations
 
 import torch
+
 from vllm_retro.kernels._common import block_size, tl, triton
 
 HIT, MISS = 1, 2

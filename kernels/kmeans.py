@@ -9,6 +9,7 @@ vectors). All arithmetic is fp32 whatever the input dtype.
 from __future__ import annotations
 
 import torch
+
 from vllm_retro.kernels._common import block_size, check_float, tl, triton
 
 
@@ -54,6 +55,45 @@ def scatter_sum_ref(
     counts = torch.zeros(s, num_clusters, dtype=torch.float32, device=x.device)
     counts.scatter_add_(1, idx, valid.float())
     return sums, counts
+
+
+def kmeans_assign_torch(
+    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor
+) -> torch.Tensor:
+    """:func:`kmeans_assign_ref`'s result (bit for bit), built for speed with torch ops: one
+    batched GEMM and an argmax, with the cluster mask applied in place and only when some set
+    has fewer valid clusters than the widest (the last, shorter segment), and the point mask
+    only when some set has padding."""
+    s, n, _ = x.shape
+    k = centroids.shape[1]
+    sims = torch.bmm(x.float(), centroids.float().transpose(1, 2))  # [S, N, K]
+    dev = x.device
+    k_valid = k_valid.to(dev)
+    n_valid = n_valid.to(dev)
+    if k and bool((k_valid < k).any()):
+        cmask = torch.arange(k, device=dev)[None, :] >= k_valid[:, None]
+        sims.masked_fill_(cmask[:, None, :], float("-inf"))
+    assign = sims.argmax(dim=2)
+    if n and bool((n_valid < n).any()):
+        assign.masked_fill_(torch.arange(n, device=dev)[None, :] >= n_valid[:, None], -1)
+    return assign
+
+
+def scatter_sum_torch(
+    x: torch.Tensor, assign: torch.Tensor, num_clusters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scatter_sum_ref`'s result (bit for bit: each sum adds its members in token
+    order), built for speed: one row-wise ``index_add_`` over all sets (padding goes to a
+    dump row) and one ``bincount``, instead of an element-wise scatter."""
+    s, n, f = x.shape
+    k = num_clusters
+    base = torch.arange(s, device=x.device)[:, None] * k
+    dump = s * k
+    idx = torch.where(assign >= 0, assign + base, torch.full_like(assign, dump)).reshape(-1)
+    sums = torch.zeros(dump + 1, f, dtype=torch.float32, device=x.device)
+    sums.index_add_(0, idx, x.reshape(s * n, f).float())
+    counts = torch.bincount(idx, minlength=dump + 1)[:dump].to(torch.float32)
+    return sums[:dump].reshape(s, k, f), counts.reshape(s, k)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ Clusters with size 0 (empty, or padding) get ``-inf``.
 from __future__ import annotations
 
 import torch
+
 from vllm_retro.kernels._common import block_size, check_float, tl, triton
 
 

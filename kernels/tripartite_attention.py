@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from vllm_retro.kernels._common import block_size, check_float, take_rows, tl, triton
 
 _SQRT1_2 = 0.7071067811865476

@@ -210,6 +210,7 @@ def size_kv_cache(args: argparse.Namespace) -> str | None:
     the banner line saying so; None otherwise. Restores vLLM's default utilization."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
+
     from vllm_retro.server.kv_budget import NotEnoughMemory, auto_kv_budget
 
     chosen = (os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") != ""

@@ -20,6 +20,8 @@ def test_defaults_follow_the_paper():
     ("cluster_size", 2.5, "an integer in [1, 4096]"),
     ("segment_size", 8, "an integer in [16, 1048576]"),
     ("kmeans_iters", -1, "an integer in [0, 100]"),
+    ("kmeans_tol", -0.1, "a number in [0.0, 0.5]"),
+    ("kmeans_tol", 0.9, "a number in [0.0, 0.5]"),
     ("sink_tokens", -4, "an integer in [0, 65536]"),
     ("local_window", 0, "an integer in [1, 65536]"),
     ("retrieval_budget", 0.0, "a number in (0.0, 1.0]"),

@@ -5,6 +5,7 @@ package without touching it, and every run-time import has its dependency declar
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,8 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # from a copy: setuptools leaves build/ in the source tree, and a stale one would leak
+    # files of removed modules into later wheels
+    src = tmp_path_factory.mktemp("src") / "vllm-retro"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(ROOT)], check=True)
+                    "--no-build-isolation", "-w", str(out), str(src)], check=True)
     (whl,) = out.glob("vllm_retro-*.whl")
     return whl
 

@@ -59,7 +59,10 @@ class RetroConfig:
     segment_size: int = 8192
     """Prefill context is clustered in independent segments of this many tokens."""
     kmeans_iters: int = 10
-    """Spherical k-means iterations per segment."""
+    """Spherical k-means iterations per segment (at most)."""
+    kmeans_tol: float = 0.0
+    """Stop k-means early once a round moves at most this fraction of the keys (0: only when
+    none moves, which gives exactly the clustering of all ``kmeans_iters`` rounds)."""
 
     # --- wave index: tripartite attention ---------------------------------------------------
     sink_tokens: int = 4
@@ -106,6 +109,7 @@ class RetroConfig:
         if self.segment_size < self.cluster_size:
             _fail("segment_size", self.segment_size, f">= cluster_size ({self.cluster_size})")
         _check_int("kmeans_iters", self.kmeans_iters, 0, 100)
+        _check_float("kmeans_tol", self.kmeans_tol, 0.0, 0.5)
         _check_int("sink_tokens", self.sink_tokens, 0, 1 << 16)
         _check_int("local_window", self.local_window, 1, 1 << 16)
         _check_float("retrieval_budget", self.retrieval_budget, 0.0, 1.0, lo_open=True)

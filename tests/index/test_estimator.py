@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from vllm_retro.kernels.tripartite_attention import log_tilt_ref
 
 from vllm_retro.index.clustering import cluster_block
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
+from vllm_retro.kernels.tripartite_attention import log_tilt_ref
 
 
 def test_expected_max_deviate_matches_sampling(rng):

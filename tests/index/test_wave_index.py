@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from vllm_retro.kernels.scoring import cluster_scores_ref
-from vllm_retro.kernels.tripartite_attention import log_tilt_ref
 
 from tests.helpers import full_attention, rel_err
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex, sparse_attention
+from vllm_retro.kernels.scoring import cluster_scores_ref
+from vllm_retro.kernels.tripartite_attention import log_tilt_ref
 
 ALL = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
 NO_EST = RetroConfig(estimation_budget=0.0)

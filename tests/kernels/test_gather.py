@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
 
 

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+
 from vllm_retro.kernels.kmeans import (
     kmeans_assign_ref,
+    kmeans_assign_torch,
     kmeans_assign_triton,
     scatter_sum_ref,
+    scatter_sum_torch,
     scatter_sum_triton,
 )
 
@@ -82,3 +85,25 @@ def test_scatter_sum_triton_matches_ref(shape, dtype, rng, triton_device):
     got_s, got_c = scatter_sum_triton(x.to(triton_device), a.to(triton_device), k)
     torch.testing.assert_close(got_s.cpu(), ref_s, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_c.cpu(), ref_c, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, (16, 512, 32, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ragged", [True, False])
+def test_fast_torch_path_is_bit_identical_to_ref(shape, dtype, ragged, rng):
+    """The torch backend's fast assignment and scatter sums give exactly the reference's
+    result (same ids, same fp32 bits), with and without padding / short sets."""
+    s, n, k, d = shape
+    x = torch.randn(s, n, d, generator=rng).to(dtype)
+    c = torch.randn(s, k, d, generator=rng).to(dtype)
+    if ragged:
+        n_valid, k_valid = _ragged(s, n, k, rng)
+    else:
+        n_valid, k_valid = torch.full((s,), n), torch.full((s,), k)
+    assert torch.equal(kmeans_assign_torch(x, c, n_valid, k_valid),
+                       kmeans_assign_ref(x, c, n_valid, k_valid))
+    a = kmeans_assign_ref(x, c, n_valid, k_valid)
+    if not ragged:
+        a[0, : n // 3] = -1
+    for got, ref in zip(scatter_sum_torch(x, a, k), scatter_sum_ref(x, a, k), strict=True):
+        assert torch.equal(got, ref)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     _log_tilt,

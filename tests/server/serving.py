@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_retro.server.process import ServerProcess as Server
-
 from bench import serve_metrics
+from vllm_retro.server.process import ServerProcess as Server
 
 __all__ = ["Server", "help_lines", "sample", "start_server"]
 

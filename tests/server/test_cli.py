@@ -16,9 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_retro.server.cli as cli  # noqa: E402
-from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
-
 from vllm_retro.config import RetroConfig  # noqa: E402
+from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
 from vllm_retro.vllm.settings import CONNECTOR_MODULE, CONNECTOR_NAME, WORKER_EXTENSION  # noqa: E402
 
 

@@ -17,10 +17,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
-
 from tests.server.serving import Server, sample, start_server  # noqa: E402
 from vllm_retro.capture import real_prose  # noqa: E402
+from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 

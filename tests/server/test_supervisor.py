@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from vllm_retro.server.kv_budget import (
     MIN_KV_BYTES,
     GiB,
@@ -151,6 +152,7 @@ def test_kv_size_chosen_only_when_the_user_did_not(parser: argparse.ArgumentPars
     """No size given: --kv-cache-memory-bytes is set from free memory (banner line returned).
     VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes or --gpu-memory-utilization: untouched."""
     from vllm.engine.arg_utils import EngineArgs
+
     from vllm_retro.server import cli
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)

@@ -47,6 +47,8 @@ class Clusters:
     """[H, M] int64 token offsets within the block, sorted by cluster (cluster-contiguous)."""
     offsets: torch.Tensor
     """[H, C + 1] int64 start of each cluster's run in ``order``."""
+    iterations: int = 0
+    """k-means rounds (centroid updates) run; fewer than asked when it stopped early."""
 
     @property
     def num_clusters(self) -> int:
@@ -86,13 +88,32 @@ def spherical_kmeans(
     k_valid: torch.Tensor,
     iters: int,
     backend: str = "auto",
+    tol: float = 0.0,
 ) -> torch.Tensor:
     """Spherical k-means on a batch of independent point sets.
 
     x: [S, N, D] points (any float dtype); n_valid, k_valid: [S] valid points / clusters per set.
     Points are centred on their set's mean and normalised; centroids are initialised from
     points at strided positions ``floor(i * n_valid / k_valid)``. Returns [S, N] int64
-    assignments (-1 for padding points).
+    assignments (-1 for padding points). See :func:`kmeans_with_stop` for ``tol``.
+    """
+    return kmeans_with_stop(x, n_valid, k_valid, iters, backend, tol)[0]
+
+
+def kmeans_with_stop(
+    x: torch.Tensor,
+    n_valid: torch.Tensor,
+    k_valid: torch.Tensor,
+    iters: int,
+    backend: str = "auto",
+    tol: float = 0.0,
+) -> tuple[torch.Tensor, int]:
+    """:func:`spherical_kmeans`, stopping early once an assignment pass moves at most ``tol``
+    of the valid points (a fraction in [0, 1)). Returns (assignments, centroid updates run).
+
+    With ``tol == 0`` it stops only when no point moved: the centroids would then not change
+    again, so the result is exactly that of all ``iters`` rounds, for less work. A negative
+    ``tol`` never stops early.
     """
     s, n, d = x.shape
     dev = x.device
@@ -107,12 +128,17 @@ def spherical_kmeans(
     init = (i * n_valid[:, None]) // k_valid.clamp_min(1)[:, None]
     init = torch.minimum(init, (n_valid - 1).clamp_min(0)[:, None])
     cen = take_rows(xn, init)
-    for _ in range(iters):
+    allowed = tol * float(n_valid.sum().item()) if s else 0.0
+    prev = None
+    for it in range(iters):
         assign = kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
+        if prev is not None and int((assign != prev).sum().item()) <= allowed:
+            return assign, it
         sums, counts = kernels.scatter_sum(xn, assign, kmax, backend=backend)
         new = torch.nn.functional.normalize(sums, dim=2, eps=1e-12)
         cen = torch.where((counts > 0)[..., None], new, cen)
-    return kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
+        prev = assign
+    return kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend), iters
 
 
 def cluster_block(
@@ -123,13 +149,15 @@ def cluster_block(
     tokens_per_cluster: int,
     iters: int,
     backend: str = "auto",
+    tol: float = 0.0,
 ) -> Clusters:
     """Cluster a block of tokens, per KV head, in independent segments.
 
     keys, values: [H, M, D] (post-RoPE keys). The block is cut into segments of
     ``segment_size`` tokens (the last may be shorter); segment j gets ``clusters_for[j]``
     clusters, or one per ``tokens_per_cluster`` tokens when ``clusters_for`` is None.
-    Returns the block's :class:`Clusters`.
+    At most ``iters`` k-means rounds, fewer once a round moves at most ``tol`` of the keys
+    (:func:`kmeans_with_stop`). Returns the block's :class:`Clusters`.
     """
     h, m, d = keys.shape
     dev = keys.device
@@ -144,7 +172,7 @@ def cluster_block(
     kp = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     n_valid = torch.tensor(seg_lens * h, device=dev)
     k_valid = torch.tensor(ks * h, device=dev)
-    assign = spherical_kmeans(kp, n_valid, k_valid, iters, backend=backend)  # [S, seg]
+    assign, rounds = kmeans_with_stop(kp, n_valid, k_valid, iters, backend, tol)  # [S, seg]
     kmax = max(ks)
     vp = torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     sums, counts = kernels.scatter_sum(torch.cat([kp, vp], dim=2), assign, kmax, backend=backend)
@@ -174,4 +202,5 @@ def cluster_block(
         cross=cross.reshape(h, n_seg, d, d).sum(1),
         order=order,
         offsets=offsets,
+        iterations=rounds,
     )

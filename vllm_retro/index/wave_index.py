@@ -111,9 +111,10 @@ class WaveIndex:
         cfg = self.config
         if update:
             return cluster_block(keys, values, keys.shape[1], [cfg.update_clusters],
-                                 cfg.cluster_size, cfg.kmeans_iters, self.backend)
+                                 cfg.cluster_size, cfg.kmeans_iters, self.backend,
+                                 cfg.kmeans_tol)
         return cluster_block(keys, values, cfg.segment_size, None, cfg.cluster_size,
-                             cfg.kmeans_iters, self.backend)
+                             cfg.kmeans_iters, self.backend, cfg.kmeans_tol)
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:

@@ -1,0 +1,147 @@
+"""Index build cost: the segmented spherical k-means of one layer's prefill keys, before and
+after the fast torch path, with and without early stopping, against one prefill layer.
+
+Keys of a Llama-3-8B-shaped layer (8 KV heads, head_dim 128, bf16; structured like
+``bench/decode_step.py``'s) at each context length are clustered as the wave index does at
+prefill (segments of 8192 tokens, one centroid per 16 tokens, 10 rounds):
+
+- ``before``: the reference assignment and scatter sums (the implementation up to this
+  change: masks materialised, element-wise scatter);
+- ``after``: the fast torch path (:func:`vllm_retro.kernels.kmeans.kmeans_assign_torch`,
+  :func:`~vllm_retro.kernels.kmeans.scatter_sum_torch`), bit-identical clusters, stopping
+  once no key moves (exact);
+- ``after_tol``: the same with ``--tol`` (stop once a round moves at most that fraction).
+
+Scale: one prefill layer of the same model at the same length on the same machine (QKV and
+output projections, causal SDPA attention with GQA, SwiGLU MLP; bf16), timed in the same run.
+The index build is on the prefill's critical path once per layer, so ``build / layer`` is its
+share of prefill. Prints a table; writes ``bench/results/kmeans_cost_<device>.json``.
+
+    .venv/bin/python bench/kmeans_cost.py --contexts 8192 16384 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_step import HKV, D, synthetic_kv  # noqa: E402
+from vllm_retro import kernels  # noqa: E402
+from vllm_retro.index.clustering import cluster_block  # noqa: E402
+from vllm_retro.kernels import kmeans as km  # noqa: E402
+
+HIDDEN, HQ, MLP = 4096, 32, 14336
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def prefill_layer_s(n: int, device: torch.device, repeat: int) -> float:
+    """Seconds of one Llama-3-8B-shaped decoder layer's prefill over ``n`` tokens (bf16)."""
+    dt = torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return (torch.randn(o, i, generator=g) * i ** -0.5).to(device, dt)
+
+    wqkv, wo = w((HQ + 2 * HKV) * D, HIDDEN), w(HIDDEN, HQ * D)
+    wgu, wd = w(2 * MLP, HIDDEN), w(HIDDEN, MLP)
+    x = torch.randn(n, HIDDEN, generator=g).to(device, dt)
+
+    def layer() -> torch.Tensor:
+        qkv = F.linear(x, wqkv)
+        q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=1)
+        q = q.view(n, HQ, D).transpose(0, 1)
+        k = k.view(n, HKV, D).transpose(0, 1)
+        v = v.view(n, HKV, D).transpose(0, 1)
+        a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                           enable_gqa=True)[0]
+        h = x + F.linear(a.transpose(0, 1).reshape(n, HQ * D), wo)
+        gate, up = F.linear(h, wgu).chunk(2, dim=1)
+        return h + F.linear(F.silu(gate) * up, wd)
+
+    return _timed(layer, device, repeat)[0]
+
+
+def build_s(keys: torch.Tensor, values: torch.Tensor, impl: str, tol: float, iters: int,
+            device: torch.device, repeat: int) -> tuple[float, int]:
+    """(seconds, k-means rounds run) of clustering one layer's keys with ``impl``."""
+    saved = kernels.kmeans_assign_torch, kernels.scatter_sum_torch
+    if impl == "before":  # the reference implementation, every round
+        kernels.kmeans_assign_torch, kernels.scatter_sum_torch = (km.kmeans_assign_ref,
+                                                                   km.scatter_sum_ref)
+        tol = -1.0
+    try:
+        s, cl = _timed(lambda: cluster_block(keys, values, 8192, None, 16, iters, "auto", tol),
+                       device, repeat)
+    finally:
+        kernels.kmeans_assign_torch, kernels.scatter_sum_torch = saved
+    return s, cl.iterations
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--tol", type=float, default=0.01)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = []
+    for n in args.contexts:
+        keys, values, _ = synthetic_kv(1, n, torch.bfloat16, seed=n)
+        keys, values = keys[0].to(device), values[0].to(device)
+        layer = prefill_layer_s(n, device, args.repeat)
+        row = {"context": n, "prefill_layer_s": layer}
+        for impl, tol in (("before", 0.0), ("after", 0.0), ("after_tol", args.tol)):
+            s, rounds = build_s(keys, values, impl, tol, args.iters, device, args.repeat)
+            row[f"{impl}_s"], row[f"{impl}_rounds"] = s, rounds
+            row[f"{impl}_share_of_layer"] = s / layer
+        row["speedup_exact"] = row["before_s"] / row["after_s"]
+        row["speedup_tol"] = row["before_s"] / row["after_tol_s"]
+        rows.append(row)
+        print(f"ctx {n:>6}: layer {layer:7.3f} s | build before {row['before_s']:7.3f} s "
+              f"({row['before_share_of_layer']:6.1%}, {row['before_rounds']} rounds) | after "
+              f"{row['after_s']:7.3f} s ({row['after_share_of_layer']:6.1%}, "
+              f"{row['after_rounds']} rounds, {row['speedup_exact']:.2f}x) | tol {args.tol} "
+              f"{row['after_tol_s']:7.3f} s ({row['after_tol_share_of_layer']:6.1%}, "
+              f"{row['after_tol_rounds']} rounds, {row['speedup_tol']:.2f}x)", flush=True)
+    out = args.out or ROOT / "bench" / "results" / f"kmeans_cost_{device.type}.json"
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"
+            else platform.processor() or platform.machine(),
+            "threads": args.threads, "iters": args.iters, "tol": args.tol,
+            "shape": {"kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "segment": 8192,
+                      "tokens_per_cluster": 16}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "cases": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
