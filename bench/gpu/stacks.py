@@ -128,9 +128,8 @@ class RetroStack:
             for index in row:
                 if index is None:
                     continue
-                total += index.meta_nbytes() + index.store.device_nbytes()
-                total += sum(t.numel() * t.element_size()
-                             for t in (index.sink_k, index.sink_v, index.win_k, index.win_v))
+                total += (index.meta_nbytes() + index.store.device_nbytes()
+                          + index.steady_nbytes())
         return total
 
     def host_nbytes(self) -> int:

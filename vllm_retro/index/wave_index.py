@@ -76,7 +76,10 @@ class WaveIndex:
         self.residuals = ResidualModel(num_kv_heads, head_dim, device)
         self._centroids_f32: torch.Tensor | None = None
         self.sink_k = self.sink_v = empty
-        self.win_k = self.win_v = empty
+        # The local window lives in a preallocated buffer filled up to _win_len: a decoded
+        # token is one row write, not a re-concatenation of the window (see append).
+        self._win_buf_k = self._win_buf_v = empty
+        self._win_len = 0
         self.window_start = 0
         self.num_tokens = 0
         self.num_updates = 0
@@ -102,9 +105,29 @@ class WaveIndex:
             index.store.stage(mk, mv)
             index._add_block(mk, mv, sink, index._cluster(mk, mv, update=False))
             index.window_start = middle_end
-        index.win_k = keys[:, index.window_start:].clone()
-        index.win_v = values[:, index.window_start:].clone()
+        index._set_window(keys[:, index.window_start:], values[:, index.window_start:])
         return index
+
+    def _set_window(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``keys``/``values`` [H, n, D] into a fresh window buffer with room for the
+        window to grow to its update threshold."""
+        h, n, d = keys.shape
+        cap = max(n, self.config.local_window + self.config.update_segment)
+        self._win_buf_k = keys.new_empty(h, cap, d)
+        self._win_buf_v = values.new_empty(h, cap, d)
+        self._win_buf_k[:, :n] = keys
+        self._win_buf_v[:, :n] = values
+        self._win_len = n
+
+    @property
+    def win_k(self) -> torch.Tensor:
+        """[H, n, D] keys of the local window (a view of the window buffer)."""
+        return self._win_buf_k[:, :self._win_len]
+
+    @property
+    def win_v(self) -> torch.Tensor:
+        """[H, n, D] values of the local window (a view of the window buffer)."""
+        return self._win_buf_v[:, :self._win_len]
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         """Cluster a block: the prefill's middle (segmented) or one decode update block."""
@@ -134,16 +157,27 @@ class WaveIndex:
         Returns True when an update block was clustered and appended to the index.
         """
         cfg = self.config
-        self.win_k = torch.cat([self.win_k, key.to(self.win_k.dtype)], dim=1)
-        self.win_v = torch.cat([self.win_v, value.to(self.win_v.dtype)], dim=1)
-        self.num_tokens += key.shape[1]
+        n = key.shape[1]
+        if self._win_len + n > self._win_buf_k.shape[1]:  # more than one block at once: grow
+            self._set_window(torch.cat([self.win_k, key.to(self.win_k.dtype)], dim=1),
+                             torch.cat([self.win_v, value.to(self.win_v.dtype)], dim=1))
+        else:
+            self._win_buf_k[:, self._win_len:self._win_len + n] = key
+            self._win_buf_v[:, self._win_len:self._win_len + n] = value
+            self._win_len += n
+        self.num_tokens += n
         updated = False
-        while self.win_k.shape[1] >= cfg.local_window + cfg.update_segment:
+        while self._win_len >= cfg.local_window + cfg.update_segment:
             seg = cfg.update_segment
-            bk, bv = self.win_k[:, :seg], self.win_v[:, :seg]
+            # the block is copied out: clustering and the store keep it while the window
+            # buffer's rows are reused
+            bk, bv = self.win_k[:, :seg].clone(), self.win_v[:, :seg].clone()
             self.store.stage(bk, bv)
             self._add_block(bk, bv, self.window_start, self._cluster(bk, bv, update=True))
-            self.win_k, self.win_v = self.win_k[:, seg:].clone(), self.win_v[:, seg:].clone()
+            rest = self._win_len - seg
+            self._win_buf_k[:, :rest] = self._win_buf_k[:, seg:self._win_len].clone()
+            self._win_buf_v[:, :rest] = self._win_buf_v[:, seg:self._win_len].clone()
+            self._win_len = rest
             self.window_start += seg
             self.num_updates += 1
             updated = True
@@ -181,10 +215,16 @@ class WaveIndex:
         self.store.free()
         empty = self.centroids[:, :0]
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
-        self.win_k = self.win_v = empty
+        self._win_buf_k = self._win_buf_v = empty
+        self._win_len = 0
         self.sizes = self.sizes[:, :0]
         self.spreads = self.deviates = self.spreads[:, :0]
         self.residuals = ResidualModel(self.num_kv_heads, self.head_dim, self.sizes.device)
+
+    def steady_nbytes(self) -> int:
+        """Bytes held for the steady zone: the sinks and the whole window buffer."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.sink_k, self.sink_v, self._win_buf_k, self._win_buf_v))
 
     def meta_nbytes(self) -> int:
         """Bytes of the meta index (centroids, value sums, sizes, the tilted estimator's

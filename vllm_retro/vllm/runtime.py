@@ -177,8 +177,7 @@ class RetroRuntime:
             indexes = [i for d in self._indexes.values() for i in d.values()]
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
         for idx in indexes:
-            extra = idx.meta_nbytes() + sum(t.numel() * t.element_size() for t in (
-                idx.sink_k, idx.sink_v, idx.win_k, idx.win_v))
+            extra = idx.meta_nbytes() + idx.steady_nbytes()
             if idx.centroids.is_cuda:
                 device += extra
             else:
