@@ -60,9 +60,10 @@ class RetroConfig:
     """Prefill context is clustered in independent segments of this many tokens."""
     kmeans_iters: int = 10
     """Spherical k-means iterations per segment (at most)."""
-    kmeans_tol: float = 0.0
+    kmeans_tol: float = 0.01
     """Stop k-means early once a round moves at most this fraction of the keys (0: only when
-    none moves, which gives exactly the clustering of all ``kmeans_iters`` rounds)."""
+    none moves, which gives exactly the clustering of all ``kmeans_iters`` rounds). At 0.01
+    the Qwen capture's output errors match the full 10 rounds' within 0.2% (bench/README)."""
 
     # --- wave index: tripartite attention ---------------------------------------------------
     sink_tokens: int = 4

@@ -23,7 +23,8 @@ def random_clusters(h: int, m: int, c: int, g: torch.Generator, max_skew: float 
 
 class RefCache:
     """Reference model of one head's cache: whole clusters, page budget, LRU, protected
-    clusters of the current step never evicted."""
+    clusters of the current step never evicted, and no eviction for a cluster that cannot be
+    admitted anyway."""
 
     def __init__(self, capacity: int, pages: list[int]):
         self.capacity, self.pages, self.order = capacity, pages, []
@@ -39,11 +40,11 @@ class RefCache:
             if need == 0 or need > self.capacity:
                 continue
             used = sum(self.pages[x] for x in self.order)
+            evictable = sum(self.pages[x] for x in self.order if x not in protected)
+            if used - evictable + need > self.capacity:
+                continue  # it cannot fit even after every eviction: evict nothing for it
             while used + need > self.capacity:
-                victim = next((x for x in self.order if x not in protected), None)
-                if victim is None:
-                    break
+                victim = next(x for x in self.order if x not in protected)
                 self.order.remove(victim)
                 used -= self.pages[victim]
-            if used + need <= self.capacity:
-                self.order.append(c)
+            self.order.append(c)

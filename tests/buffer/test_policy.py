@@ -1,65 +1,69 @@
-"""vllm_retro.buffer.policy: LRU and LFU against plain reference models (property-based)."""
+"""vllm_retro.buffer.policy: eviction orders and greedy admission against plain reference
+models (property-based)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_retro.buffer.policy import LFUPolicy, LRUPolicy, make_policy
+from vllm_retro.buffer.policy import admit_greedy, eviction_order
 
-# an operation: ("touch", key) reads key (hit if tracked, else admit); ("evict", protected)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("touch"), st.integers(0, 12)),
-    st.tuples(st.just("evict"), st.frozensets(st.integers(0, 12), max_size=4)),
-), max_size=200)
+# a history of reads: per step, the clusters read (no repeats within a step)
+histories = st.lists(st.lists(st.integers(0, 11), unique=True, max_size=5), max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops)
-def test_lru_matches_list_model(seq):
-    pol, model = LRUPolicy(), []  # model: least recent first
-    for op, arg in seq:
-        if op == "touch":
-            if arg in model:
-                model.remove(arg)
-                pol.hit(arg)
-            else:
-                pol.admitted(arg)
-            model.append(arg)
-        else:
-            want = next((k for k in model if k not in arg), None)
-            assert pol.victim(arg) == want
-            if want is not None:
-                model.remove(want)
-                pol.evicted(want)
-        assert len(pol) == len(model)
+def _table(history: list[list[int]], c: int = 12) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """last_access and reads as the store records them, plus the LRU list model (least recent
+    first) and per-cluster read counts, from a history of steps."""
+    last = np.zeros(c, dtype=np.int64)
+    reads = np.zeros(c, dtype=np.int64)
+    model: list[int] = []
+    clock = 0
+    for step in history:
+        for k in step:
+            clock += 1
+            last[k] = clock
+            reads[k] += 1
+            if k in model:
+                model.remove(k)
+            model.append(k)
+    return last, reads, model
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops)
-def test_lfu_matches_counting_model(seq):
-    pol, freq, last, tick = LFUPolicy(), {}, {}, 0
-    for op, arg in seq:
-        if op == "touch":
-            tick += 1
-            if arg in freq:
-                pol.hit(arg)
-                freq[arg] += 1
-            else:
-                pol.admitted(arg)
-                freq[arg] = 1
-            last[arg] = tick
-        else:
-            cands = [k for k in freq if k not in arg]
-            want = min(cands, key=lambda k: (freq[k], last[k])) if cands else None
-            assert pol.victim(arg) == want
-            if want is not None:
-                del freq[want], last[want]
-                pol.evicted(want)
-        assert len(pol) == len(freq)
+@given(histories, st.frozensets(st.integers(0, 11), max_size=4))
+def test_lru_order_matches_list_model(history, protected):
+    """LRU evicts in the order of a move-to-end list, protected clusters never."""
+    last, reads, model = _table(history)
+    cands = np.array([k for k in range(12) if reads[k] and k not in protected], dtype=np.int64)
+    want = [k for k in model if k not in protected]
+    assert eviction_order("lru", last, reads, cands).tolist() == want
 
 
-def test_make_policy():
-    assert isinstance(make_policy("lru"), LRUPolicy)
-    assert isinstance(make_policy("lfu"), LFUPolicy)
+@settings(max_examples=200, deadline=None)
+@given(histories, st.frozensets(st.integers(0, 11), max_size=4))
+def test_lfu_order_matches_counting_model(history, protected):
+    """LFU evicts fewest reads first, ties by least recent read."""
+    last, reads, model = _table(history)
+    cands = [k for k in range(12) if reads[k] and k not in protected]
+    want = sorted(cands, key=lambda k: (reads[k], model.index(k)))
+    got = eviction_order("lfu", last, reads, np.array(cands, dtype=np.int64)).tolist()
+    assert got == want
+
+
+def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match=r"cache policy 'fifo' is unknown; accepted: 'lru', 'lfu'"):
-        make_policy("fifo")
+        eviction_order("fifo", np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 9), max_size=12), st.integers(0, 40))
+def test_admission_matches_one_by_one_model(need, budget):
+    """Each miss that still fits is admitted, in order; a later smaller one may follow a
+    skipped bigger one."""
+    used, want = 0, []
+    for n in need:
+        fits = used + n <= budget
+        want.append(fits)
+        used += n if fits else 0
+    assert admit_greedy(np.array(need, dtype=np.int64), budget).tolist() == want

@@ -2,16 +2,14 @@
 replacement decided asynchronously on a CPU worker (RetroInfer §4.3-4.4)."""
 
 from vllm_retro.buffer.manager import WaveBufferManager
-from vllm_retro.buffer.policy import CachePolicy, LFUPolicy, LRUPolicy, make_policy
+from vllm_retro.buffer.policy import admit_greedy, eviction_order
 from vllm_retro.buffer.stats import BufferStats
 from vllm_retro.buffer.store import WaveBufferStore
 
 __all__ = [
     "BufferStats",
-    "CachePolicy",
-    "LFUPolicy",
-    "LRUPolicy",
     "WaveBufferManager",
     "WaveBufferStore",
-    "make_policy",
+    "admit_greedy",
+    "eviction_order",
 ]

@@ -1,10 +1,13 @@
 """The cluster mapping table of one (request, layer): where every cluster's pages are.
 
 An array per field, indexed by (KV head, cluster id): the cluster's first host page and page
-count, its size in tokens, whether it is cached on the device, and when it was last read
-(the LRU position). A page-indexed array maps each host page to its device block (-1 when not
-cached); a cached cluster has all its pages mapped. Lookups only read; the update worker is
-the only writer, and the store never lets a lookup overlap its own pending update.
+count, its size in tokens, whether it is cached on the device, when it was last read (the LRU
+position) and how often it was read while cached (the LFU count). These arrays are the one
+record of cache state; the replacement policies only order them
+(:mod:`vllm_retro.buffer.policy`). A page-indexed array maps each host page to its device
+block (-1 when not cached); a cached cluster has all its pages mapped. Lookups only read;
+the update worker is the only writer, and the store never lets a lookup overlap its own
+pending update.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ import torch
 
 from vllm_retro.index.store import expand_runs
 from vllm_retro.kernels.gather import HIT, MISS
+
+
+def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(starts[i], starts[i] + counts[i])`` over i ([n] int arrays)."""
+    counts = counts.astype(np.int64)
+    begin = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - begin, counts)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class ClusterMappingTable:
         self.size = np.zeros((num_heads, 0), dtype=np.int64)
         self.cached = np.zeros((num_heads, 0), dtype=bool)
         self.last_access = np.zeros((num_heads, 0), dtype=np.int64)
+        self.reads = np.zeros((num_heads, 0), dtype=np.int64)
         self.page_block = np.zeros(0, dtype=np.int64)
 
     @property
@@ -62,9 +73,14 @@ class ClusterMappingTable:
         self.size = np.concatenate([self.size, size], axis=1)
         self.cached = np.concatenate([self.cached, np.zeros((h, c), dtype=bool)], axis=1)
         self.last_access = np.concatenate([self.last_access, np.zeros((h, c), np.int64)], axis=1)
+        self.reads = np.concatenate([self.reads, np.zeros((h, c), np.int64)], axis=1)
         grow = total_pages - self.page_block.size
         if grow > 0:
             self.page_block = np.concatenate([self.page_block, np.full(grow, -1, np.int64)])
+
+    def pages_of_many(self, head: int, clusters: np.ndarray) -> np.ndarray:
+        """The host pages of ``clusters`` ([n] ids of one head), concatenated in order."""
+        return runs(self.page_start[head, clusters], self.n_pages[head, clusters])
 
     def pages_of(self, head: int, cluster: int) -> slice:
         """The cluster's host pages."""

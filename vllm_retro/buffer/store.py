@@ -6,8 +6,9 @@ Per decode step (RetroInfer §4.3):
    retrieval clusters up in the mapping table (read-only), and assemble the shared execution
    buffer from the steady zone (device->device), cache hits (device->device) and misses
    (host->device); then submit the cache update to the worker and return.
-2. the caller runs attention on the execution buffer while the worker reorders the policy,
-   picks evictions and maps admitted clusters to blocks;
+2. the caller runs attention on the execution buffer while the worker records the reads in
+   the mapping table, picks evictions by the policy's order and maps admitted clusters to
+   blocks (vectorised per head: no per-cluster Python work);
 3. ``step_done``: take the worker's decision and copy the admitted clusters from the
    execution buffer into their blocks, before anything reuses that buffer.
 
@@ -28,8 +29,8 @@ import torch
 from vllm_retro import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockCache
 from vllm_retro.buffer.host_tier import HostTier, bits
-from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
-from vllm_retro.buffer.policy import make_policy
+from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
+from vllm_retro.buffer.policy import admit_greedy, eviction_order
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts
@@ -43,7 +44,7 @@ Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class WaveBufferStore:
-    """Host tier + device block cache + mapping table + policy for one request-layer."""
+    """Host tier + device block cache + mapping table for one request-layer."""
 
     def __init__(self, manager: WaveBufferManager, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, config: RetroConfig):
@@ -60,11 +61,11 @@ class WaveBufferStore:
         self.cache = DeviceBlockCache(num_heads, head_dim, self.page_size, dtype, self.device,
                                       stats)
         self.table = ClusterMappingTable(num_heads, self.page_size)
-        self.policies = [make_policy(config.cache_policy) for _ in range(num_heads)]
         self._pending: Future | None = None
         self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._tick = 0
+        self._clock = 0
+        """Reads recorded so far: the recency stamp of the next read."""
         self._freed = False
         self._host_pages = np.zeros(num_heads, dtype=np.int64)
 
@@ -185,53 +186,68 @@ class WaveBufferStore:
         )
 
     def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
-        """The cache update of one step (worker thread): policy order, evictions, admissions."""
-        self._tick += 1
-        page = self.page_size
+        """The cache update of one step (worker thread): record the reads, evict by the
+        policy's order, admit the misses that fit, and plan their copies into the cache."""
+        t, page = self.table, self.page_size
+        h_n, r = ids.shape
+        rows = np.arange(h_n)[:, None]
+        # a stamp per read, in read order (as reading them one by one would)
+        t.last_access[rows, ids] = self._clock + 1 + np.arange(r)[None, :]
+        self._clock += r
+        t.reads[rows, ids] += lk.cached  # misses start at 1 when admitted
         heads: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
+        dest: list[np.ndarray] = []
         admitted = evicted = 0
-        for h in range(self.num_heads):
-            policy = self.policies[h]
+        for h in range(h_n):
+            pos = np.nonzero(~lk.cached[h])[0]  # positions of the misses in the read order
+            cand = ids[h, pos]
+            need = t.n_pages[h, cand]
+            ok = (need > 0) & (need <= self.cache.capacity[h])
+            pos, cand, need = pos[ok], cand[ok], need[ok]
             free = self.cache.free_blocks[h]
-            protected = set(ids[h].tolist())
-            for j, c in enumerate(ids[h].tolist()):
-                self.table.last_access[h, c] = self._tick
-                if lk.cached[h, j]:
-                    policy.hit(c)
-                    continue
-                need = int(self.table.n_pages[h, c])
-                if need == 0 or need > self.cache.capacity[h]:
-                    continue
-                while len(free) < need:
-                    victim = policy.victim(protected)
-                    if victim is None:
-                        break
-                    evicted += self._evict(h, victim)
-                if len(free) < need:
-                    continue
-                blocks = np.array([free.pop() for _ in range(need)], dtype=np.int64)
-                self.table.page_block[self.table.pages_of(h, c)] = blocks
-                self.table.cached[h, c] = True
-                policy.admitted(c)
-                admitted += need
-                tok = np.arange(int(self.table.size[h, c]))
-                heads.append(np.full(tok.size, h))
-                slots.append(n_steady + int(lk.begins[h, j]) + tok)
-                rows.append(blocks[tok // page] * page + tok % page)
+            if int(need.sum()) > len(free):
+                protected = np.zeros(t.num_clusters, dtype=bool)
+                protected[ids[h]] = True
+                victims = eviction_order(self.config.cache_policy, t.last_access[h], t.reads[h],
+                                         np.nonzero(t.cached[h] & ~protected)[0])
+                vpages = t.n_pages[h, victims]
+                take = admit_greedy(need, len(free) + int(vpages.sum()))
+                pos, cand, need = pos[take], cand[take], need[take]
+                deficit = int(need.sum()) - len(free)
+                if deficit > 0:
+                    k = int(np.searchsorted(np.cumsum(vpages), deficit)) + 1
+                    evicted += self._evict(h, victims[:k])
+            total = int(need.sum())
+            if total == 0:
+                continue
+            blocks = np.array(free[len(free) - total:], dtype=np.int64)
+            del free[len(free) - total:]
+            t.page_block[t.pages_of_many(h, cand)] = blocks
+            t.cached[h, cand] = True
+            t.reads[h, cand] = 1
+            admitted += total
+            sizes = t.size[h, cand]
+            tok = runs(np.zeros_like(sizes), sizes)  # 0 .. size - 1 per admitted cluster
+            which = np.repeat(np.arange(cand.size), sizes)
+            first_block = np.cumsum(need) - need
+            heads.append(np.full(tok.size, h))
+            slots.append(n_steady + lk.begins[h, pos][which] + tok)
+            dest.append(blocks[first_block[which] + tok // page] * page + tok % page)
         self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
         if not heads:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return np.concatenate(heads), np.concatenate(slots), np.concatenate(rows)
+        return np.concatenate(heads), np.concatenate(slots), np.concatenate(dest)
 
-    def _evict(self, h: int, c: int) -> int:
-        pages = self.table.pages_of(h, c)
-        blocks = self.table.page_block[pages].copy()  # a view would read back the -1s
-        self.table.page_block[pages] = -1
-        self.table.cached[h, c] = False
-        self.policies[h].evicted(c)
+    def _evict(self, h: int, clusters: np.ndarray) -> int:
+        """Drop ``clusters`` ([n] ids of head ``h``) from the cache; returns pages freed."""
+        t = self.table
+        pages = t.pages_of_many(h, clusters)
+        blocks = t.page_block[pages].copy()  # a view would read back the -1s
+        t.page_block[pages] = -1
+        t.cached[h, clusters] = False
+        t.reads[h, clusters] = 0
         self.cache.free_blocks[h].extend(blocks.tolist())
         return int(blocks.size)
 
@@ -252,10 +268,10 @@ class WaveBufferStore:
             self.manager.stats.add(bytes_d2d=2 * heads.size * d * exec_k.element_size())
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless the table, the free lists and the policies agree: per
-        head, free and mapped blocks partition the head's blocks (none lost, none twice), a
-        cluster is cached iff all its pages are mapped, and the policy tracks exactly the
-        cached clusters. Waits for pending updates first. For tests and debugging."""
+        """Raise AssertionError unless the table and the free lists agree: per head, free and
+        mapped blocks partition the head's blocks (none lost, none twice), a cluster is
+        cached iff all its pages are mapped, and exactly the cached clusters have a read
+        count. Waits for pending updates first. For tests and debugging."""
         self._sync()
         t, cache = self.table, self.cache
         for h in range(self.num_heads):
@@ -275,7 +291,7 @@ class WaveBufferStore:
             assert not set(mapped) & set(free), f"head {h}: a block both free and mapped"
             assert sorted(mapped + free) == owned, f"head {h}: blocks lost or foreign"
             assert len(owned) == cache.capacity[h]
-            assert len(self.policies[h]) == len(cached), f"head {h}: policy out of sync"
+            assert set(np.nonzero(t.reads[h])[0].tolist()) == cached, f"head {h}: reads"
 
     # ------------------------------------------------------------------ lifecycle
     def nbytes(self) -> int:
