@@ -29,8 +29,9 @@ DEFAULT_MODEL_TOKEN = ":default:"
 model before options such as ``--served-model-name``."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5
 """Seconds in-flight requests get to finish on SIGTERM. It also bounds how long vLLM waits for
-its engine processes to exit before killing them (which logs an EngineDeadError traceback);
-they take 2-3 s to exit on CPU, so 2 s was too short."""
+its engine processes to exit before killing them (which logs an EngineDeadError traceback):
+they exit in about 1-3 s on CPU (with the plugin's exit hook, vllm_retro/vllm/plugin.py), and
+5 s leaves room on a loaded machine."""
 
 
 def build_parser() -> argparse.ArgumentParser:
