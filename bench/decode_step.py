@@ -219,6 +219,11 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             full_t.append(b - a)
             retro_t.append(c - b)
             rbytes.append(step_bytes)
+    phases: dict[str, float] = {}
+    for _ in range(args.phase_steps):  # the per-phase split, on separate steps
+        q = walk.step()
+        for i, idx in enumerate(indexes):
+            idx.decode(q[i].to(device, dtype), phases=phases)
     snap = mgr.stats.snapshot()
     mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
@@ -230,6 +235,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         "cluster_hit_ratio": snap["hit_ratio"],
         "token_hit_ratio": snap["hit_tokens"] / max(1, snap["hit_tokens"] + snap["miss_tokens"]),
         "index_build_s_per_request": build_s, "case_wall_s": time.perf_counter() - t0,
+        "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3 for k, v in phases.items()},
     }
     bw = args.read_bw
     row["full_lower_bound_ms"] = full_bytes / bw * 1e3
@@ -239,6 +245,9 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     print(f"ctx {n:>6} batch {batch}: full {full_ms:8.2f} ms  retro {retro_ms:8.2f} ms  "
           f"speedup {row['speedup']:5.2f}x  bytes {row['bytes_ratio']:5.1f}x fewer  "
           f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
+    if phases:
+        print("    phases (ms/step, all requests): " + "  ".join(
+            f"{k} {v:.2f}" for k, v in row["phase_ms_per_step"].items()), flush=True)
     return row
 
 
@@ -248,6 +257,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--phase-steps", type=int, default=5,
+                    help="extra steps timed phase by phase (select, gather, estimator, "
+                         "attention, bookkeeping), with a sync at each boundary")
     ap.add_argument("--kmeans-iters", type=int, default=2,
                     help="k-means iterations at index build (build time is not what is timed)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

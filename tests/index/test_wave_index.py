@@ -271,3 +271,17 @@ def test_triton_backend_matches_torch_backend(rng, triton_device):
     out_x, st_x = sparse_attention(*dev, cfg.replace(kernel_backend="triton"))
     assert st_t["n_clusters"] == st_x["n_clusters"]
     assert rel_err(out_x.cpu(), out_t) < 1e-4
+
+
+def test_decode_phases_are_recorded_without_changing_the_output(rng):
+    """``phases`` accumulates the time of each decode phase and changes nothing else."""
+    k = torch.randn(2, 3000, 32, generator=rng)
+    v = torch.randn(2, 3000, 32, generator=rng)
+    index = WaveIndex.build(k, v, RetroConfig())
+    q = torch.randn(4, 32, generator=rng)
+    phases: dict[str, float] = {}
+    a = index.decode(q, phases=phases)
+    b = index.decode(q)
+    assert torch.equal(a.output, b.output)
+    assert list(phases) == ["select", "gather", "estimator", "attention", "bookkeeping"]
+    assert all(t >= 0 for t in phases.values())

@@ -16,6 +16,7 @@ the steady zone and decode attention is exact (dense) until it grows long enough
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,25 @@ class DecodeResult:
     """[H] int64 tokens read exactly per KV head (steady + retrieval)."""
     exact_positions: torch.Tensor | None
     """[H, T] int64 absolute positions of the exactly-read tokens (-1 padding), if asked."""
+
+
+class _PhaseClock:
+    """Adds the time since the previous mark to ``phases[name]``; does nothing without
+    ``phases`` (the serving path)."""
+
+    def __init__(self, phases: dict[str, float] | None, device: torch.device):
+        self.phases = phases
+        self.cuda = device.type == "cuda"
+        self.t = time.perf_counter() if phases is not None else 0.0
+
+    def __call__(self, name: str) -> None:
+        if self.phases is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 class WaveIndex:
@@ -250,18 +270,26 @@ class WaveIndex:
         return Selection(top[:, :r], top[:, r:])
 
     def decode(self, query: torch.Tensor, scale: float | None = None,
-               selection: Selection | None = None, return_positions: bool = False
-               ) -> DecodeResult:
+               selection: Selection | None = None, return_positions: bool = False,
+               phases: dict[str, float] | None = None) -> DecodeResult:
         """Tripartite attention of one query over the whole context.
 
         query: [num_heads, D], num_heads a multiple of the KV heads (query head i uses KV
         head ``i // (num_heads // H_kv)``). ``selection`` overrides the cluster choice.
+        ``phases``, when given, accumulates the seconds spent in each phase of the step
+        (``select``: scoring + top-k; ``gather``: mapping-table lookup, execution-buffer
+        assembly, update submission; ``estimator``: the tilted estimator's query terms;
+        ``attention``; ``bookkeeping``: joining the cache update and its admissions), with a
+        device synchronisation at each boundary (for benchmarks, not serving).
         """
         h, d = self.num_kv_heads, self.head_dim
         scale = d ** -0.5 if scale is None else scale
+        mark = _PhaseClock(phases, query.device)
         sel = selection or self.select(query, scale)
+        mark("select")
         k_exact, v_exact, rpos, n_exact = self.store.gather(
             sel.retrieval_ids, [(self.sink_k, self.sink_v), (self.win_k, self.win_v)])
+        mark("gather")
         n_est = torch.full((h,), sel.estimation_ids.shape[1], dtype=torch.int64,
                            device=query.device)
         q = query.reshape(h, -1, d)
@@ -269,11 +297,14 @@ class WaveIndex:
         if self.config.estimator == "tilted" and sel.estimation_ids.shape[1]:
             qvar, vshift = self.residuals.query_terms(q, scale)
             tilt = kernels.TiltTerms(self.spreads, self.deviates, qvar, vshift)
+        mark("estimator")
         out, lse = kernels.tripartite_decode(
             q, k_exact, v_exact, n_exact, self.centroids, self.value_sums, self.sizes,
             sel.estimation_ids, n_est, scale, tilt, backend=self.backend,
         )
+        mark("attention")
         self.store.step_done()
+        mark("bookkeeping")
         positions = None
         if return_positions:
             steady_pos = torch.cat([
