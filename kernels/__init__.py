@@ -28,7 +28,7 @@ from vllm_retro.kernels.kmeans import (
 from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
-    tripartite_decode_ref,
+    tripartite_decode_torch,
     tripartite_decode_triton,
 )
 
@@ -94,12 +94,14 @@ def tripartite_decode(
     value_sums: Tensor, sizes: Tensor, est_ids: Tensor, n_est: Tensor, scale: float,
     tilt: TiltTerms | None = None, backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """Dispatching :func:`kernels.tripartite_attention.tripartite_decode_ref`."""
+    """Dispatching :func:`kernels.tripartite_attention.tripartite_decode_ref` (the torch
+    backend runs its faster equivalent,
+    :func:`kernels.tripartite_attention.tripartite_decode_torch`)."""
     args = (query, k_exact, v_exact, n_exact, centroids, value_sums, sizes, est_ids, n_est, scale,
             tilt)
     if resolve_backend(backend, query.device) == "triton":
         return tripartite_decode_triton(*args)
-    return tripartite_decode_ref(*args)
+    return tripartite_decode_torch(*args)
 
 
 def gather_rows(dst_k: Tensor, dst_v: Tensor, offset: int, dev_k: Tensor, dev_v: Tensor,

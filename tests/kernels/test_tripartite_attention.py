@@ -249,3 +249,39 @@ def test_triton_tilted_matches_ref(r, g, t, c, e, d, dtype, splits, rng, triton_
     fin = torch.isfinite(ref_l)
     assert (torch.isfinite(got_l) == fin).all()
     torch.testing.assert_close(got_l[fin], ref_l[fin], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the torch fast path
+@pytest.mark.parametrize("r,g,t,c,e,d", [
+    (1, 1, 1, 1, 1, 32), (4, 7, 90, 50, 20, 64), (3, 8, 200, 64, 30, 128),
+    (2, 4, 70, 33, 9, 256), (5, 1, 130, 10, 0, 64), (3, 2, 0, 12, 5, 32),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tilted", [False, True])
+def test_torch_fast_path_matches_ref(r, g, t, c, e, d, dtype, tilted, rng):
+    """The torch backend's two-block form equals the reference (fp32 1e-5, bf16 1e-2) on
+    ragged rows (fewer exact tokens or estimated clusters than the padding), empty clusters,
+    no estimation zone and no exact token; -inf and zeros where nothing is attended."""
+    from vllm_retro.kernels.tripartite_attention import tripartite_decode_torch
+
+    args = _inputs(r, g, t, c, e, d, dtype, rng)
+    tilt = _tilt(r, g, c, d, rng) if tilted else None
+    scale = d ** -0.5
+    ref_o, ref_l = tripartite_decode_ref(*args, scale, tilt)
+    got_o, got_l = tripartite_decode_torch(*args, scale, tilt)
+    assert got_o.dtype == ref_o.dtype and not got_o.isnan().any() and not got_l.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_o.float(), ref_o.float(), rtol=tol, atol=tol)
+    fin = torch.isfinite(ref_l)
+    assert (torch.isfinite(got_l) == fin).all()
+    torch.testing.assert_close(got_l[fin], ref_l[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_torch_fast_path_nothing_to_attend():
+    from vllm_retro.kernels.tripartite_attention import tripartite_decode_torch
+
+    args = _inputs(2, 3, 5, 4, 2, 32, torch.float32, torch.Generator().manual_seed(0))
+    q, kx, vx, _, cen, vs, sizes, est, _ = args
+    zero = torch.zeros(2, dtype=torch.int64)
+    out, lse = tripartite_decode_torch(q, kx, vx, zero, cen, vs, sizes, est, zero, 0.1)
+    assert (out == 0).all() and torch.isinf(lse).all()
