@@ -100,6 +100,16 @@ def _estimation_terms(
     return kc, vmean, bias
 
 
+def _tilt_of_estimated(tilt: TiltTerms, est_ids: torch.Tensor, num_clusters: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimated clusters' spreads [R, E] and log mass corrections [R, G, E] (fp32)."""
+    ids = est_ids.long().clamp(0, max(num_clusters - 1, 0))
+    spread = torch.gather(tilt.spreads.float(), 1, ids)
+    deviate = torch.gather(tilt.deviates.float(), 1, ids)
+    return spread, log_tilt_ref(tilt.qvar.float()[..., None] * spread[:, None, :],
+                                deviate[:, None, :])
+
+
 def tripartite_decode_ref(
     query: torch.Tensor,
     k_exact: torch.Tensor,
@@ -132,10 +142,7 @@ def tripartite_decode_ref(
     logits = torch.bmm(query.float(), keys.transpose(1, 2)) * scale + bias[:, None, :]
     spread = None
     if tilt is not None:
-        ids = est_ids.long().clamp(0, max(centroids.shape[1] - 1, 0))
-        spread = torch.gather(tilt.spreads.float(), 1, ids)  # [R, E]
-        dev = torch.gather(tilt.deviates.float(), 1, ids)
-        lt = log_tilt_ref(tilt.qvar.float()[..., None] * spread[:, None, :], dev[:, None, :])
+        spread, lt = _tilt_of_estimated(tilt, est_ids, centroids.shape[1])
         logits[..., t:] = logits[..., t:] + lt  # -inf (padding, empty) stays -inf
     lse = torch.logsumexp(logits, dim=2)  # [R, G]
     finite = torch.isfinite(lse)
@@ -183,11 +190,8 @@ def tripartite_decode_torch(
     le = torch.bmm(qf, kc.transpose(1, 2)).mul_(scale).add_(bias_e[:, None, :])  # [R, G, E]
     spread = None
     if tilt is not None and le.shape[2]:
-        ids = est_ids.long().clamp(0, max(centroids.shape[1] - 1, 0))
-        spread = torch.gather(tilt.spreads.float(), 1, ids)  # [R, E]
-        dvt = torch.gather(tilt.deviates.float(), 1, ids)
-        le = le + log_tilt_ref(tilt.qvar.float()[..., None] * spread[:, None, :],
-                               dvt[:, None, :])  # -inf (padding, empty) stays -inf
+        spread, lt = _tilt_of_estimated(tilt, est_ids, centroids.shape[1])
+        le = le + lt  # -inf (padding, empty) stays -inf
     m = torch.maximum(_row_max(lx), _row_max(le))  # [R, G]
     finite = torch.isfinite(m)
     shift = torch.where(finite, m, torch.zeros_like(m))[..., None]
