@@ -162,10 +162,19 @@ def check_model(model: str) -> None:
         raise SystemExit(f"vllm-retro: error: MODEL {model} is a file; give the model's "
                          "directory")
     looks_local = model.startswith(("/", ".", "~")) or model.count("/") != 1
-    if looks_local or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if looks_local or (os.environ.get("HF_HUB_OFFLINE") == "1" and not _in_hub_cache(model)):
         raise SystemExit(f"vllm-retro: error: model directory {model} does not exist; MODEL "
                          "must be a local model directory (or leave it out to serve the "
                          f"embedded {DEFAULT_SERVED_NAME})")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """True if the Hugging Face cache holds ``repo_id``'s config (servable offline)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
 def check_port(host: str | None, port: int) -> None:

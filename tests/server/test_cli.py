@@ -335,3 +335,23 @@ def test_help_exits_zero_and_lists_retro_group(parser: argparse.ArgumentParser,
     for f in dataclasses.fields(RetroConfig):
         assert "--retro-" + f.name.replace("_", "-") in out
     assert "(default: 0.018)" in out
+
+
+def test_hub_name_offline_is_accepted_only_when_cached(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With hub access off, a hub name is served if the Hugging Face cache holds it, and
+    refused in one line otherwise; a path-like name that does not exist is always refused."""
+    import huggingface_hub.constants as hf_constants
+
+    snap = tmp_path / "models--org--cached" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "models--org--cached" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cli.check_model("org/cached")
+    with pytest.raises(SystemExit, match="org/missing does not exist"):
+        cli.check_model("org/missing")
+    with pytest.raises(SystemExit, match="./models/x does not exist"):
+        cli.check_model("./models/x")
