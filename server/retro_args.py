@@ -40,7 +40,8 @@ def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RetroConfig):
         flag = "--retro-" + f.name.replace("_", "-")
         kind = hints[f.name]
-        help_ = f"{docs.get(f.name, '')} (default: {f.default})"
+        # argparse %-formats help texts: a literal % in a docstring must be doubled
+        help_ = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
         # SUPPRESS: an option not given leaves no attribute (and no "(default: None)").
         kwargs: dict[str, Any] = {"dest": _DEST + f.name, "default": argparse.SUPPRESS,
                                   "help": help_}
