@@ -8,7 +8,8 @@ its output — its own, vLLM's, the engine-core and worker processes' — piped 
   ``$VLLM_RETRO_CACHE/logs/serve-<time>.log``), named in the banner;
 - until the server is ready, only vllm-retro's own lines reach the terminal (banner, model
   assembly, the KV-cache size); ``--startup-log full`` shows everything;
-- once ``ready at`` is printed, everything is passed through (vLLM's request and stats logs);
+- once ``ready at`` is printed, everything is passed through (vLLM's request and stats logs)
+  until a stop signal arrives; the shutdown's own logging then goes to the file only;
 - if the server exits before it is ready, the root cause is read out of the log and printed as
   one or two plain lines plus the log's path, and the exit status is non-zero.
 
@@ -162,8 +163,15 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
                             stderr=subprocess.STDOUT, env=env, text=True, errors="replace",
                             bufsize=1, preexec_fn=_die_with_parent)
 
+    stopping = False
+
     def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
         if proc.poll() is None:
+            if not stopping:
+                print("vllm-retro: stopping (in-flight requests drain first)", file=out,
+                      flush=True)
+            stopping = True
             proc.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -174,8 +182,10 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
     assert proc.stdout is not None
     for line in proc.stdout:
         log.write(line)
-        if ready or startup == "full" or (line.startswith(OWN_PREFIXES)
-                                          and not _OWN_ERROR.match(line)):
+        own = line.startswith(OWN_PREFIXES) and not _OWN_ERROR.match(line)
+        # vLLM's drain logs its own teardown (and, racily, an EngineDeadError traceback
+        # when its client cancels the output task): after a stop signal only the log gets it
+        if startup == "full" or own or (ready and not stopping):
             out.write(line)
             out.flush()
         if not ready and line.startswith(READY_MARK):
@@ -183,6 +193,7 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
     code = proc.wait()
     log.close()
     if ready:
+        print(f"vllm-retro: stopped (log {log_file})", file=out, flush=True)
         return code if code >= 0 else 128 - code
     if code == 0:  # e.g. --help
         return 0

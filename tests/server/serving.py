@@ -8,7 +8,27 @@ from pathlib import Path
 from bench import serve_metrics
 from vllm_retro.server.process import ServerProcess as Server
 
-__all__ = ["Server", "help_lines", "sample", "start_server"]
+__all__ = ["Server", "help_lines", "sample", "start_server", "unexpected_tracebacks"]
+
+
+def unexpected_tracebacks(log_text: str) -> list[str]:
+    """The exception lines of the tracebacks in a server log, less the one vLLM 0.32 may log
+    during a clean drain: once ``[shutdown] MPClient`` cleans up it cancels its output task,
+    and the API server's output handler, if still running, logs an EngineDeadError
+    ("AsyncLLM output_handler failed") for it (a race inside vLLM, seen with and without
+    retro)."""
+    shutdown = log_text.find("[shutdown] MPClient: cleaning up background resources")
+    found = []
+    for i, line in enumerate(log_text.splitlines()):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        rest = log_text.splitlines()[i + 1:i + 40]
+        exc = next((x for x in rest if "Error:" in x or "Exception:" in x), "?")
+        benign = ("EngineDeadError" in exc and shutdown >= 0
+                  and log_text.find(line) > shutdown)
+        if not benign:
+            found.append(exc.strip())
+    return found
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
