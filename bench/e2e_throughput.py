@@ -65,7 +65,9 @@ def make_engine(model: str, retro: bool, max_len: int, blocks: int | None, args)
 
     kw: dict[str, Any] = dict(dtype=args.dtype, max_model_len=max_len, enforce_eager=args.eager,
                               enable_prefix_caching=False, disable_log_stats=False, seed=0,
-                              block_size=BLOCK, max_num_seqs=64)
+                              block_size=BLOCK, max_num_seqs=64,
+                              # sized here: vLLM's CPU default reserves 92% of the NUMA node
+                              kv_cache_memory_bytes=args.kv_gib << 30)
     if blocks is not None:
         kw["num_gpu_blocks_override"] = blocks
     if retro:
@@ -193,6 +195,7 @@ def main() -> None:
     ap.add_argument("--capacity-requests", type=int, default=6)
     ap.add_argument("--capacity-decode", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-gib", type=int, default=2, help="KV cache size (GiB) of each engine")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()

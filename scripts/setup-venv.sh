@@ -40,3 +40,6 @@ fi
 if ! .venv/bin/python scripts/installed_here.py 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 fi
+# The fused CPU decode kernel (C++, compiled once per machine into $VLLM_RETRO_CACHE/extensions;
+# without a compiler decoding still works, through the slower per-row path).
+.venv/bin/python -m vllm_retro.kernels.cpu_decode || true

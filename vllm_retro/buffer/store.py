@@ -251,6 +251,17 @@ class WaveBufferStore:
         self.cache.free_blocks[h].extend(blocks.tolist())
         return int(blocks.size)
 
+    def cluster_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """See :meth:`~vllm_retro.index.store.RowAddressedStore.cluster_rows`: the host tier's
+        pages (cluster c of head h starts at page ``page_start[h, c]``). Waits for this
+        store's pending update first, so the table and the pages are complete."""
+        if self._freed:
+            raise RuntimeError("this wave buffer store was freed")
+        self._sync()
+        d = self.head_dim
+        return (self.host.k.view(-1, d), self.host.v.view(-1, d),
+                torch.from_numpy(self.table.page_start), 0, self.page_size)
+
     def step_done(self) -> None:
         """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""
         if self._step is None:

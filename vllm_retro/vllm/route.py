@@ -28,6 +28,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
+from vllm_retro.index.batched import decode_batch
 from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.runtime import get_runtime
@@ -191,14 +192,32 @@ class RouteImplMixin:
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
             rt.build_index(b.request_id, name, keys, values)
             rt.note_build_time(b.request_id, time.perf_counter() - t0)
-        for d in md.plan.decodes:
-            index = rt.index(d.request_id, name)
-            for t in range(d.first, d.first + d.count):
+        if md.plan.decodes:
+            self._decode_indexed(rt, name, md.plan.decodes, query, key, value, out)
+        return output
+
+    def _decode_indexed(self, rt: Any, name: str, decodes: list, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
+        """Append each indexed row's new K/V and decode its queries through the wave index:
+        all rows of the layer in one :func:`decode_batch` call per token position (one
+        call in all without speculative tokens)."""
+        indexes = [rt.index(d.request_id, name) for d in decodes]
+        for k in range(max(d.count for d in decodes)):
+            live = [(d.first + k, index) for d, index in zip(decodes, indexes, strict=True)
+                    if d.count > k]
+            for t, index in live:
                 if index.append(key[t].unsqueeze(1), value[t].unsqueeze(1)):
                     rt.counters.index_updates += 1
-                out[t] = index.decode(query[t], self.scale).output.to(out.dtype)
-            rt.counters.retro_decode_tokens += d.count
-        return output
+            tokens = [t for t, _ in live]
+            first = tokens[0]
+            if tokens == list(range(first, first + len(tokens))):  # decodes come first: a slice
+                decode_batch([i for _, i in live], query[first:first + len(tokens)],
+                             self.scale, out=out[first:first + len(tokens)])
+            else:
+                idx = torch.tensor(tokens, device=query.device)
+                res = decode_batch([i for _, i in live], query.index_select(0, idx), self.scale)
+                out.index_copy_(0, idx, res.to(out.dtype))
+            rt.counters.retro_decode_tokens += len(live)
 
 
 class RouteBackendMixin:

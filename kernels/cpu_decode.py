@@ -1,0 +1,249 @@
+"""Fused batched decode on CPU: scoring, selection and tripartite attention of every indexed
+row of a layer in one call (a C++ extension, ``kernels/csrc/retro_cpu.cpp``).
+
+Per row (one request at one layer) the inputs are its own tensors, referenced in place: the
+meta index (centroids, value sums, sizes, the tilted estimator's spreads and deviates and
+residual-model terms), its KV pool of cluster-contiguous rows with each cluster's first row,
+and its steady zone (sinks and window). Nothing is copied into a padded batch, so rows may
+differ in clusters, steady-zone length and budgets; the extension runs the (row, KV head)
+pairs in parallel (ATen's OpenMP pool) with one online softmax per query head in fp32.
+
+:func:`decode_rows_ref` is the plain-torch reference of the same function, built from the
+per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_ref`,
+``torch.topk``, :func:`~vllm_retro.kernels.tripartite_attention.tripartite_decode_ref`).
+
+The extension is compiled once per machine by the README's setup command (``python -m
+vllm_retro.kernels.cpu_decode``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded from there;
+:func:`load` compiles it on first use when missing, and returns None (with the reason in
+:func:`load_error`) when it cannot be built, so callers fall back to the per-row path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_retro.kernels.scoring import cluster_scores_ref
+from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "retro_cpu.cpp"
+_lock = threading.Lock()
+_module: Any = None
+_error: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One row's inputs (all on the CPU, one storage dtype; H KV heads, C clusters)."""
+
+    centroids: torch.Tensor
+    """[H, C, D] cluster centroids (last dim contiguous)."""
+    value_sums: torch.Tensor
+    """[H, C, D] per-cluster sums of values."""
+    sizes: torch.Tensor
+    """[H, C] int32 tokens per cluster (0: empty, never selected for reading)."""
+    spreads: torch.Tensor
+    """[H, C] fp32 mean squared key distance from the centroid (tilted estimator)."""
+    deviates: torch.Tensor
+    """[H, C] fp32 expected largest deviate per cluster (tilted estimator)."""
+    profile: torch.Tensor | None
+    """[H, D] fp32 residual key-variance profile; None with the paper's estimator."""
+    key_factor: torch.Tensor | None
+    """[H, D, rank] fp32 (tilted estimator)."""
+    value_factor: torch.Tensor | None
+    """[H, D, rank] fp32 (tilted estimator)."""
+    kv_keys: torch.Tensor
+    """[rows, D] pool of indexed keys, cluster-contiguous."""
+    kv_values: torch.Tensor
+    """[rows, D] pool of indexed values, same layout."""
+    cluster_starts: torch.Tensor
+    """[H, >=C] int64: cluster c of head h starts at pool row
+    ``head_rows * h + cluster_starts[h, c] * start_mult``."""
+    head_rows: int
+    start_mult: int
+    sink_k: torch.Tensor
+    """[H, s, D] steady-zone sinks."""
+    sink_v: torch.Tensor
+    win_k: torch.Tensor
+    """[H, w, D] steady-zone window."""
+    win_v: torch.Tensor
+    n_retrieval: int
+    """Clusters read exactly (clamped to C)."""
+    n_estimation: int
+    """Clusters estimated after them (clamped to C - retrieval)."""
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            cpu = pathlib.Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu = ""
+        if " avx2 " in cpu and " fma " in cpu:
+            flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _build_dir() -> tuple[pathlib.Path, str]:
+    # vllm-retro's cache root (vllm_retro.models.default_cache_dir; kernels import nothing
+    # above them)
+    root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
+    flags = _flags()
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
+
+
+def load() -> Any:
+    """The compiled extension module (built on first use), or None if it cannot be built."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        try:
+            from torch.utils import cpp_extension
+
+            directory, key = _build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            flags = _flags()
+            _module = cpp_extension.load(
+                name=f"vllm_retro_cpu_{key}", sources=[str(_SOURCE)],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                build_directory=str(directory), verbose=False)
+        except Exception as exc:  # compiler missing, headers missing, ...
+            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            logger.warning("vllm-retro: the fused CPU decode kernel could not be built (%s); "
+                           "decoding falls back to the per-row path", _error)
+        return _module
+
+
+def load_error() -> str | None:
+    """Why :func:`load` returned None (None when it has not failed)."""
+    return _error
+
+
+def available() -> bool:
+    """True when the extension is (or can be) loaded."""
+    return load() is not None
+
+
+def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool,
+                selection_width: int = 0, out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused tripartite decode of ``len(rows)`` rows.
+
+    query: [B, Hq, D] (B = len(rows), Hq a multiple of H; query head i of row b uses KV
+    head ``i // (Hq // H)``), the rows' storage dtype. ``tilted``: the tilted estimator
+    (needs each row's profile and factors) instead of the paper's. Returns (out [B, Hq, D]
+    in query's dtype, lse [B, Hq] fp32, selection [B, H, selection_width] int64: each head's
+    clusters in score order, retrieval first, -1 padding). ``out``, when given ([B, Hq, D],
+    query's dtype, last dim contiguous), receives the output in place.
+    """
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
+    b, hq, _ = query.shape
+    if len(rows) != b:
+        raise ValueError(f"{len(rows)} rows for a query batch of {b}")
+    h = rows[0].centroids.shape[0] if rows else 1
+    if out is None:
+        out = torch.empty_like(query)
+    lse = torch.empty(b, hq, dtype=torch.float32)
+    sel = torch.empty(b, h, selection_width, dtype=torch.int64)
+    meta: list[torch.Tensor] = []
+    tilt: list[torch.Tensor] = []
+    kv: list[torch.Tensor] = []
+    steady: list[torch.Tensor] = []
+    ints: list[int] = []
+    for r in rows:
+        meta += [r.centroids, r.value_sums, r.sizes, r.spreads, r.deviates]
+        if tilted:
+            tilt += [r.profile, r.key_factor, r.value_factor]
+        kv += [r.kv_keys, r.kv_values, r.cluster_starts]
+        steady += [r.sink_k, r.sink_v, r.win_k, r.win_v]
+        ints += [r.head_rows, r.start_mult, r.sink_k.shape[1], r.win_k.shape[1],
+                 r.n_retrieval, r.n_estimation]
+    mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted)
+    return out, lse, sel
+
+
+def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Plain-torch reference of :func:`decode_rows`: (out, lse, per-row selections
+    [H, r + e])."""
+    outs, lses, sels = [], [], []
+    for b, r in enumerate(rows):
+        h, c, d = r.centroids.shape
+        q = query[b].reshape(h, -1, d)
+        k = min(r.n_retrieval + r.n_estimation, c)
+        nr = min(r.n_retrieval, k)
+        if k:
+            scores = cluster_scores_ref(q, r.centroids, r.sizes, scale)
+            top = torch.topk(scores, k, dim=1, sorted=True).indices
+        else:
+            top = torch.zeros(h, 0, dtype=torch.int64)
+        ret, est = top[:, :nr], top[:, nr:]
+        parts_k, parts_v = [r.sink_k, r.win_k], [r.sink_v, r.win_v]
+        keys, values, n_exact = [], [], []
+        for hh in range(h):
+            rows_h = [torch.arange(0, 0, dtype=torch.int64)]
+            for cl in ret[hh].tolist():
+                n = int(r.sizes[hh, cl])
+                first = r.head_rows * hh + int(r.cluster_starts[hh, cl]) * r.start_mult
+                rows_h.append(torch.arange(first, first + n))
+            idx = torch.cat(rows_h)
+            keys.append(torch.cat([p[hh] for p in parts_k] + [r.kv_keys[idx]]))
+            values.append(torch.cat([p[hh] for p in parts_v] + [r.kv_values[idx]]))
+            n_exact.append(keys[-1].shape[0])
+        t = max(n_exact)
+        k_exact = torch.zeros(h, t, d, dtype=query.dtype)
+        v_exact = torch.zeros_like(k_exact)
+        for hh in range(h):
+            k_exact[hh, :n_exact[hh]] = keys[hh]
+            v_exact[hh, :n_exact[hh]] = values[hh]
+        terms = None
+        if tilted and est.shape[1]:
+            qf = q.float()
+            qvar = ((qf * qf) @ r.profile[..., None])[..., 0] * (scale * scale)
+            vshift = (qf @ r.key_factor) @ r.value_factor.transpose(1, 2) * scale
+            terms = TiltTerms(r.spreads, r.deviates, qvar, vshift)
+        n_est = torch.full((h,), est.shape[1], dtype=torch.int64)
+        out, lse = tripartite_decode_ref(q, k_exact, v_exact, torch.tensor(n_exact),
+                                         r.centroids, r.value_sums, r.sizes, est, n_est,
+                                         scale, terms)
+        outs.append(out.reshape(-1, d))
+        lses.append(lse.reshape(-1))
+        sels.append(top)
+    return torch.stack(outs), torch.stack(lses), sels
+
+
+def main() -> int:
+    """Build (or find) the extension; print where it is. Used by the setup script."""
+    if os.environ.get("VLLM_RETRO_SKIP_CPU_EXT"):
+        print("== fused CPU decode kernel: skipped (VLLM_RETRO_SKIP_CPU_EXT)")
+        return 0
+    directory, _ = _build_dir()
+    mod = load()
+    if mod is None:
+        print(f"== fused CPU decode kernel: NOT built ({_error}); decoding will use the "
+              "slower per-row path")
+        return 1
+    print(f"== fused CPU decode kernel: ready in {directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""Decode many wave indexes of one layer at once: one fused kernel call for all rows.
+
+:meth:`WaveIndex.decode` is the per-row reference (select, gather through the store, tripartite
+attention: ~30 torch ops and a mapping-table lookup per row). On the CPU the fused kernel
+(:mod:`vllm_retro.kernels.cpu_decode`) does the same for every row of a layer in one call,
+reading each row's meta index, steady zone and retrieved clusters in place:
+
+- rows backed by a :class:`~vllm_retro.index.store.DenseClusterStore` are read from its
+  cluster-contiguous tensors;
+- rows backed by the wave buffer are read from the host tier's pages. On a CPU the host tier
+  *is* the memory attention runs from, so the device block cache (a copy of the hot pages,
+  made to save PCIe transfers on a GPU) has nothing to save there and is not consulted.
+
+The result is the same function as the per-row path (fp32 1e-5, 16-bit within rounding; the
+cluster choice is the same up to exact ties of scores).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_retro.index.store import RowAddressedStore
+from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels import cpu_decode, resolve_backend
+
+
+def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
+    """True when ``index`` can decode ``query`` through the fused CPU kernel: a plain
+    :class:`WaveIndex` (not a baseline subclass) on the CPU with the 'auto' kernel backend,
+    a store that exposes its rows (:class:`RowAddressedStore`), the query in the index's dtype, and the kernel built."""
+    return (type(index) is WaveIndex and query.device.type == "cpu"
+            and index.backend == "auto" and resolve_backend("auto", query.device) == "torch"
+            and query.dtype == index.centroids.dtype
+            and isinstance(index.store, RowAddressedStore)
+            and cpu_decode.available())
+
+
+def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
+    """The fused kernel's view of one index (tensors referenced, not copied)."""
+    cfg = index.config
+    c = index.num_clusters
+    keys, values, starts, head_rows, mult = index.store.cluster_rows()
+    res = index.residuals
+    tilted = cfg.estimator == "tilted"
+    return cpu_decode.DecodeRow(
+        centroids=index.centroids, value_sums=index.value_sums, sizes=index.sizes,
+        spreads=index.spreads, deviates=index.deviates,
+        profile=res.profile if tilted else None,
+        key_factor=res.key_factor if tilted else None,
+        value_factor=res.value_factor if tilted else None,
+        kv_keys=keys, kv_values=values, cluster_starts=starts, head_rows=head_rows,
+        start_mult=mult, sink_k=index.sink_k, sink_v=index.sink_v, win_k=index.win_k,
+        win_v=index.win_v, n_retrieval=cfg.num_retrieval(c), n_estimation=cfg.num_estimation(c))
+
+
+def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Tripartite decode of row ``b``'s query ``query[b]`` ([B, Hq, D]) over ``indexes[b]``,
+    all rows in one call when every index supports the fused kernel
+    (:func:`fused_supported`), else row by row through :meth:`WaveIndex.decode`.
+
+    All indexes share one config and head layout (one layer of one model). Returns
+    ``out`` ([B, Hq, D], query dtype; allocated when None).
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    if not indexes:
+        return out
+    if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
+        cpu_decode.decode_rows(query, [decode_row(i) for i in indexes], scale,
+                               indexes[0].config.estimator == "tilted", out=out)
+        return out
+    for b, index in enumerate(indexes):
+        out[b] = index.decode(query[b], scale).output.to(out.dtype)
+    return out
