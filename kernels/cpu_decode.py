@@ -84,7 +84,7 @@ class DecodeRow:
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+    flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
     if platform.machine() in ("x86_64", "AMD64"):
         try:
             cpu = pathlib.Path("/proc/cpuinfo").read_text()
@@ -124,7 +124,10 @@ def load() -> Any:
                 extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(directory), verbose=False)
         except Exception as exc:  # compiler missing, headers missing, ...
-            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            lines = str(exc).strip().splitlines() or [""]
+            # the compiler's first error says why; ninja's last line only that it stopped
+            first = next((ln for ln in lines if "error:" in ln), lines[-1])
+            _error = f"{type(exc).__name__}: {first.strip()}"
             logger.warning("vllm-retro: the fused CPU decode kernel could not be built (%s); "
                            "decoding falls back to the per-row path", _error)
         return _module

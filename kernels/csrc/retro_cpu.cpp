@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -24,11 +25,13 @@
 
 namespace {
 
+#define RETRO_INLINE inline __attribute__((always_inline))
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTile = 32;
 
 template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
+RETRO_INLINE float to_f(T x) { return static_cast<float>(x); }
 
 // Row view of a [H, n, D] (or [rows, D] with head stride) tensor of scalar type T.
 template <typename T>
@@ -45,43 +48,85 @@ Rows<T> rows3(const torch::Tensor& t) {  // [H, n, D]
   return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
 }
 
-double log_ndtr(double x) {
-  const double t = x * M_SQRT1_2;
-  if (x > 6.0) return std::log1p(-0.5 * std::erfc(t));
-  if (x > -20.0) return std::log(0.5 * std::erfc(-t));
-  const double x2 = x * x;
-  return -0.5 * x2 - std::log(-x) - 0.5 * std::log(2.0 * M_PI) +
-         std::log1p(-1.0 / x2 + 3.0 / (x2 * x2) - 15.0 / (x2 * x2 * x2));
+// ---- vectorisable float math (plain C++; GCC vectorises these inside `omp simd` loops,
+// where libm calls would not be). Accuracy: a few ulp, far inside the kernel's 1e-5.
+
+RETRO_INLINE float fast_exp(float x) {  // exp(x); 0 for x < -87 (and -inf)
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : p * two_n;
 }
 
-// Per-cluster constants of log_tilt for deviate a: (truncated variance, log erf(a/sqrt2)).
-struct TiltConst {
-  double tv = 1.0, den = 0.0, a = 0.0;
-  bool on = false;
-};
-
-TiltConst tilt_const(double a) {
-  TiltConst c;
-  c.a = std::max(a, 1e-3);
-  c.on = a > 0;
-  c.tv = 1.0 - 2.0 * c.a * std::exp(-c.a * c.a / 2) / std::sqrt(2.0 * M_PI) /
-                   std::erf(c.a * M_SQRT1_2);
-  c.den = std::log(std::erf(c.a * M_SQRT1_2));
-  return c;
+RETRO_INLINE float fast_log(float x) {  // log(x) for finite x > 0
+  const int32_t i = std::bit_cast<int32_t>(x);
+  float e = float(((i >> 23) & 0xff) - 127);
+  float m = std::bit_cast<float>((i & 0x007fffff) | 0x3f800000);  // [1, 2)
+  const bool big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  e = big ? e + 1.0f : e;
+  const float f = m - 1.0f, z = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z - 2.12194440e-4f * e - 0.5f * z;
+  return f + y + 0.693359375f * e;
 }
 
-// log E[exp(sqrt(v) Y)], Y standard normal truncated to [-a, a] rescaled to unit variance
-// (kernels.tripartite_attention.log_tilt_ref), computed in double, returned as float.
-float log_tilt(double v, const TiltConst& c) {
-  if (!c.on || v <= 0) return 0.0f;
-  const double u = v / c.tv;
-  if (!(u > 0)) return 0.0f;
-  const double su = std::sqrt(u);
-  const double l1 = log_ndtr(c.a - su);
-  const double l2 = log_ndtr(-c.a - su);
-  const double num = l1 + std::log1p(-std::exp(l2 - l1));
-  const double out = u / 2 + num - c.den;
-  return static_cast<float>(std::max(out, 0.0));
+// log(erfc(z)) for z >= 0 and erfc(z) (Numerical Recipes' erfcc: fractional error < 1.2e-7),
+// in log space so that it never underflows.
+RETRO_INLINE float log_erfc_pos(float z) {
+  const float t = 1.0f / (1.0f + 0.5f * z);
+  const float p = -1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f +
+                  t * (-0.18628806f + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f +
+                  t * (-0.82215223f + t * 0.17087277f))))))));
+  return fast_log(t) - z * z + p;
+}
+
+RETRO_INLINE float log_ndtr(float x) {  // log Phi(x), branch-free (vectorisable)
+  constexpr float kSqrt1_2 = 0.70710678118654752f, kLogHalf = -0.69314718055994531f;
+  const float le = log_erfc_pos(std::fabs(x) * kSqrt1_2);  // log erfc(|x| / sqrt 2)
+  const float neg = kLogHalf + le;                          // x <= 0: log(erfc / 2)
+  const float pos = fast_log(1.0f - 0.5f * fast_exp(le));   // x > 0: log(1 - erfc / 2)
+  return x <= 0 ? neg : pos;
+}
+
+// The tilted estimator's per-cluster constants for deviate a0 (see log_tilt_ref): a =
+// max(a0, 1e-3), the truncated variance tv(a) (+inf when a0 <= 0: no correction) and
+// log erf(a / sqrt 2).
+RETRO_INLINE void tilt_const(float a0, float& a, float& tv, float& den) {
+  constexpr float kSqrt1_2 = 0.70710678118654752f, kInvSqrt2Pi = 0.39894228040143268f;
+  a = std::max(a0, 1e-3f);
+  const float erf_a = 1.0f - fast_exp(log_erfc_pos(a * kSqrt1_2));
+  const float t = 1.0f - 2.0f * a * fast_exp(-0.5f * a * a) * kInvSqrt2Pi / erf_a;
+  tv = a0 > 0 ? t : std::numeric_limits<float>::infinity();
+  den = fast_log(erf_a);
+}
+
+// log E[exp(sqrt(v) Y)] for Y standard normal truncated to [-a, a], rescaled to unit
+// variance (kernels.tripartite_attention.log_tilt_ref); 0 where v <= 0 or tv is +inf.
+RETRO_INLINE float log_tilt(float v, float a, float tv, float den) {
+  const float u = std::max(v, 0.0f) / tv;
+  const float su = std::sqrt(u);
+  const float l1 = log_ndtr(a - su);
+  const float l2 = log_ndtr(-a - su);
+  const float num = l1 + fast_log(1.0f - fast_exp(l2 - l1));
+  const float out = std::max(0.5f * u + num - den, 0.0f);
+  return u > 0 ? out : 0.0f;
 }
 
 // Online softmax over G query heads of one KV head.
@@ -124,6 +169,99 @@ struct RowArgs {
 };
 
 template <typename T>
+RETRO_INLINE float dot_row(const float* q, const T* k, int D) {
+  float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+  for (int d = 0; d < D; ++d) dot += q[d] * to_f(k[d]);
+  return dot;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+RETRO_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+RETRO_INLINE __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+RETRO_INLINE __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Lane i of the result: the sum of the 8 lanes of a[i].
+RETRO_INLINE __m256 reduce8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#define RETRO_AVX2 1
+#endif
+
+// out[g * ld + i] = scale * q_g . rows[i] + bias[i] for the G query heads and n rows
+// (row i at rows[i], D contiguous elements; bias may be null). Eight rows at a time with
+// AVX2 when D is a multiple of 8 (one horizontal reduction per 8 dot products).
+template <typename T>
+void dots(const float* q, int G, int D, const T* const* rows, int64_t n, float scale,
+          const float* bias, float* out, int64_t ld) {
+  int64_t i0 = 0;
+#ifdef RETRO_AVX2
+  if (D % 8 == 0) {
+    for (; i0 + 8 <= n; i0 += 8) {
+      const T* const* r = rows + i0;
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + size_t(g) * D;
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(r[i] + d), acc[i]);
+        }
+        __m256 v = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
+        if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i0));
+        _mm256_storeu_ps(out + g * ld + i0, v);
+      }
+    }
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i)
+    for (int g = 0; g < G; ++g)
+      out[g * ld + i] = dot_row(q + size_t(g) * D, rows[i], D) * scale +
+                        (bias != nullptr ? bias[i] : 0.f);
+}
+
+// A block of n pseudo- or real tokens already scored: logits [G, ld] (row g at g * ld).
+// Folds them into the online softmax; value_of(i, p, acc) adds p * value_i into acc [D].
+template <typename ValueFn>
+void fold_block(Softmax& sm, float* logits, int64_t ld, int64_t n, const float* spread,
+                ValueFn&& value_of) {
+  const int G = sm.G;
+  for (int g = 0; g < G; ++g) {
+    float* lg = logits + g * ld;
+    float mx = kNegInf;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, lg[i]);
+    if (mx == kNegInf) {
+      for (int64_t i = 0; i < n; ++i) lg[i] = 0.f;
+      continue;
+    }
+    sm.raise(g, mx);
+    const float m = sm.m[g];
+    float sum = 0.f, sw = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      lg[i] = fast_exp(lg[i] - m);
+      sum += lg[i];
+    }
+    if (spread != nullptr) {
+#pragma omp simd reduction(+ : sw)
+      for (int64_t i = 0; i < n; ++i) sw += lg[i] * spread[i];
+    }
+    sm.l[g] += sum;
+    sm.sw[g] += sw;
+  }
+  for (int64_t i = 0; i < n; ++i) value_of(i, logits, ld);
+}
+
+template <typename T>
 void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stride, int G,
               int D, float scale, bool tilted, T* out, int64_t out_head_stride, float* lse,
               int64_t* sel, int64_t S) {
@@ -131,45 +269,39 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) q[size_t(g) * D + d] = to_f(q_in[g * q_head_stride + d]);
 
-  // ---- 1-2: scoring and selection
+  // ---- 1-2: scoring and selection (ranked by the group's summed softmax probability,
+  // the exponential of the reference's log score: the same order)
   const int64_t C = a.C;
   const int64_t k = std::min<int64_t>(a.r + a.e, C);
   const int64_t r = std::min<int64_t>(a.r, k);
+  const int32_t* sz = a.sizes + h * a.sizes_h;
   std::vector<int64_t> order;
   if (C > 0 && k > 0) {
     std::vector<float> logits(size_t(G) * C);
-    std::vector<float> lmax(G, kNegInf);
-    const int32_t* sz = a.sizes + h * a.sizes_h;
-    for (int64_t c = 0; c < C; ++c) {
-      const bool valid = sz[c * a.sizes_c] > 0;
-      const T* cc = a.cent + h * a.cent_h + c * a.cent_c;
-      for (int g = 0; g < G; ++g) {
-        float s = kNegInf;
-        if (valid) {
-          const float* qg = q.data() + size_t(g) * D;
-          float dot = 0.f;
-          for (int d = 0; d < D; ++d) dot += qg[d] * to_f(cc[d]);
-          s = dot * scale;
-          lmax[g] = std::max(lmax[g], s);
-        }
-        logits[size_t(g) * C + c] = s;
-      }
-    }
-    std::vector<float> lse_g(G, 0.f);
+    std::vector<const T*> cptr(C);
+    for (int64_t c = 0; c < C; ++c) cptr[c] = a.cent + h * a.cent_h + c * a.cent_c;
+    dots(q.data(), G, D, cptr.data(), C, scale, nullptr, logits.data(), C);
+    for (int64_t c = 0; c < C; ++c)
+      if (sz[c * a.sizes_c] <= 0)
+        for (int g = 0; g < G; ++g) logits[size_t(g) * C + c] = kNegInf;
+    std::vector<float> score(C, 0.f);
     for (int g = 0; g < G; ++g) {
-      if (lmax[g] == kNegInf) continue;
-      double sum = 0;
-      const float* lg = logits.data() + size_t(g) * C;
-      for (int64_t c = 0; c < C; ++c) sum += std::exp(lg[c] - lmax[g]);
-      lse_g[g] = lmax[g] + static_cast<float>(std::log(sum));
+      float* lg = logits.data() + size_t(g) * C;
+      float mx = kNegInf;
+      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, lg[c]);
+      if (mx == kNegInf) continue;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < C; ++c) {
+        lg[c] = fast_exp(lg[c] - mx);
+        sum += lg[c];
+      }
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) score[c] += lg[c] * inv;
     }
-    std::vector<float> score(C);
-    for (int64_t c = 0; c < C; ++c) {
-      if (sz[c * a.sizes_c] <= 0) { score[c] = kNegInf; continue; }
-      double s = 0;
-      for (int g = 0; g < G; ++g) s += std::exp(logits[size_t(g) * C + c] - lse_g[g]);
-      score[c] = s > 0 ? static_cast<float>(std::log(s)) : kNegInf;
-    }
+    for (int64_t c = 0; c < C; ++c)
+      if (sz[c * a.sizes_c] <= 0) score[c] = kNegInf;
     order.resize(C);
     std::iota(order.begin(), order.end(), 0);
     auto better = [&](int64_t x, int64_t y) {
@@ -189,33 +321,18 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   auto segment = [&](auto&& key_row, auto&& val_row, int64_t n) {
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       const int nt = int(std::min<int64_t>(kTile, n - t0));
-      for (int t = 0; t < nt; ++t) {
-        const T* kr = key_row(t0 + t);
-        for (int g = 0; g < G; ++g) {
-          const float* qg = q.data() + size_t(g) * D;
-          float dot = 0.f;
-          for (int d = 0; d < D; ++d) dot += qg[d] * to_f(kr[d]);
-          tile[size_t(g) * kTile + t] = dot * scale;
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        float* tg = tile.data() + size_t(g) * kTile;
-        float mx = kNegInf;
-        for (int t = 0; t < nt; ++t) mx = std::max(mx, tg[t]);
-        sm.raise(g, mx);
-        for (int t = 0; t < nt; ++t) {
-          tg[t] = std::exp(tg[t] - sm.m[g]);
-          sm.l[g] += tg[t];
-        }
-      }
-      for (int t = 0; t < nt; ++t) {
+      const T* kptr[kTile];
+      for (int t = 0; t < nt; ++t) kptr[t] = key_row(t0 + t);
+      dots(q.data(), G, D, kptr, nt, scale, nullptr, tile.data(), kTile);
+      fold_block(sm, tile.data(), kTile, nt, nullptr, [&](int64_t t, const float* p, int64_t ld) {
         const T* vr = val_row(t0 + t);
         for (int g = 0; g < G; ++g) {
-          const float p = tile[size_t(g) * kTile + t];
+          const float pg = p[g * ld + t];
           float* acc = sm.acc.data() + size_t(g) * D;
-          for (int d = 0; d < D; ++d) acc[d] += p * to_f(vr[d]);
+#pragma omp simd
+          for (int d = 0; d < D; ++d) acc[d] += pg * to_f(vr[d]);
         }
-      }
+      });
     }
   };
   segment([&](int64_t i) { return a.sink_k.row(h, i); },
@@ -224,13 +341,16 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
           [&](int64_t i) { return a.win_v.row(h, i); }, a.n_win);
   for (int64_t j = 0; j < r; ++j) {
     const int64_t c = order[j];
-    const int64_t n = a.sizes[h * a.sizes_h + c * a.sizes_c];
+    const int64_t n = sz[c * a.sizes_c];
     if (n <= 0) continue;
-    const int64_t first = h * a.head_rows + a.cstart[h * a.cstart_h + c * a.cstart_c] * a.start_mult;
+    const int64_t first =
+        h * a.head_rows + a.cstart[h * a.cstart_h + c * a.cstart_c] * a.start_mult;
     segment([&](int64_t i) { return a.kv_k + (first + i) * a.kv_row; },
             [&](int64_t i) { return a.kv_v + (first + i) * a.kv_row; }, n);
   }
-  // estimation zone: pseudo-tokens
+
+  // estimation zone: one block of pseudo-tokens (centroid key, log(size) bias, mean value;
+  // tilted: + log-tilt mass correction and spread * vshift value correction)
   const int64_t ne = k - r;
   if (ne > 0) {
     std::vector<float> qvar(G, 0.f), vshift;
@@ -243,6 +363,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
       for (int g = 0; g < G; ++g) {
         const float* qg = q.data() + size_t(g) * D;
         float s = 0.f;
+#pragma omp simd reduction(+ : s)
         for (int d = 0; d < D; ++d) s += qg[d] * qg[d] * prof[d];
         qvar[g] = s * scale * scale;
         std::fill(kq.begin(), kq.end(), 0.f);
@@ -256,36 +377,51 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
         }
       }
     }
-    std::vector<float> vmean(D);
-    for (int64_t j = r; j < k; ++j) {
-      const int64_t c = order[j];
-      const int64_t n = a.sizes[h * a.sizes_h + c * a.sizes_c];
-      if (n <= 0) continue;
-      const T* cc = a.cent + h * a.cent_h + c * a.cent_c;
-      const T* vv = a.vsum + h * a.vsum_h + c * a.vsum_c;
-      const float inv = 1.0f / float(n);
-      for (int d = 0; d < D; ++d) vmean[d] = to_f(vv[d]) * inv;
-      const float bias = std::log(float(n));
-      float spread = 0.f;
-      TiltConst tc;
+    std::vector<float> logits(size_t(G) * ne), inv_n(ne), spread(ne, 0.f);
+    std::vector<float> ta(ne), ttv(ne), tden(ne);
+    std::vector<const T*> cptr(ne);
+    std::vector<float> bias(ne);
+    for (int64_t j = 0; j < ne; ++j) {
+      const int64_t c = order[r + j];
+      const int64_t n = sz[c * a.sizes_c];
+      cptr[j] = a.cent + h * a.cent_h + c * a.cent_c;
+      bias[j] = n > 0 ? std::log(float(n)) : kNegInf;
+    }
+    dots(q.data(), G, D, cptr.data(), ne, scale, bias.data(), logits.data(), ne);
+    for (int64_t j = 0; j < ne; ++j) {
+      const int64_t c = order[r + j];
+      const int64_t n = sz[c * a.sizes_c];
+      inv_n[j] = n > 0 ? 1.0f / float(n) : 0.f;
       if (tilted) {
-        spread = a.spreads[h * a.spreads_h + c * a.spreads_c];
-        tc = tilt_const(a.deviates[h * a.dev_h + c * a.dev_c]);
-      }
-      for (int g = 0; g < G; ++g) {
-        const float* qg = q.data() + size_t(g) * D;
-        float dot = 0.f;
-        for (int d = 0; d < D; ++d) dot += qg[d] * to_f(cc[d]);
-        float logit = dot * scale + bias;
-        if (tilted) logit += log_tilt(double(qvar[g]) * double(spread), tc);
-        sm.raise(g, logit);
-        const float p = std::exp(logit - sm.m[g]);
-        sm.l[g] += p;
-        float* acc = sm.acc.data() + size_t(g) * D;
-        for (int d = 0; d < D; ++d) acc[d] += p * vmean[d];
-        sm.sw[g] += p * spread;
+        spread[j] = a.spreads[h * a.spreads_h + c * a.spreads_c];
+        ta[j] = n > 0 ? a.deviates[h * a.dev_h + c * a.dev_c] : 0.f;
       }
     }
+    if (tilted) {
+#pragma omp simd
+      for (int64_t j = 0; j < ne; ++j) tilt_const(ta[j], ta[j], ttv[j], tden[j]);
+    }
+    if (tilted) {
+      for (int g = 0; g < G; ++g) {
+        float* lg = logits.data() + size_t(g) * ne;
+        const float qv = qvar[g];
+#pragma omp simd
+        for (int64_t j = 0; j < ne; ++j)
+          lg[j] += log_tilt(qv * spread[j], ta[j], ttv[j], tden[j]);
+      }
+    }
+    fold_block(sm, logits.data(), ne, ne, tilted ? spread.data() : nullptr,
+               [&](int64_t j, const float* p, int64_t ld) {
+                 if (inv_n[j] == 0.f) return;
+                 const int64_t c = order[r + j];
+                 const T* vv = a.vsum + h * a.vsum_h + c * a.vsum_c;
+                 for (int g = 0; g < G; ++g) {
+                   const float pg = p[g * ld + j] * inv_n[j];
+                   float* acc = sm.acc.data() + size_t(g) * D;
+#pragma omp simd
+                   for (int d = 0; d < D; ++d) acc[d] += pg * to_f(vv[d]);
+                 }
+               });
     if (tilted) {
       for (int g = 0; g < G; ++g) {
         float* acc = sm.acc.data() + size_t(g) * D;

@@ -97,7 +97,7 @@ def test_completion_and_chat_streamed_equal_unstreamed(client) -> None:
 
 def test_long_prompt_is_indexed_and_metrics_show_it(server: Server, client) -> None:
     """A long prompt gets a wave index and decodes through it; /metrics then shows every
-    retro family (HELP text included) with non-zero values, next to vLLM's own."""
+    retro family (HELP text included), next to vLLM's own."""
     before = server.metrics()
     out = client.completions.create(model=MODEL, prompt=LONG, max_tokens=120,
                                     temperature=0.0, extra_body={"ignore_eos": True})
@@ -116,14 +116,13 @@ def test_long_prompt_is_indexed_and_metrics_show_it(server: Server, client) -> N
     assert grew("vllm_retro:index_build_seconds_count") == 1
     assert grew("vllm_retro:index_build_seconds_sum") > 0
     assert grew("vllm_retro:index_updates_total") >= 2  # 2 layers x >= 1 update block
-    hits = sample(text, "vllm_retro:device_cache_hit_clusters_total")
-    misses = sample(text, "vllm_retro:device_cache_miss_clusters_total")
-    assert hits > 0 and misses > 0
-    assert sample(text, "vllm_retro:device_cache_hit_ratio") == pytest.approx(
-        hits / (hits + misses))
-    assert sample(text, "vllm_retro:host_to_device_bytes_total") > 0
-    assert sample(text, "vllm_retro:device_cache_admitted_pages_total") > 0
-    assert sample(text, "vllm_retro:device_tier_bytes") > 0  # execution buffers stay
+    # On the CPU the fused decode kernel reads every cluster in place from the host tier
+    # (the memory attention runs from): the device block cache is not used, so its families
+    # are exported and stay at zero. Non-zero here would mean the per-row path served.
+    for fam in ("device_cache_hit_clusters_total", "device_cache_miss_clusters_total",
+                "host_to_device_bytes_total", "device_cache_admitted_pages_total",
+                "device_cache_hit_ratio", "device_tier_bytes"):
+        assert sample(text, f"vllm_retro:{fam}") == 0, fam
     # Finished requests hold nothing.
     assert sample(text, "vllm_retro:live_requests") == 0
     assert sample(text, "vllm_retro:host_tier_bytes") == 0
