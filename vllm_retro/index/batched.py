@@ -27,7 +27,8 @@ from vllm_retro.kernels import cpu_decode, resolve_backend
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when ``index`` can decode ``query`` through the fused CPU kernel: a plain
     :class:`WaveIndex` (not a baseline subclass) on the CPU with the 'auto' kernel backend,
-    a store that exposes its rows (:class:`RowAddressedStore`), the query in the index's dtype, and the kernel built."""
+    a store that exposes its rows (:class:`RowAddressedStore`), the query in the index's
+    dtype, and the kernel built."""
     return (type(index) is WaveIndex and query.device.type == "cpu"
             and index.backend == "auto" and resolve_backend("auto", query.device) == "torch"
             and query.dtype == index.centroids.dtype
