@@ -42,8 +42,11 @@ sys.path.insert(0, str(ROOT))
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
+from vllm_retro.index.batched import decode_batch, decode_row, fused_supported  # noqa: E402
+from vllm_retro.kernels import cpu_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+SCALE = D ** -0.5
 
 
 def synthetic_kv(batch: int, n: int, dtype: torch.dtype, seed: int
@@ -83,7 +86,7 @@ class QueryWalk:
 def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torch.device):
     """(callable query [B, HQ, D] -> out, name, bytes read per call) for the device's
     strongest dense decode kernel."""
-    scale = D ** -0.5
+    scale = SCALE
     if device.type == "cuda":
         k, v = keys.to(device), values.to(device)
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -201,7 +204,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     build_s = (time.perf_counter() - build_s) / batch
     del keys, values
     walk = QueryWalk(batch, centers, seed=n)
-    full_t, retro_t, rbytes = [], [], []
+    full_t, retro_t, row_t, rbytes = [], [], [], []
     for step in range(args.warmup + args.steps):
         q = walk.step()
         sync(device)
@@ -209,33 +212,51 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         full(q)
         sync(device)
         b = time.perf_counter()
-        step_bytes = 0
-        for i, idx in enumerate(indexes):
-            res = idx.decode(q[i].to(device, dtype))
-            step_bytes += retro_bytes(idx, res.n_exact, 2)
+        decode_batch(indexes, qb := q.to(device, dtype), SCALE)  # the serving path
         sync(device)
         c = time.perf_counter()
+        step_bytes = 0
+        for i, idx in enumerate(indexes):  # the per-row reference path, for comparison
+            res = idx.decode(qb[i], SCALE)
+            step_bytes += retro_bytes(idx, res.n_exact, 2)
+        sync(device)
+        e = time.perf_counter()
         if step >= args.warmup:
             full_t.append(b - a)
             retro_t.append(c - b)
+            row_t.append(e - c)
             rbytes.append(step_bytes)
     phases: dict[str, float] = {}
+    fused = {"row views (python)": 0.0, "fused kernel": 0.0}
+    fused_ok = all(fused_supported(i, q) for i in indexes)
     for _ in range(args.phase_steps):  # the per-phase split, on separate steps
-        q = walk.step()
+        q = walk.step().to(device, dtype)
         for i, idx in enumerate(indexes):
-            idx.decode(q[i].to(device, dtype), phases=phases)
+            idx.decode(q[i], SCALE, phases=phases)
+        if fused_ok:
+            t = time.perf_counter()
+            rows = [decode_row(i) for i in indexes]
+            u = time.perf_counter()
+            cpu_decode.decode_rows(q, rows, SCALE, cfg.estimator == "tilted")
+            fused["row views (python)"] += u - t
+            fused["fused kernel"] += time.perf_counter() - u
     snap = mgr.stats.snapshot()
     mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
     row = {
         "context": n, "batch": batch, "full_kernel": full_name,
         "full_ms": full_ms, "retro_ms": retro_ms, "speedup": full_ms / retro_ms,
+        "retro_path": "fused batched CPU kernel" if fused_ok else "per-row",
+        "retro_per_row_ms": statistics.median(row_t) * 1e3,
+        "speedup_per_row": full_ms / (statistics.median(row_t) * 1e3),
         "full_bytes_per_step": full_bytes, "retro_bytes_per_step": statistics.mean(rbytes),
         "bytes_ratio": full_bytes / statistics.mean(rbytes),
         "cluster_hit_ratio": snap["hit_ratio"],
         "token_hit_ratio": snap["hit_tokens"] / max(1, snap["hit_tokens"] + snap["miss_tokens"]),
         "index_build_s_per_request": build_s, "case_wall_s": time.perf_counter() - t0,
         "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3 for k, v in phases.items()},
+        "fused_phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
+                                    for k, v in fused.items()} if fused_ok else {},
     }
     bw = args.read_bw
     row["full_lower_bound_ms"] = full_bytes / bw * 1e3
@@ -245,9 +266,14 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     print(f"ctx {n:>6} batch {batch}: full {full_ms:8.2f} ms  retro {retro_ms:8.2f} ms  "
           f"speedup {row['speedup']:5.2f}x  bytes {row['bytes_ratio']:5.1f}x fewer  "
           f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
+    print(f"    per-row path {row['retro_per_row_ms']:8.2f} ms  speedup "
+          f"{row['speedup_per_row']:5.2f}x", flush=True)
     if phases:
-        print("    phases (ms/step, all requests): " + "  ".join(
+        print("    per-row phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["phase_ms_per_step"].items()), flush=True)
+    if row["fused_phase_ms_per_step"]:
+        print("    fused phases (ms/step, all requests): " + "  ".join(
+            f"{k} {v:.2f}" for k, v in row["fused_phase_ms_per_step"].items()), flush=True)
     return row
 
 
