@@ -228,7 +228,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             rbytes.append(step_bytes)
     phases: dict[str, float] = {}
     fused = {"row views (python)": 0.0, "fused kernel": 0.0}
-    fused_ok = all(fused_supported(i, q) for i in indexes)
+    fused_ok = all(fused_supported(i, q.to(device, dtype)) for i in indexes)
     for _ in range(args.phase_steps):  # the per-phase split, on separate steps
         q = walk.step().to(device, dtype)
         for i, idx in enumerate(indexes):

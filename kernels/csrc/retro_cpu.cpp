@@ -19,6 +19,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -206,15 +207,28 @@ void dots(const float* q, int G, int D, const T* const* rows, int64_t n, float s
   int64_t i0 = 0;
 #ifdef RETRO_AVX2
   if (D % 8 == 0) {
+    // the 8 rows converted to fp32 once (L1-resident), then reused by every query head;
+    // the next 8 rows prefetched (rows are scattered when they are selected clusters)
+    thread_local std::vector<float> tile;
+    tile.resize(size_t(8) * D);
     for (; i0 + 8 <= n; i0 += 8) {
       const T* const* r = rows + i0;
+      if (i0 + 16 <= n)
+        for (int i = 0; i < 8; ++i)
+          for (int d = 0; d < D * int(sizeof(T)); d += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(r[8 + i]) + d);
+      for (int i = 0; i < 8; ++i)
+        for (int d = 0; d < D; d += 8)
+          _mm256_storeu_ps(tile.data() + size_t(i) * D + d, load8(r[i] + d));
       for (int g = 0; g < G; ++g) {
         const float* qg = q + size_t(g) * D;
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(r[i] + d), acc[i]);
+          for (int i = 0; i < 8; ++i)
+            acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tile.data() + size_t(i) * D + d),
+                                     acc[i]);
         }
         __m256 v = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
         if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i0));
@@ -227,6 +241,33 @@ void dots(const float* q, int G, int D, const T* const* rows, int64_t n, float s
     for (int g = 0; g < G; ++g)
       out[g * ld + i] = dot_row(q + size_t(g) * D, rows[i], D) * scale +
                         (bias != nullptr ? bias[i] : 0.f);
+}
+
+// acc[g] += (p[g * ld] * mult) * row for the G query heads (acc [G, D] fp32): the row is
+// loaded and converted once for all heads.
+template <typename T>
+RETRO_INLINE void add_weighted(float* acc, int G, int D, const float* p, int64_t ld, float mult,
+                               const T* row) {
+#ifdef RETRO_AVX2
+  if (D % 8 == 0 && G <= 16) {
+    __m256 w[16];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * ld] * mult);
+    for (int d = 0; d < D; d += 8) {
+      const __m256 v = load8(row + d);
+      for (int g = 0; g < G; ++g) {
+        float* ag = acc + size_t(g) * D + d;
+        _mm256_storeu_ps(ag, _mm256_fmadd_ps(w[g], v, _mm256_loadu_ps(ag)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < G; ++g) {
+    const float pg = p[g * ld] * mult;
+    float* ag = acc + size_t(g) * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) ag[d] += pg * to_f(row[d]);
+  }
 }
 
 // A block of n pseudo- or real tokens already scored: logits [G, ld] (row g at g * ld).
@@ -277,14 +318,20 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   const int32_t* sz = a.sizes + h * a.sizes_h;
   std::vector<int64_t> order;
   if (C > 0 && k > 0) {
-    std::vector<float> logits(size_t(G) * C);
-    std::vector<const T*> cptr(C);
+    // per-thread scratch, reused across calls (a fresh 100+ KB vector per call is an
+    // mmap + page faults)
+    thread_local std::vector<float> logits;
+    thread_local std::vector<const void*> cptr_raw;
+    logits.resize(size_t(G) * C);
+    cptr_raw.resize(C);
+    const T** cptr = reinterpret_cast<const T**>(cptr_raw.data());
     for (int64_t c = 0; c < C; ++c) cptr[c] = a.cent + h * a.cent_h + c * a.cent_c;
-    dots(q.data(), G, D, cptr.data(), C, scale, nullptr, logits.data(), C);
+    dots(q.data(), G, D, cptr, C, scale, nullptr, logits.data(), C);
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0)
         for (int g = 0; g < G; ++g) logits[size_t(g) * C + c] = kNegInf;
-    std::vector<float> score(C, 0.f);
+    thread_local std::vector<float> score;
+    score.assign(C, 0.f);
     for (int g = 0; g < G; ++g) {
       float* lg = logits.data() + size_t(g) * C;
       float mx = kNegInf;
@@ -302,51 +349,70 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     }
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0) score[c] = kNegInf;
-    order.resize(C);
-    std::iota(order.begin(), order.end(), 0);
-    auto better = [&](int64_t x, int64_t y) {
+    // the k-th largest score on a copy of the values (no index indirection), then the
+    // clusters above it, then ties at it in id order; only those k get sorted
+    thread_local std::vector<float> vals;
+    vals.assign(score.begin(), score.end());
+    std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
+    const float thr = vals[k - 1];
+    order.clear();
+    order.reserve(k);
+    for (int64_t c = 0; c < C; ++c)
+      if (score[c] > thr) order.push_back(c);
+    for (int64_t c = 0; c < C && int64_t(order.size()) < k; ++c)
+      if (score[c] == thr) order.push_back(c);
+    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
       return score[x] > score[y] || (score[x] == score[y] && x < y);
-    };
-    if (k < C) std::nth_element(order.begin(), order.begin() + k, order.end(), better);
-    order.resize(k);
-    std::sort(order.begin(), order.end(), better);
+    });
   }
   if (sel != nullptr) {
     for (int64_t i = 0; i < S; ++i) sel[i] = i < int64_t(order.size()) ? order[i] : -1;
   }
+  // each zone read in ascending cluster order: memory order, so reads stream (the sums are
+  // order-independent up to fp32 rounding)
+  std::sort(order.begin(), order.begin() + r);
+  std::sort(order.begin() + r, order.end());
 
-  // ---- 3: attention
+  // ---- 3: attention. The exact tokens (sinks, window, retrieval clusters) as one list of
+  // row pointers, scored and folded in tiles of kTile rows across zone and cluster
+  // boundaries (so the next rows are prefetched while the current ones are used).
   Softmax sm(G, D);
-  std::vector<float> tile(size_t(G) * kTile);
-  auto segment = [&](auto&& key_row, auto&& val_row, int64_t n) {
-    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-      const int nt = int(std::min<int64_t>(kTile, n - t0));
-      const T* kptr[kTile];
-      for (int t = 0; t < nt; ++t) kptr[t] = key_row(t0 + t);
-      dots(q.data(), G, D, kptr, nt, scale, nullptr, tile.data(), kTile);
-      fold_block(sm, tile.data(), kTile, nt, nullptr, [&](int64_t t, const float* p, int64_t ld) {
-        const T* vr = val_row(t0 + t);
-        for (int g = 0; g < G; ++g) {
-          const float pg = p[g * ld + t];
-          float* acc = sm.acc.data() + size_t(g) * D;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[d] += pg * to_f(vr[d]);
-        }
-      });
-    }
+  thread_local std::vector<const void*> kp_raw, vp_raw;
+  kp_raw.clear();
+  vp_raw.clear();
+  auto push = [&](const T* k_row, const T* v_row) {
+    kp_raw.push_back(k_row);
+    vp_raw.push_back(v_row);
   };
-  segment([&](int64_t i) { return a.sink_k.row(h, i); },
-          [&](int64_t i) { return a.sink_v.row(h, i); }, a.n_sink);
-  segment([&](int64_t i) { return a.win_k.row(h, i); },
-          [&](int64_t i) { return a.win_v.row(h, i); }, a.n_win);
+  for (int64_t i = 0; i < a.n_sink; ++i) push(a.sink_k.row(h, i), a.sink_v.row(h, i));
+  for (int64_t i = 0; i < a.n_win; ++i) push(a.win_k.row(h, i), a.win_v.row(h, i));
   for (int64_t j = 0; j < r; ++j) {
     const int64_t c = order[j];
     const int64_t n = sz[c * a.sizes_c];
-    if (n <= 0) continue;
     const int64_t first =
-        h * a.head_rows + a.cstart[h * a.cstart_h + c * a.cstart_c] * a.start_mult;
-    segment([&](int64_t i) { return a.kv_k + (first + i) * a.kv_row; },
-            [&](int64_t i) { return a.kv_v + (first + i) * a.kv_row; }, n);
+        n > 0 ? h * a.head_rows + a.cstart[h * a.cstart_h + c * a.cstart_c] * a.start_mult : 0;
+    for (int64_t i = 0; i < n; ++i)
+      push(a.kv_k + (first + i) * a.kv_row, a.kv_v + (first + i) * a.kv_row);
+  }
+  const T* const* kp = reinterpret_cast<const T* const*>(kp_raw.data());
+  const T* const* vp = reinterpret_cast<const T* const*>(vp_raw.data());
+  const int64_t n_exact = int64_t(kp_raw.size());
+  float tile[16 * kTile];
+  std::vector<float> tile_big;
+  float* tl = tile;
+  if (G > 16) {
+    tile_big.resize(size_t(G) * kTile);
+    tl = tile_big.data();
+  }
+  for (int64_t t0 = 0; t0 < n_exact; t0 += kTile) {
+    const int nt = int(std::min<int64_t>(kTile, n_exact - t0));
+    for (int t = 0; t < nt; ++t)
+      for (int d = 0; d < D * int(sizeof(T)); d += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(vp[t0 + t]) + d);
+    dots(q.data(), G, D, kp + t0, nt, scale, nullptr, tl, kTile);
+    fold_block(sm, tl, kTile, nt, nullptr, [&](int64_t t, const float* p, int64_t ld) {
+      add_weighted(sm.acc.data(), G, D, p + t, ld, 1.0f, vp[t0 + t]);
+    });
   }
 
   // estimation zone: one block of pseudo-tokens (centroid key, log(size) bias, mean value;
@@ -412,15 +478,15 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     }
     fold_block(sm, logits.data(), ne, ne, tilted ? spread.data() : nullptr,
                [&](int64_t j, const float* p, int64_t ld) {
+                 if (j + 8 < ne) {
+                   const char* nxt = reinterpret_cast<const char*>(
+                       a.vsum + h * a.vsum_h + order[r + j + 8] * a.vsum_c);
+                   for (int d = 0; d < D * int(sizeof(T)); d += 64) __builtin_prefetch(nxt + d);
+                 }
                  if (inv_n[j] == 0.f) return;
                  const int64_t c = order[r + j];
-                 const T* vv = a.vsum + h * a.vsum_h + c * a.vsum_c;
-                 for (int g = 0; g < G; ++g) {
-                   const float pg = p[g * ld + j] * inv_n[j];
-                   float* acc = sm.acc.data() + size_t(g) * D;
-#pragma omp simd
-                   for (int d = 0; d < D; ++d) acc[d] += pg * to_f(vv[d]);
-                 }
+                 add_weighted(sm.acc.data(), G, D, p + j, ld, inv_n[j],
+                              a.vsum + h * a.vsum_h + c * a.vsum_c);
                });
     if (tilted) {
       for (int g = 0; g < G; ++g) {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.engines import engine
+from tests.vllm.engines import engine, finish_step
 from vllm_retro.capture import real_prose
 from vllm_retro.vllm.runtime import get_runtime
 
@@ -94,3 +94,78 @@ def test_gemma3_hybrid_sliding_window_mqa_head_dim_256(gemma_model_dir):
     print(f"gemma continuation of a 3000-token document: first {same}/32 tokens identical")
     assert same >= 4
     assert len(set(texts[1].split())) > 10  # prose, not a repetition loop
+
+
+ROOMS = ("north", "south", "east", "west", "upper", "lower", "inner", "outer", "garden")
+
+
+def _rooms_prompts(tok):
+    """One shared ~2K-token document of real prose with a 4-digit code per room hidden in
+    it, and one question per room (chat template): prompts that share a long prefix."""
+    ids = tok(real_prose(2000 * 6), add_special_tokens=False)["input_ids"]
+    paras = tok.decode(ids[:2000]).split("\n\n")
+    step = max(1, len(paras) // (len(ROOMS) + 1))
+    for i, room in enumerate(ROOMS):
+        paras.insert((i + 1) * step + i, f"The code for the {room} room is {4100 + 37 * i}.")
+    doc = "\n\n".join(paras)
+    return [tok.apply_chat_template(
+        [{"role": "user", "content": f"Read this document.\n\n{doc}\n\nWhat is the code for "
+                                     f"the {room} room? Answer with the code only."}],
+        tokenize=False, add_generation_prompt=True) for room in ROOMS]
+
+
+def test_aborted_neighbours_never_change_a_survivors_answer(qwen_model_dir):
+    """Prefix caching on (vLLM's default), requests sharing a 2K-token document: requests
+    aborted while others prefill, at the step that indexes them, mid-decode and right after
+    an update block leave every survivor's greedy answer exactly as it is alone, over two
+    abort timings (update blocks every 64 tokens so they occur within the test)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(qwen_model_dir))
+    prompts = _rooms_prompts(tok)
+    survivors, victims = prompts[:6], prompts[6:]
+    answer = SamplingParams(max_tokens=16, temperature=0.0)
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    retro = {"update_segment": 64, "update_clusters": 4, "local_window": 16}
+    with engine(qwen_model_dir, retro=retro, dtype="bfloat16", max_model_len=4096,
+                enable_prefix_caching=True) as llm:
+        alone = [llm.generate([p], answer)[0].outputs[0].text for p in survivors]
+        assert sum(f"{4100 + 37 * i}" in a for i, a in enumerate(alone)) >= 4, alone
+        eng = llm.llm_engine
+        rt = get_runtime()
+        outs: dict[str, str] = {}
+        produced: dict[str, int] = {}
+
+        def step() -> None:
+            for o in eng.step():
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].text
+
+        for timing in ("staggered", "together"):
+            for j, p in enumerate(victims):
+                eng.add_request(f"{timing}-v{j}", p, long)
+            if timing == "staggered":  # victims indexed and decoding before survivors come
+                while min(produced.get(f"{timing}-v{j}", 0) for j in range(3)) < 2:
+                    step()
+            for i, p in enumerate(survivors):
+                eng.add_request(f"{timing}-s{i}", p, answer)
+            step()
+            eng.abort_request([f"{timing}-v0"])  # during prefill (survivors' or its own)
+            while not any(produced.get(f"{timing}-s{i}", 0) for i in range(6)):
+                step()
+            eng.abort_request([f"{timing}-v1"])  # at the step that indexed survivors
+            updates = rt.counters.index_updates
+            while (produced.get(f"{timing}-v2", 0) < 300
+                   and rt.counters.index_updates == updates):
+                step()
+            eng.abort_request([f"{timing}-v2"])  # right after an update block
+            assert rt.counters.index_updates > updates
+            while eng.has_unfinished_requests():
+                step()
+            got = [outs[f"{timing}-s{i}"] for i in range(6)]
+            assert got == alone, (timing, got, alone)
+        finish_step(llm)
+        assert rt.live_requests() == []
+        assert rt.live_bytes() == (0, 0)
