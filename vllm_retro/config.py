@@ -84,6 +84,10 @@ class RetroConfig:
     """New tokens beyond the local window are clustered in blocks of this many tokens."""
     update_clusters: int = 64
     """Clusters made from each update block."""
+    update_rounds_per_step: int = 1
+    """k-means rounds of a due update block run per decode step (per layer), so clustering
+    it never stalls one step; its tokens stay in the window, attended exactly, until its
+    clusters land. 0 clusters the block within the step that completes it."""
 
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
@@ -125,6 +129,7 @@ class RetroConfig:
         _check_choice("estimator", self.estimator, ESTIMATORS)
         _check_int("update_segment", self.update_segment, 16, 1 << 20)
         _check_int("update_clusters", self.update_clusters, 1, self.update_segment)
+        _check_int("update_rounds_per_step", self.update_rounds_per_step, 0, 1000)
         _check_int("page_size", self.page_size, 1, 1024)
         _check_float("cache_fraction", self.cache_fraction, 0.0, 1.0)
         if self.cache_pages is not None:

@@ -217,23 +217,39 @@ def test_threshold_is_the_first_indexed_length(rng):
     assert not sparse_attention(q, k, v)[1]["dense"]
 
 
-def test_updates_append_without_reclustering(rng):
-    cfg = RetroConfig()
+@pytest.mark.parametrize("rounds", [0, 1, 3])
+def test_updates_append_without_reclustering(rounds, rng):
+    """Update blocks are appended to the index, never re-clustering earlier blocks; with
+    ``update_rounds_per_step`` > 0 a due block is clustered over the next steps (its tokens
+    stay in the window meanwhile) and lands with the very clusters the one-go path makes."""
+    cfg = RetroConfig(update_rounds_per_step=rounds)
     hq, hkv, d, n0 = 4, 2, 64, 2000
     q, k, v = _qkv(hq, hkv, n0 + 2300, d, rng)
     index = WaveIndex.build(k[:, :n0], v[:, :n0], cfg)
     c0 = index.num_clusters
     cen0 = index.centroids.clone()
     updates = []
+    lag = 0
     for t in range(n0, n0 + 2300):
         if index.append(k[:, t:t + 1], v[:, t:t + 1]):
             updates.append(t + 1)
         w = index.num_tokens - index.window_start
-        assert cfg.local_window <= w < cfg.local_window + cfg.update_segment
+        if index._pending is not None:
+            lag += 1
+        assert cfg.local_window <= w < cfg.local_window + 2 * cfg.update_segment
+        assert w < cfg.local_window + cfg.update_segment or index._pending is not None
         assert index.num_tokens == t + 1
-    # the window starts at n0 - 64 tokens; an update fires each time it reaches 64 + 1024
+    # the window starts at n0 - 64 tokens; an update is due each time it reaches 64 + 1024
     first = (n0 - 64) + 64 + 1024
-    assert updates == [first, first + 1024]
+    if rounds == 0:
+        assert updates == [first, first + 1024] and lag == 0
+    else:  # due at the same steps, landing a few steps later (one round per step or more)
+        assert [u - first for u in updates][0] in range(1, cfg.kmeans_iters + 2)
+        assert updates[1] - (first + 1024) in range(1, cfg.kmeans_iters + 2) and lag > 0
+    sync = WaveIndex.build(k[:, :n0], v[:, :n0], RetroConfig(update_rounds_per_step=0))
+    for t in range(n0, n0 + 2300):
+        sync.append(k[:, t:t + 1], v[:, t:t + 1])
+    assert torch.equal(index.centroids, sync.centroids)  # the same clusters either way
     assert index.num_clusters == c0 + 2 * cfg.update_clusters
     assert torch.equal(index.centroids[:, :c0], cen0)  # earlier clusters untouched
     assert index.num_updates == 2

@@ -14,7 +14,9 @@ estimator (:mod:`vllm_retro.index.estimator`).
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -115,6 +117,32 @@ def kmeans_with_stop(
     again, so the result is exactly that of all ``iters`` rounds, for less work. A negative
     ``tol`` never stops early.
     """
+    return run_steps(kmeans_rounds(x, n_valid, k_valid, iters, backend, tol))
+
+
+T = TypeVar("T")
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a stepwise computation (a generator that yields between steps) to its end and
+    return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def kmeans_rounds(
+    x: torch.Tensor,
+    n_valid: torch.Tensor,
+    k_valid: torch.Tensor,
+    iters: int,
+    backend: str = "auto",
+    tol: float = 0.0,
+) -> Generator[None, None, tuple[torch.Tensor, int]]:
+    """:func:`kmeans_with_stop` as a generator that yields after every round, so a caller can
+    spread the rounds over several decode steps; returns what it returns."""
     s, n, d = x.shape
     dev = x.device
     n_valid = n_valid.to(dev, torch.int64)
@@ -138,6 +166,7 @@ def kmeans_with_stop(
         new = torch.nn.functional.normalize(sums, dim=2, eps=1e-12)
         cen = torch.where((counts > 0)[..., None], new, cen)
         prev = assign
+        yield
     return kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend), iters
 
 
@@ -159,6 +188,22 @@ def cluster_block(
     At most ``iters`` k-means rounds, fewer once a round moves at most ``tol`` of the keys
     (:func:`kmeans_with_stop`). Returns the block's :class:`Clusters`.
     """
+    return run_steps(cluster_block_steps(keys, values, segment_size, clusters_for,
+                                         tokens_per_cluster, iters, backend, tol))
+
+
+def cluster_block_steps(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    segment_size: int,
+    clusters_for: list[int] | None,
+    tokens_per_cluster: int,
+    iters: int,
+    backend: str = "auto",
+    tol: float = 0.0,
+) -> Generator[None, None, Clusters]:
+    """:func:`cluster_block` as a generator yielding after every k-means round (the same
+    arithmetic, so the same clusters); returns the :class:`Clusters`."""
     h, m, d = keys.shape
     dev = keys.device
     seg = min(segment_size, m)
@@ -172,7 +217,7 @@ def cluster_block(
     kp = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     n_valid = torch.tensor(seg_lens * h, device=dev)
     k_valid = torch.tensor(ks * h, device=dev)
-    assign, rounds = kmeans_with_stop(kp, n_valid, k_valid, iters, backend, tol)  # [S, seg]
+    assign, rounds = yield from kmeans_rounds(kp, n_valid, k_valid, iters, backend, tol)
     kmax = max(ks)
     vp = torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     sums, counts = kernels.scatter_sum(torch.cat([kp, vp], dim=2), assign, kmax, backend=backend)

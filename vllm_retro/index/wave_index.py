@@ -17,6 +17,7 @@ the steady zone and decode attention is exact (dense) until it grows long enough
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.clustering import Clusters, cluster_block
+from vllm_retro.index.clustering import Clusters, cluster_block, cluster_block_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 from vllm_retro.index.store import ClusterStore, DenseClusterStore
 
@@ -103,6 +104,9 @@ class WaveIndex:
         self.window_start = 0
         self.num_tokens = 0
         self.num_updates = 0
+        self._pending: Generator[None, None, Clusters] | None = None
+        """The update block being clustered a few rounds per step (its tokens are the
+        window's first ``update_segment``), or None."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -132,7 +136,8 @@ class WaveIndex:
         """Copy ``keys``/``values`` [H, n, D] into a fresh window buffer with room for the
         window to grow to its update threshold."""
         h, n, d = keys.shape
-        cap = max(n, self.config.local_window + self.config.update_segment)
+        # room for a due block to stay while it is clustered, plus the tokens after it
+        cap = max(n, self.config.local_window + 2 * self.config.update_segment)
         self._win_buf_k = keys.new_empty(h, cap, d)
         self._win_buf_v = values.new_empty(h, cap, d)
         self._win_buf_k[:, :n] = keys
@@ -174,7 +179,10 @@ class WaveIndex:
     def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Add decoded tokens. key, value: [H_kv, n, D] (n >= 1) post-RoPE.
 
-        Returns True when an update block was clustered and appended to the index.
+        Once ``update_segment`` tokens lie beyond the local window, the oldest of them form
+        an update block: clustered ``config.update_rounds_per_step`` k-means rounds per call
+        (all at once when 0) while they stay in the window, attended exactly, and appended
+        to the index when done. Returns True when a block was appended by this call.
         """
         cfg = self.config
         n = key.shape[1]
@@ -186,22 +194,61 @@ class WaveIndex:
             self._win_buf_v[:, self._win_len:self._win_len + n] = value
             self._win_len += n
         self.num_tokens += n
-        updated = False
-        while self._win_len >= cfg.local_window + cfg.update_segment:
-            seg = cfg.update_segment
-            # the block is copied out: clustering and the store keep it while the window
-            # buffer's rows are reused
-            bk, bv = self.win_k[:, :seg].clone(), self.win_v[:, :seg].clone()
-            self.store.stage(bk, bv)
-            self._add_block(bk, bv, self.window_start, self._cluster(bk, bv, update=True))
-            rest = self._win_len - seg
-            self._win_buf_k[:, :rest] = self._win_buf_k[:, seg:self._win_len].clone()
-            self._win_buf_v[:, :rest] = self._win_buf_v[:, seg:self._win_len].clone()
-            self._win_len = rest
-            self.window_start += seg
-            self.num_updates += 1
-            updated = True
-        return updated
+        seg = cfg.update_segment
+        landed = self._advance_update(cfg.update_rounds_per_step)
+        while self._win_len >= cfg.local_window + seg:
+            # decoding (fewer new tokens than a block) with room for the block to wait:
+            # deferred; else (a block or more at once, rounds per step 0) clustered now
+            room = (cfg.update_rounds_per_step > 0 and n < seg
+                    and self._win_len < cfg.local_window + 2 * seg)
+            if self._pending is None:
+                self._pending = self._update_steps(self.win_k[:, :seg], self.win_v[:, :seg])
+                if room:
+                    landed |= self._advance_update(cfg.update_rounds_per_step)
+                    break
+            elif room:
+                break
+            landed |= self._advance_update(None)
+        return landed
+
+    def _update_steps(self, keys: torch.Tensor, values: torch.Tensor
+                      ) -> Generator[None, None, Clusters]:
+        """Cluster one update block a round at a time (see :meth:`append`); subclasses that
+        cluster differently (baselines' ``_cluster``) do it in one go."""
+        if type(self)._cluster is not WaveIndex._cluster:
+            return self._cluster(keys, values, update=True)
+        cfg = self.config
+        return (yield from cluster_block_steps(
+            keys, values, keys.shape[1], [cfg.update_clusters], cfg.cluster_size,
+            cfg.kmeans_iters, self.backend, cfg.kmeans_tol))
+
+    def _advance_update(self, rounds: int | None) -> bool:
+        """Run up to ``rounds`` rounds (None: all) of the pending update block; when it is
+        done, append it to the index and drop its tokens from the window. Returns True when
+        it landed."""
+        if self._pending is None:
+            return False
+        done = None
+        try:
+            for _ in range(rounds if rounds is not None else 1 << 30):
+                next(self._pending)
+        except StopIteration as stop:
+            done = stop.value
+        if done is None:
+            return False
+        self._pending = None
+        seg = self.config.update_segment
+        # the block is copied out: the store keeps it while the window buffer's rows are reused
+        bk, bv = self.win_k[:, :seg].clone(), self.win_v[:, :seg].clone()
+        self.store.stage(bk, bv)
+        self._add_block(bk, bv, self.window_start, done)
+        rest = self._win_len - seg
+        self._win_buf_k[:, :rest] = self._win_buf_k[:, seg:self._win_len].clone()
+        self._win_buf_v[:, :rest] = self._win_buf_v[:, seg:self._win_len].clone()
+        self._win_len = rest
+        self.window_start += seg
+        self.num_updates += 1
+        return True
 
     # ------------------------------------------------------------------ properties
     @property
@@ -233,6 +280,7 @@ class WaveIndex:
     def free(self) -> None:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
+        self._pending = None
         empty = self.centroids[:, :0]
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
         self._win_buf_k = self._win_buf_v = empty
