@@ -251,13 +251,19 @@ class WaveBufferStore:
         self.cache.free_blocks[h].extend(blocks.tolist())
         return int(blocks.size)
 
-    def cluster_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def cluster_rows(self, wait: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """See :meth:`~vllm_retro.index.store.RowAddressedStore.cluster_rows`: the host tier's
         pages (cluster c of head h starts at page ``page_start[h, c]``). Waits for this
-        store's pending update first, so the table and the pages are complete."""
+        store's pending work first, so the table and the pages are complete, unless
+        ``wait`` is False: then the rows of the clusters laid out before that work are
+        valid (the worker builds grown pools and tables as new objects and swaps them in
+        whole, never changing rows already laid out), which is all an index reads while
+        its newest block settles (``WaveIndex.store_settling``)."""
         if self._freed:
             raise RuntimeError("this wave buffer store was freed")
-        self._sync()
+        if wait:
+            self._sync()
         d = self.head_dim
         return (self.host.k.view(-1, d), self.host.v.view(-1, d),
                 torch.from_numpy(self.table.page_start), 0, self.page_size)

@@ -40,7 +40,8 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
     """The fused kernel's view of one index (tensors referenced, not copied)."""
     cfg = index.config
     c = index.num_clusters
-    keys, values, starts, head_rows, mult = index.store.cluster_rows()
+    keys, values, starts, head_rows, mult = index.store.cluster_rows(
+        wait=not index.store_settling)
     res = index.residuals
     tilted = cfg.estimator == "tilted"
     return cpu_decode.DecodeRow(

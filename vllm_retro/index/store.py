@@ -69,10 +69,12 @@ class RowAddressedStore(Protocol):
     """A store whose clusters are contiguous rows of one key pool and one value pool, which
     fused kernels read in place."""
 
-    def cluster_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def cluster_rows(self, wait: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """(keys [rows, D], values [rows, D], starts [H, >=C] int64, head_rows, start_mult):
         cluster c of KV head h occupies rows ``head_rows * h + starts[h, c] * start_mult``
-        onward, one per token. Valid until the store next changes."""
+        onward, one per token. Valid until the store next changes. ``wait`` False: do not
+        wait for background work on the newest block (its rows may be missing)."""
         ...
 
 
@@ -113,9 +115,10 @@ class DenseClusterStore:
     def step_done(self) -> None:
         """Nothing to finish."""
 
-    def cluster_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def cluster_rows(self, wait: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """See :meth:`RowAddressedStore.cluster_rows` (head h's tokens start at row
-        ``h * N``, N the tokens per head)."""
+        ``h * N``, N the tokens per head; no background work, ``wait`` is moot)."""
         d = self.keys.shape[2]
         return (self.keys.reshape(-1, d), self.values.reshape(-1, d), self.offsets,
                 int(self.keys.shape[1]), 1)

@@ -107,6 +107,9 @@ class WaveIndex:
         self._pending: Generator[None, None, Clusters] | None = None
         """The update block being clustered a few rounds per step (its tokens are the
         window's first ``update_segment``), or None."""
+        self._landing: Clusters | None = None
+        """An update block clustered and handed to the store, whose clusters join the meta
+        index (and whose tokens leave the window) once the store has taken it in."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -168,6 +171,10 @@ class WaveIndex:
                    clusters: Clusters) -> None:
         positions = torch.arange(start, start + keys.shape[1], device=keys.device)
         self.store.append(keys, values, positions, clusters)
+        self._add_meta(clusters)
+
+    def _add_meta(self, clusters: Clusters) -> None:
+        """Append a block's clusters to the meta index (its KV is already in the store)."""
         self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
         self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
         self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
@@ -201,7 +208,7 @@ class WaveIndex:
             # deferred; else (a block or more at once, rounds per step 0) clustered now
             room = (cfg.update_rounds_per_step > 0 and n < seg
                     and self._win_len < cfg.local_window + 2 * seg)
-            if self._pending is None:
+            if self._pending is None and self._landing is None:
                 self._pending = self._update_steps(self.win_k[:, :seg], self.win_v[:, :seg])
                 if room:
                     landed |= self._advance_update(cfg.update_rounds_per_step)
@@ -222,10 +229,23 @@ class WaveIndex:
             keys, values, keys.shape[1], [cfg.update_clusters], cfg.cluster_size,
             cfg.kmeans_iters, self.backend, cfg.kmeans_tol))
 
+    @property
+    def store_settling(self) -> bool:
+        """True while an update block handed to the store has not joined the meta index:
+        decoding must then not wait for the store (see :meth:`_advance_update`)."""
+        return self._landing is not None
+
     def _advance_update(self, rounds: int | None) -> bool:
-        """Run up to ``rounds`` rounds (None: all) of the pending update block; when it is
-        done, append it to the index and drop its tokens from the window. Returns True when
-        it landed."""
+        """Advance the update block in flight; True when one landed.
+
+        A block handed to the store at the previous call lands now: its clusters join the
+        meta index and its tokens leave the window. Else up to ``rounds`` k-means rounds
+        (None: all) run; when its clusters are ready the block goes to the store (whose
+        layout work, on the wave buffer's worker, overlaps the rest of the step) and lands
+        at the next call, or at once when ``rounds`` is None. Landing one call later on
+        every store keeps outputs independent of how fast the worker is."""
+        if self._landing is not None:
+            return self._land()
         if self._pending is None:
             return False
         done = None
@@ -238,10 +258,26 @@ class WaveIndex:
             return False
         self._pending = None
         seg = self.config.update_segment
-        # the block is copied out: the store keeps it while the window buffer's rows are reused
+        # copied out: the store keeps the block while the window buffer's rows move
         bk, bv = self.win_k[:, :seg].clone(), self.win_v[:, :seg].clone()
         self.store.stage(bk, bv)
-        self._add_block(bk, bv, self.window_start, done)
+        if type(self)._add_block is not WaveIndex._add_block:  # baselines: in one go
+            self._add_block(bk, bv, self.window_start, done)
+            return self._drop_block()
+        positions = torch.arange(self.window_start, self.window_start + seg, device=bk.device)
+        self.store.append(bk, bv, positions, done)
+        self._landing = done
+        return self._land() if rounds is None else False
+
+    def _land(self) -> bool:
+        assert self._landing is not None
+        self._add_meta(self._landing)
+        self._landing = None
+        return self._drop_block()
+
+    def _drop_block(self) -> bool:
+        """Remove the landed block's tokens from the front of the window."""
+        seg = self.config.update_segment
         rest = self._win_len - seg
         self._win_buf_k[:, :rest] = self._win_buf_k[:, seg:self._win_len].clone()
         self._win_buf_v[:, :rest] = self._win_buf_v[:, seg:self._win_len].clone()
@@ -280,7 +316,7 @@ class WaveIndex:
     def free(self) -> None:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
-        self._pending = None
+        self._pending = self._landing = None
         empty = self.centroids[:, :0]
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
         self._win_buf_k = self._win_buf_v = empty
