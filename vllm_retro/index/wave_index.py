@@ -25,7 +25,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.clustering import Clusters, cluster_block, cluster_block_steps
+from vllm_retro.index.clustering import Clusters, cluster_block_steps, run_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 from vllm_retro.index.store import ClusterStore, DenseClusterStore
 
@@ -159,13 +159,16 @@ class WaveIndex:
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         """Cluster a block: the prefill's middle (segmented) or one decode update block."""
+        return run_steps(self._cluster_steps(keys, values, update))
+
+    def _cluster_steps(self, keys: torch.Tensor, values: torch.Tensor, update: bool
+                       ) -> Generator[None, None, Clusters]:
+        """:meth:`_cluster` a k-means round at a time (see :func:`cluster_block_steps`)."""
         cfg = self.config
-        if update:
-            return cluster_block(keys, values, keys.shape[1], [cfg.update_clusters],
-                                 cfg.cluster_size, cfg.kmeans_iters, self.backend,
-                                 cfg.kmeans_tol)
-        return cluster_block(keys, values, cfg.segment_size, None, cfg.cluster_size,
-                             cfg.kmeans_iters, self.backend, cfg.kmeans_tol)
+        seg, per_seg = (keys.shape[1], [cfg.update_clusters]) if update else \
+            (cfg.segment_size, None)
+        return cluster_block_steps(keys, values, seg, per_seg, cfg.cluster_size,
+                                   cfg.kmeans_iters, self.backend, cfg.kmeans_tol)
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:
@@ -224,10 +227,7 @@ class WaveIndex:
         cluster differently (baselines' ``_cluster``) do it in one go."""
         if type(self)._cluster is not WaveIndex._cluster:
             return self._cluster(keys, values, update=True)
-        cfg = self.config
-        return (yield from cluster_block_steps(
-            keys, values, keys.shape[1], [cfg.update_clusters], cfg.cluster_size,
-            cfg.kmeans_iters, self.backend, cfg.kmeans_tol))
+        return (yield from self._cluster_steps(keys, values, update=True))
 
     @property
     def store_settling(self) -> bool:
