@@ -100,13 +100,18 @@ class RetroConfig:
     """Replacement policy of the device block cache: 'lru' or 'lfu'."""
     async_updates: bool = True
     """Apply cache updates on a background CPU worker, off the decode critical path."""
+    background_build: bool = True
+    """Build a request's wave indexes on a background thread (a side stream on CUDA) while
+    the request decodes exactly from its paged KV; it switches to the index, and its paged
+    blocks are freed, at the first step after every layer's index is ready. False builds
+    them inside the step that completes the prompt (on the critical path)."""
 
     # --- execution --------------------------------------------------------------------------
     kernel_backend: str = "auto"
     """'triton' (CUDA), 'torch' (reference, any device) or 'auto' (triton on CUDA)."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "async_updates"):
+        for name in ("enabled", "async_updates", "background_build"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
         _check_int("cluster_size", self.cluster_size, 1, 4096)

@@ -54,11 +54,66 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
 
 def test_default_budgets_decode_through_the_index(tiny_model_dir):
     # A random model has no attention structure to exploit, so accuracy is checked on the
-    # real models; here default budgets must decode every indexed token through the index.
-    with engine(tiny_model_dir, retro=TINY_RETRO) as llm:
+    # real models; here default budgets must decode every indexed token through the index
+    # (builds in the step, so each request is indexed from its first decode step on).
+    with engine(tiny_model_dir, retro={**TINY_RETRO, "background_build": False}) as llm:
         out = _generate(llm, [1500, 3000], [80, 80])
         assert [len(o) for o in out] == [80, 80]
-        assert get_runtime().counters.retro_decode_tokens >= 2 * 2 * 79
+        c = get_runtime().counters
+        assert c.retro_decode_tokens == 2 * 2 * 79
+        assert c.sparse_decode_tokens == 2 * 79 and c.dense_decode_tokens == 0
+
+
+def _free_blocks(llm) -> int:
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_model_dir):
+    # The background build is held for 6 decode steps: the request decodes exactly from
+    # its paged KV, keeps its blocks, then switches to its index (catching up the tokens
+    # decoded meanwhile) and frees them. At full budgets the output equals stock's and
+    # that of a run whose index was ready at once, token for token.
+    prompt = random_prompts([1500], seed=5)
+    retro = {**TINY_RETRO, **FULL_BUDGET}
+    runs = []
+    for settings in (None, {**retro, "background_build": False}):
+        with engine(tiny_model_dir, retro=settings) as llm:
+            runs.append(list(llm.generate(prompt, greedy(60))[0].outputs[0].token_ids))
+    stock, at_once = runs
+    with engine(tiny_model_dir, retro=retro) as llm:
+        rt, eng = get_runtime(), llm.llm_engine
+        eng.add_request("r", prompt[0], greedy(60))
+        tokens: list[int] = []
+
+        def step() -> None:
+            for out in eng.step():
+                tokens[:] = out.outputs[0].token_ids
+
+        free0 = _free_blocks(llm)
+        with rt.builder.hold():
+            while not tokens:
+                step()
+            held = _free_blocks(llm)
+            for _ in range(6):
+                step()
+            assert len(rt.builder.pending()) == 1 and rt.live_requests() == []
+            assert rt.counters.dense_decode_tokens == 6
+            assert rt.counters.sparse_decode_tokens == 0
+            assert _free_blocks(llm) <= held  # still decoding from its paged blocks
+        rt.builder.wait()
+        step()  # reports the request ready (still dense)
+        step()  # switches: catches up the 7 densely decoded tokens, decodes sparse
+        assert len(rt.live_requests()) == 1 and rt.builder.pending() == []
+        assert rt.counters.sparse_decode_tokens == 1
+        dense = rt.counters.dense_decode_tokens
+        assert dense == 7
+        step()  # the switch step has run: its blocks are gone
+        assert _free_blocks(llm) > held and _free_blocks(llm) >= free0 - 1
+        while eng.has_unfinished_requests():
+            step()
+        assert rt.counters.sparse_decode_tokens == 59 - dense
+    assert tokens == at_once == stock
 
 
 def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):

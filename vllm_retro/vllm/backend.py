@@ -28,9 +28,9 @@ class RetroAttentionImpl(RouteImplMixin, CPUAttentionBackendImpl):
     """vLLM's CPU attention; indexed rows decode through the wave index."""
 
     def read_kv(self, layer: Any, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                num_tokens: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """See :meth:`RouteImplMixin.read_kv` (layout of the layer's CPU kernel ISA)."""
-        return read_cpu_paged_kv(kv_cache, block_ids, num_tokens, layer.isa)
+        return read_cpu_paged_kv(kv_cache, block_ids, num_tokens, layer.isa, first)
 
 
 class RetroAttentionBackend(RouteBackendMixin, CPUAttentionBackend):

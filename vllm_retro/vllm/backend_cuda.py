@@ -43,9 +43,9 @@ class RetroFlashAttentionImpl(RouteImplMixin, FlashAttentionImpl):
     """vLLM's FlashAttention; indexed rows decode through the wave index."""
 
     def read_kv(self, layer: Any, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                num_tokens: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """See :meth:`RouteImplMixin.read_kv`."""
-        return read_flash_paged_kv(kv_cache, block_ids, num_tokens)
+        return read_flash_paged_kv(kv_cache, block_ids, num_tokens, first)
 
 
 class RetroFlashAttentionBackend(RouteBackendMixin, FlashAttentionBackend):

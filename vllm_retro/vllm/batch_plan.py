@@ -27,6 +27,10 @@ class RetroDecode:
     request_id: str
     first: int
     count: int
+    catch_up: IndexBuild | None = None
+    """At the request's first indexed step: its block-table row and the tokens computed
+    before this step, whose tail (decoded densely while the index was built) joins the
+    index before decoding."""
 
 
 @dataclass
@@ -63,7 +67,9 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
             raise RuntimeError(f"retro: request {rid!r} has {n} tokens in the batch but "
                                f"{row.num_tokens} scheduled")
         if row.indexed:
-            plan.decodes.append(RetroDecode(rid, qsl[r], n))
+            catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
+                else None
+            plan.decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
             continue
         plan.dense_rows.append(r)
         if row.build_index:

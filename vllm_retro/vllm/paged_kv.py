@@ -60,48 +60,53 @@ def plane_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int
     return k_pos, v_pos
 
 
-def _blocks_for(block_ids: torch.Tensor, num_tokens: int, block_size: int,
+def _blocks_for(block_ids: torch.Tensor, first: int, num_tokens: int, block_size: int,
                 device: torch.device) -> torch.Tensor:
-    """The leading entries of a block-table row that hold ``num_tokens`` tokens (long)."""
+    """The entries of a block-table row that hold tokens ``[first, num_tokens)`` (long)."""
     need = -(-num_tokens // block_size)
     if block_ids.numel() < need:
         raise ValueError(f"block row has {block_ids.numel()} blocks; {num_tokens} tokens "
                          f"at block size {block_size} need {need}")
-    return block_ids[:need].to(device=device, dtype=torch.long)
+    if not 0 <= first <= num_tokens:
+        raise ValueError(f"first token {first} outside [0, {num_tokens}]")
+    return block_ids[first // block_size:need].to(device=device, dtype=torch.long)
 
 
 def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
-                      isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the first ``num_tokens`` tokens of one request.
+                      isa: str, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of tokens ``[first, num_tokens)`` of one request.
 
     kv_cache: [num_blocks, H_kv, block_size, 2 * D] as vLLM's CPU backend holds it;
     block_ids: the request's block-table row (at least ``ceil(num_tokens / block_size)``
-    entries); isa: the layer's kernel ISA. Returns two contiguous [H_kv, num_tokens, D].
+    entries); isa: the layer's kernel ISA. Returns two contiguous
+    [H_kv, num_tokens - first, D].
     """
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
-    ids = _blocks_for(block_ids, num_tokens, bs, kv_cache.device)
+    ids = _blocks_for(block_ids, first, num_tokens, bs, kv_cache.device)
     need = ids.numel()
+    lo, hi = first % bs, first % bs + num_tokens - first
     k_pos, v_pos = plane_layout(isa, kv_cache.dtype, bs, d)
     planes = kv_cache.reshape(nb, h, 2 * bs * d).index_select(0, ids)  # [need, H, plane]
     keys = planes.index_select(2, k_pos).view(need, h, bs, d)
     values = planes.index_select(2, v_pos).view(need, h, bs, d)
-    keys = keys.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
-    values = values.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, :num_tokens]
+    keys = keys.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, lo:hi]
+    values = values.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, lo:hi]
     return keys.contiguous(), values.contiguous()
 
 
-def read_flash_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the first ``num_tokens`` tokens of one request, from the cache of
+def read_flash_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
+                        first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of tokens ``[first, num_tokens)`` of one request, from the cache of
     vLLM's FlashAttention backend: [num_blocks, H_kv, block_size, 2 * D], keys in the first
     ``D`` channels and values in the last ``D`` (the backend splits the last dim).
 
-    Returns two contiguous [H_kv, num_tokens, D] tensors on the cache's device.
+    Returns two contiguous [H_kv, num_tokens - first, D] tensors on the cache's device.
     """
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
-    ids = _blocks_for(block_ids, num_tokens, bs, kv_cache.device)
+    ids = _blocks_for(block_ids, first, num_tokens, bs, kv_cache.device)
     need = ids.numel()
+    lo, hi = first % bs, first % bs + num_tokens - first
     blocks = kv_cache.index_select(0, ids).transpose(0, 1).reshape(h, need * bs, d2)
-    return (blocks[:, :num_tokens, :d].contiguous(), blocks[:, :num_tokens, d:].contiguous())
+    return blocks[:, lo:hi, :d].contiguous(), blocks[:, lo:hi, d:].contiguous()

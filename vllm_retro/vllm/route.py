@@ -4,12 +4,14 @@ Per batch row of a retro layer group:
 
 - rows of requests that are not indexed (prefill chunks, short requests) run the wrapped
   backend's dense paged kernel, on a sub-batch when the batch also holds indexed rows;
-- at the step that completes an indexable request's sequence, after the dense pass, the
-  request's KV is read back from the paged cache and indexed (segmented clustering) into
-  the wave buffer, one layer at a time inside that layer's forward;
+- at the step that completes an indexable request's sequence, after the dense pass, each
+  layer's forward reads the request's KV back from the paged cache and hands it to the
+  index builder (:mod:`vllm_retro.vllm.index_builder`), which indexes it (segmented
+  clustering into the wave buffer) off the step while the request keeps decoding densely;
 - rows of indexed requests append their new K/V to the index and decode through the wave
   index and wave buffer (tripartite attention; update blocks every ``update_segment``
-  tokens).
+  tokens). At a request's first indexed step, the tokens it decoded densely while its
+  index was built are read from the paged KV and appended first.
 
 The mixins below go in front of a vLLM backend's builder and impl classes; the concrete
 backend supplies :meth:`RouteImplMixin.read_kv` for its cache layout. With retro off the
@@ -154,9 +156,10 @@ class RouteImplMixin:
                 "{'retro': {'enabled': false}} for this model)")
 
     def read_kv(self, layer: Any, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's first ``num_tokens`` keys and values, [H_kv, num_tokens, D] each,
-        from this backend's paged cache."""
+                num_tokens: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's keys and values of tokens ``[first, num_tokens)``,
+        [H_kv, num_tokens - first, D] each (private copies), from this backend's paged
+        cache."""
         raise NotImplementedError
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
@@ -190,18 +193,26 @@ class RouteImplMixin:
         for b in md.plan.builds:
             t0 = time.perf_counter()
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
-            rt.build_index(b.request_id, name, keys, values)
             rt.note_build_time(b.request_id, time.perf_counter() - t0)
+            rt.submit_build(b.request_id, name, keys, values)
         if md.plan.decodes:
-            self._decode_indexed(rt, name, md.plan.decodes, query, key, value, out)
+            self._decode_indexed(rt, layer, kv_cache, md.plan.decodes, query, key, value, out)
         return output
 
-    def _decode_indexed(self, rt: Any, name: str, decodes: list, query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
+    def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, decodes: list,
+                        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        out: torch.Tensor) -> None:
         """Append each indexed row's new K/V and decode its queries through the wave index:
         all rows of the layer in one :func:`decode_batch` call per token position (one
         call in all without speculative tokens)."""
-        indexes = [rt.index(d.request_id, name) for d in decodes]
+        indexes = [rt.index(d.request_id, layer.layer_name) for d in decodes]
+        for d, index in zip(decodes, indexes, strict=True):
+            c = d.catch_up
+            if c is not None and index.num_tokens < c.num_tokens:
+                keys, values = self.read_kv(layer, kv_cache, c.block_ids, c.num_tokens,
+                                            first=index.num_tokens)
+                if index.append(keys, values):
+                    rt.counters.index_updates += 1
         for k in range(max(d.count for d in decodes)):
             live = [(d.first + k, index) for d, index in zip(decodes, indexes, strict=True)
                     if d.count > k]

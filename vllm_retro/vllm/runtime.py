@@ -1,5 +1,5 @@
 """Per-worker-process retro state: the wave buffer manager, each request's per-layer wave
-indexes, the current step's plan, and counters.
+indexes, the index builder, the current step's plan, and counters.
 
 One instance per process (:func:`get_runtime`). The engine runs one step at a time per
 worker, so the step plan is plain state; the registry itself is lock-protected because
@@ -16,6 +16,7 @@ import torch
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
@@ -25,7 +26,8 @@ _BUFFER_COUNTERS = {"cluster_hits": "cache_hit_clusters", "cluster_misses": "cac
 _RUNTIME_COUNTERS = {"requests_indexed": "indexed_requests", "indexed_tokens": "indexed_tokens",
                      "index_updates": "index_updates",
                      "sparse_decode_tokens": "sparse_decode_tokens",
-                     "dense_decode_tokens": "dense_decode_tokens"}
+                     "dense_decode_tokens": "dense_decode_tokens",
+                     "index_step_seconds": "index_step_seconds"}
 
 
 @dataclass
@@ -45,6 +47,11 @@ class RetroCounters:
     peak_decode_rows: int = 0
     """Most requests decoded (dense or retro) in one step."""
     index_build_seconds: float = 0.0
+    """Seconds spent building indexes (reading KV back and clustering, all layers), on
+    the builder thread or in the step."""
+    index_step_seconds: float = 0.0
+    """Seconds steps spent on index builds: reading KV back, builds run in the step
+    (``background_build`` off), waiting for a cancelled request's running build."""
     indexed_tokens: int = 0
     """Context tokens of the requests indexed (once per request, not per layer)."""
     index_updates: int = 0
@@ -64,6 +71,7 @@ class RetroRuntime:
         self.config: RetroConfig | None = None
         self._engine: object | None = None
         self._manager: WaveBufferManager | None = None
+        self._builder: IndexBuilder | None = None
         self._indexes: dict[str, dict[str, WaveIndex]] = {}
         self._lock = threading.Lock()
         self.step: RetroStepMetadata | None = None
@@ -100,6 +108,15 @@ class RetroRuntime:
             self._manager = WaveBufferManager(self.config)
         return self._manager
 
+    @property
+    def builder(self) -> IndexBuilder:
+        """The process's index builder (created on first use)."""
+        if self._builder is None:
+            if self.config is None:
+                raise RuntimeError("retro runtime used while retro is off for this engine")
+            self._builder = IndexBuilder(self._build, self.config.background_build)
+        return self._builder
+
     # ------------------------------------------------------------------ steps
     def begin_step(self, meta: RetroStepMetadata) -> None:
         """Free the requests the scheduler released, then publish this step's plan."""
@@ -113,33 +130,64 @@ class RetroRuntime:
         """The request whose last scheduled token of this step goes to ``slot``."""
         return self._slot_to_req.get(slot)
 
+    def end_step(self) -> list[tuple[str, int]]:
+        """After a step has run every layer: seal the builds it submitted, and take in the
+        requests whose every layer is now indexed. Returns them as (request id, tokens
+        indexed), for the scheduler to switch them to their index."""
+        if self._builder is None:
+            return []
+        self._builder.seal()
+        ready = []
+        for r in self._builder.take_ready():
+            for layer, index in r.indexes.items():
+                self._register(r.request_id, layer, index)
+            self.note_build_time(r.request_id, r.seconds, step=not self._builder.background)
+            ready.append((r.request_id, r.num_tokens))
+        return ready
+
     # ------------------------------------------------------------------ indexes
-    def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
-                    values: torch.Tensor) -> WaveIndex:
-        """Index a request's prefilled KV for one layer. keys, values: [H_kv, N, D]."""
+    def _build(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> WaveIndex:
         assert self.config is not None
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device)
-        index = WaveIndex.build(keys, values, self.config, store=store)
+        return WaveIndex.build(keys, values, self.config, store=store)
+
+    def submit_build(self, request_id: str, layer: str, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Hand one layer of a request's prefilled KV (keys, values: [H_kv, N, D], a private
+        copy) to the index builder; the index is this runtime's once :meth:`end_step`
+        reports the request ready."""
+        self.builder.submit(request_id, layer, keys.shape[1], keys, values)
+
+    def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
+                    values: torch.Tensor) -> WaveIndex:
+        """Index a request's prefilled KV for one layer at once, in the caller's thread.
+        keys, values: [H_kv, N, D]."""
+        index = self._build(request_id, keys, values)
+        self._register(request_id, layer, index)
+        return index
+
+    def _register(self, request_id: str, layer: str, index: WaveIndex) -> None:
         with self._lock:
             per_layer = self._indexes.setdefault(request_id, {})
             if not per_layer:
                 self.counters.requests_indexed += 1
-                self.counters.indexed_tokens += keys.shape[1]
+                self.counters.indexed_tokens += index.num_tokens
             old = per_layer.pop(layer, None)
             per_layer[layer] = index
             self.counters.indexes_built += 1
-            self.counters.kv_heads = keys.shape[0]
+            self.counters.kv_heads = index.num_kv_heads
             self.counters.peak_live_requests = max(self.counters.peak_live_requests,
                                                    len(self._indexes))
         if old is not None:
             old.free()
-        return index
 
-    def note_build_time(self, request_id: str, seconds: float) -> None:
-        """Add ``seconds`` (reading back one layer's KV and indexing it) to the request's
-        index build time."""
+    def note_build_time(self, request_id: str, seconds: float, step: bool = True) -> None:
+        """Add ``seconds`` (reading back KV or indexing it) to the request's index build
+        time; ``step``: they were spent inside a step (on its critical path)."""
         self.counters.index_build_seconds += seconds
+        if step:
+            self.counters.index_step_seconds += seconds
         with self._lock:
             self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
@@ -154,7 +202,10 @@ class RetroRuntime:
             ) from None
 
     def free_request(self, request_id: str) -> bool:
-        """Free every index and buffer byte of ``request_id``; False if it held none."""
+        """Free every index and buffer byte of ``request_id`` (and cancel its builds);
+        False if it held none."""
+        if self._builder is not None:
+            self.counters.index_step_seconds += self._builder.cancel(request_id)
         with self._lock:
             per_layer = self._indexes.pop(request_id, None)
         for index in (per_layer or {}).values():
@@ -214,7 +265,11 @@ class RetroRuntime:
         })
 
     def close(self) -> None:
-        """Free every request and the buffer manager (execution buffers, worker thread)."""
+        """Free every request, stop the index builder, free the buffer manager (execution
+        buffers, worker thread)."""
+        if self._builder is not None:
+            self._builder.close()
+            self._builder = None
         for rid in self.live_requests():
             self.free_request(rid)
         if self._manager is not None:

@@ -1,0 +1,128 @@
+"""The index builder: background builds, readiness, cancellation, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.vllm.index_builder import IndexBuilder
+
+CFG = RetroConfig(segment_size=256, local_window=16, update_segment=64, update_clusters=4)
+
+
+def _kv(seed: int, n: int = 700, h: int = 2, d: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(h, n, d, generator=g), torch.randn(h, n, d, generator=g)
+
+
+class Recorder:
+    """Real wave-index builds, recording which indexes were built and freed."""
+
+    def __init__(self, gate: threading.Event | None = None, fail: set[int] | None = None):
+        self.gate, self.fail = gate, fail or set()
+        self.built: list[WaveIndex] = []
+        self.started = threading.Event()
+        self.calls = 0
+
+    def __call__(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> WaveIndex:
+        self.calls += 1
+        self.started.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.calls in self.fail:
+            raise RuntimeError("boom")
+        index = WaveIndex.build(keys, values, CFG)
+        self.built.append(index)
+        return index
+
+
+def _freed(index: WaveIndex) -> bool:
+    return index.centroids.shape[1] == 0 and index.store.nbytes() == 0
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_sealed_request_is_ready_once_every_layer_is_built(background):
+    rec = Recorder()
+    b = IndexBuilder(rec, background=background)
+    kv = [_kv(0), _kv(1)]
+    for layer, (k, v) in zip(("l0", "l1"), kv, strict=True):
+        b.submit("r", layer, 700, k, v)
+    b.wait()
+    assert b.take_ready() == []  # built, but the step may have more layers to submit
+    b.seal()
+    (ready,) = b.take_ready()
+    assert ready.request_id == "r" and ready.num_tokens == 700 and ready.seconds > 0
+    assert sorted(ready.indexes) == ["l0", "l1"]
+    for layer, (k, v) in zip(("l0", "l1"), kv, strict=True):
+        ref = WaveIndex.build(k, v, CFG)
+        assert torch.equal(ready.indexes[layer].centroids, ref.centroids)
+        assert torch.equal(ready.indexes[layer].sizes, ref.sizes)
+    assert b.take_ready() == [] and b.pending() == []
+    b.close()
+
+
+def test_held_builds_wait_and_cancel_drops_them_unbuilt():
+    rec = Recorder()
+    b = IndexBuilder(rec)
+    with b.hold():
+        b.submit("r", "l0", 700, *_kv(0))
+        b.submit("s", "l0", 700, *_kv(1))
+        b.seal()
+        time.sleep(0.05)
+        assert rec.calls == 0 and b.pending() == ["r", "s"]
+        b.cancel("r")
+        with pytest.raises(RuntimeError, match="never return"):
+            b.wait()
+    b.wait()
+    assert rec.calls == 1  # only s
+    assert [r.request_id for r in b.take_ready()] == ["s"]
+    b.close()
+
+
+def test_cancel_waits_for_the_running_build_and_frees_everything_built():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = IndexBuilder(rec)
+    b.submit("r", "l0", 700, *_kv(0))
+    b.submit("r", "l1", 700, *_kv(1))
+    b.seal()
+    assert rec.started.wait(10)
+    threading.Timer(0.1, gate.set).start()
+    waited = b.cancel("r")  # l0 is running: waits for it; l1 never starts
+    assert waited >= 0.05
+    assert rec.calls == 1 and len(rec.built) == 1 and _freed(rec.built[0])
+    assert b.pending() == [] and b.take_ready() == []
+    b.close()
+
+
+def test_a_failed_build_leaves_its_request_dense_and_the_rest_going(caplog):
+    rec = Recorder(fail={2})
+    b = IndexBuilder(rec)
+    for layer in ("l0", "l1", "l2"):
+        b.submit("bad", layer, 700, *_kv(0))
+    b.submit("good", "l0", 700, *_kv(1))
+    b.seal()
+    b.wait()
+    assert [r.request_id for r in b.take_ready()] == ["good"]
+    assert "request goes on with dense attention" in caplog.text
+    assert rec.calls == 3  # bad's third layer was dropped with it
+    assert _freed(rec.built[0])  # bad's first layer
+    b.close()
+
+
+def test_a_request_submitted_again_after_sealing_starts_over():
+    # A preempted request is recomputed and indexed again under the same id.
+    rec = Recorder()
+    b = IndexBuilder(rec, background=False)
+    b.submit("r", "l0", 500, *_kv(0, n=500))
+    b.seal()
+    b.submit("r", "l0", 700, *_kv(1))
+    b.seal()
+    (ready,) = b.take_ready()
+    assert ready.num_tokens == 700 and _freed(rec.built[0])
+    b.close()

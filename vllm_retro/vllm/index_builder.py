@@ -1,0 +1,261 @@
+"""Index builds off the step: one background thread per worker process builds the wave
+indexes of newly prefilled requests while the engine keeps stepping.
+
+Hand-off, per request:
+
+1. In the step that completes a request's prompt, each retro layer's forward reads the
+   request's KV back from the paged cache (the only part on the critical path: a copy)
+   and :meth:`IndexBuilder.submit`\\ s it. At the end of that step the runtime
+   :meth:`IndexBuilder.seal`\\ s the request: every layer it has on this worker is queued.
+2. The thread builds the layers in submission order (k-means and layout into the wave
+   buffer); meanwhile the request keeps decoding exactly from its paged blocks, which
+   stay allocated.
+3. :meth:`IndexBuilder.take_ready` hands the runtime the requests whose every layer is
+   built; the worker reports them to the scheduler (connector worker metadata), which
+   switches them to the index at its next step and then frees their paged blocks.
+
+``background=False`` runs each build inside :meth:`submit` (the synchronous behaviour);
+the hand-off is the same. On CUDA the thread builds on its own stream, after an event
+recorded behind the read-back, and synchronises that stream before a request is ready,
+so the main stream never waits on a build.
+
+A build that fails is logged and its request stays on its dense path (it is never
+reported ready, so its paged blocks stay); the engine goes on.
+
+The thread runs at a lower scheduling priority (nice +10, inherited by its OpenMP team),
+so on a CPU with few cores the serving thread's kernels come first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BuildFn = Callable[[str, torch.Tensor, torch.Tensor], Any]
+"""Builds one (request, layer) index: (request id, keys [H_kv, N, D], values) -> index
+(anything with a ``free()`` method)."""
+
+
+@dataclass
+class _Job:
+    request_id: str
+    layer: str
+    keys: torch.Tensor
+    values: torch.Tensor
+    ready: Any = None
+    """CUDA event recorded on the submitting stream after the read-back (None on CPU)."""
+
+
+@dataclass
+class _Request:
+    num_tokens: int
+    queued: int = 0
+    sealed: bool = False
+    indexes: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyRequest:
+    """A request whose every layer on this worker is indexed."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens the indexes cover (the prompt, or prompt + outputs after a preemption)."""
+    indexes: dict[str, Any]
+    """Index by layer name."""
+    seconds: float
+    """Build time summed over the layers (on the builder thread when in the background)."""
+
+
+class IndexBuilder:
+    """See module docstring. Thread-safe; one per worker process."""
+
+    def __init__(self, build: BuildFn, background: bool = True):
+        self._build = build
+        self.background = background
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._requests: dict[str, _Request] = {}
+        self._running: str | None = None
+        self._held = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._stream: Any = None
+
+    # ------------------------------------------------------------------ main thread
+    def submit(self, request_id: str, layer: str, num_tokens: int, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+        """Queue (or, not in the background, run) the build of one layer of
+        ``request_id``. keys, values: [H_kv, num_tokens, D], owned by the builder from now
+        on (a private copy, not a view of the paged cache)."""
+        with self._cond:
+            req = self._requests.get(request_id)
+            if req is None or req.sealed:
+                if req is not None:
+                    self._free(req)
+                req = self._requests[request_id] = _Request(num_tokens)
+            if not self.background:
+                req.queued += 1
+        if not self.background:
+            t0 = time.perf_counter()
+            index = self._build(request_id, keys, values)
+            with self._cond:
+                req.queued -= 1
+                req.indexes[layer] = index
+                req.seconds += time.perf_counter() - t0
+            return
+        job = _Job(request_id, layer, keys, values)
+        if keys.is_cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        with self._cond:
+            req.queued += 1
+            self._queue.append(job)
+            self._start_thread()
+            self._cond.notify_all()
+
+    def seal(self) -> None:
+        """Mark every request submitted so far as complete on this worker (called once the
+        step that submitted its layers has run all of them)."""
+        with self._cond:
+            for req in self._requests.values():
+                req.sealed = True
+
+    def take_ready(self) -> list[ReadyRequest]:
+        """The sealed requests whose every layer is built, each returned once; their
+        indexes become the caller's."""
+        with self._cond:
+            done = [rid for rid, r in self._requests.items() if r.sealed and r.queued == 0]
+            out = []
+            for rid in done:
+                r = self._requests.pop(rid)
+                out.append(ReadyRequest(rid, r.num_tokens, r.indexes, r.seconds))
+            return out
+
+    def cancel(self, request_id: str) -> float:
+        """Drop ``request_id``'s queued builds, wait for its running one (one layer at
+        most), and free every index built for it. Returns the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._queue = deque(j for j in self._queue if j.request_id != request_id)
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                req.queued = 0
+            while self._running == request_id:
+                self._cond.wait()
+            if req is not None:
+                self._free(req)
+        return time.perf_counter() - t0
+
+    def pending(self) -> list[str]:
+        """Request ids with builds queued, running, or built but not yet taken."""
+        with self._cond:
+            return list(self._requests)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Builds queued inside this block do not start until it exits (the running one
+        finishes): lets a caller keep requests on their dense path for a known number of
+        steps, e.g. to compare the switch with an index that was ready at once."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until no build is queued or running."""
+        with self._cond:
+            if self._held and self._queue:
+                raise RuntimeError("IndexBuilder.wait() with builds held would never return")
+            while self._queue or self._running is not None:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Cancel everything and stop the thread."""
+        for rid in self.pending():
+            self.cancel(rid)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _free(req: _Request) -> None:
+        for index in req.indexes.values():
+            index.free()
+        req.indexes.clear()
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._closed = False
+            self._thread = threading.Thread(target=self._loop, name="retro-index-builder",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        with suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        while True:
+            with self._cond:
+                while not self._closed and (self._held or not self._queue):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+                self._running = job.request_id
+            index, seconds, failed = None, 0.0, False
+            try:
+                t0 = time.perf_counter()
+                index = self._run(job)
+                seconds = time.perf_counter() - t0
+            except Exception:
+                logger.exception("retro: building layer %s of request %s failed; the "
+                                 "request goes on with dense attention", job.layer,
+                                 job.request_id)
+                failed = True
+            with self._cond:
+                self._running = None
+                req = self._requests.get(job.request_id)
+                if failed:
+                    if req is not None:
+                        del self._requests[job.request_id]
+                        self._queue = deque(j for j in self._queue
+                                            if j.request_id != job.request_id)
+                        self._free(req)
+                elif req is None:  # cancelled meanwhile
+                    index.free()
+                else:
+                    req.queued -= 1
+                    req.indexes[job.layer] = index
+                    req.seconds += seconds
+                self._cond.notify_all()
+
+    def _run(self, job: _Job) -> Any:
+        if job.ready is None:
+            return self._build(job.request_id, job.keys, job.values)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=job.keys.device)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(job.ready)
+            index = self._build(job.request_id, job.keys, job.values)
+        self._stream.synchronize()
+        return index
