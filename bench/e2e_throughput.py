@@ -1,14 +1,18 @@
 """End-to-end offline throughput through vLLM on a real model at long prompts: retro vs stock.
 
-For each configuration (stock vLLM, then retro at default budgets) one in-process engine
-(prefix caching off, so every run prefills for real) runs, in the same process:
+For each configuration (stock vLLM; retro with index builds inside the step, as before
+background builds (``build_steps`` 0); retro at its defaults, builds on the background
+builder while requests decode their first ``build_steps`` tokens densely) one in-process
+engine (prefix caching off, so every run prefills for real) runs, in the same process:
 
-1. prefill: every prompt with ``max_tokens=1`` -> prompt tokens/s, time to first token per
-   request, and (retro) the share of that wall time spent building wave indexes (paper: <5%);
-2. decode: the same prompts with ``max_tokens=M``, stepped by hand: once every request has
-   its first token, the remaining steps are timed -> decode tokens/s of the batch and the
-   median decode step time (no prefill mixed in);
-3. capacity: a separate engine whose KV pool holds ``--pool-requests`` long requests,
+1. serve: every prompt submitted at once with ``max_tokens=M``, stepped by hand.
+   Prefill window (until every request has its first token): prompt tokens/s, time to
+   first token per request, and (retro) the share of that wall time the engine's steps
+   spent on index builds (reading KV back, builds in the step, waiting for a build at a
+   switch; paper: <5%), next to all build work (background included). Decode window
+   (the steps after it): decode tokens/s of the batch, median and largest step, the time
+   steps waited on index work, tokens decoded sparse / dense;
+2. capacity: a separate engine whose KV pool holds ``--pool-requests`` long requests,
    given ``--capacity-requests`` of them at once -> the largest number decoded in one step.
 
 Printed as a table with retro/stock ratios and written to
@@ -57,7 +61,13 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[Any]:
     return out
 
 
-def make_engine(model: str, retro: bool, max_len: int, blocks: int | None, args) -> Any:
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "stock": None, "retro-step": {"build_steps": 0}, "retro": {}}
+"""Configuration name -> retro settings (None: stock vLLM)."""
+
+
+def make_engine(model: str, retro: dict[str, Any] | None, max_len: int, blocks: int | None,
+                args) -> Any:
     """An in-process ``LLM``; ``blocks`` caps the KV pool (in blocks of 128 tokens)."""
     from vllm import LLM
 
@@ -70,8 +80,8 @@ def make_engine(model: str, retro: bool, max_len: int, blocks: int | None, args)
                               kv_cache_memory_bytes=args.kv_gib << 30)
     if blocks is not None:
         kw["num_gpu_blocks_override"] = blocks
-    if retro:
-        kw.update(engine_kwargs())
+    if retro is not None:
+        kw.update(engine_kwargs(**retro))
     return LLM(model=model, **kw)
 
 
@@ -89,32 +99,60 @@ def sampling(max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def decode_phase(llm: Any, ps: list[Any], max_tokens: int) -> tuple[float, int, list[float]]:
-    """Submit every prompt, step the engine until each has its first token (prefill done),
-    then time the steps until all finish. Returns (seconds, tokens decoded in that window,
-    per-step seconds): the decode throughput of the whole batch with no prefill mixed in."""
+def serve_phase(llm: Any, ps: list[Any], max_tokens: int) -> dict[str, Any]:
+    """Submit every prompt at once and step the engine until all finish.
+
+    Prefill window: from submission until every request has its first token (time to first
+    token per request, prompt throughput, index work in that window). Decode window: the
+    steps after that (decode throughput of the whole batch with no prefill mixed in,
+    per-step seconds, index work in that window).
+    """
+    from vllm_retro.vllm.runtime import get_runtime
+
+    c = get_runtime().counters
     engine = llm.llm_engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"decode-{i}", p, sampling(max_tokens))
     produced: dict[str, int] = {}
+    first_token: dict[str, float] = {}
+
+    def index_s() -> tuple[float, float]:
+        return c.index_step_seconds, c.index_build_seconds
 
     def step() -> None:
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
+            first_token.setdefault(out.request_id, time.perf_counter() - t0)
 
-    while len(produced) < len(ps) or min(produced.values()) < 1:
+    t0 = time.perf_counter()
+    idx0 = index_s()
+    for i, p in enumerate(ps):
+        engine.add_request(f"serve-{i}", p, sampling(max_tokens))
+    while len(produced) < len(ps):
         step()
+    prefill_s = time.perf_counter() - t0
+    idx1 = index_s()
+    sparse0, dense0 = c.sparse_decode_tokens, c.dense_decode_tokens
     before = sum(produced.values())
     steps: list[float] = []
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         step()
         steps.append(time.perf_counter() - t)
-    return time.perf_counter() - t0, sum(produced.values()) - before, steps
+    decode_s = time.perf_counter() - t1
+    idx2 = index_s()
+    return {
+        "prefill_s": prefill_s, "ttft_s": sorted(first_token.values()),
+        "prefill_index_step_s": idx1[0] - idx0[0], "decode_index_step_s": idx2[0] - idx1[0],
+        "index_build_s": idx2[1] - idx0[1],
+        "decode_s": decode_s, "decode_tokens": sum(produced.values()) - before,
+        "decode_steps_s": steps,
+        "sparse_decode_tokens": c.sparse_decode_tokens - sparse0,
+        "dense_decode_tokens": c.dense_decode_tokens - dense0,
+    }
 
 
-def run_config(name: str, retro: bool, model: str, ps: list[Any], args) -> dict[str, Any]:
+def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any], args
+               ) -> dict[str, Any]:
     """Prefill, decode and capacity measurements of one configuration."""
     from vllm_retro.vllm.runtime import get_runtime
 
@@ -122,15 +160,7 @@ def run_config(name: str, retro: bool, model: str, ps: list[Any], args) -> dict[
     max_len = args.prompt_tokens + args.max_tokens + BLOCK
     llm = make_engine(model, retro, max_len, None, args)
     llm.generate(ps[:1], sampling(2), use_tqdm=False)  # warm-up (compilation, caches)
-    c = get_runtime().counters
-    build0 = c.index_build_seconds
-    t0 = time.perf_counter()
-    outs = llm.generate(ps, sampling(1), use_tqdm=False)
-    prefill_s = time.perf_counter() - t0
-    build_s = c.index_build_seconds - build0
-    ttft = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
-    decode_s, decode_tokens, itl = decode_phase(llm, ps, args.max_tokens)
-    sparse = c.sparse_decode_tokens
+    run = serve_phase(llm, ps, args.max_tokens)
     close(llm)
 
     pool = args.pool_requests * (args.prompt_tokens + args.max_tokens) // BLOCK + 2
@@ -141,23 +171,26 @@ def run_config(name: str, retro: bool, model: str, ps: list[Any], args) -> dict[
     llm.generate(cap[:args.capacity_requests], sampling(args.capacity_decode), use_tqdm=False)
     peak = c.peak_decode_rows
     close(llm)
+    ttft, itl, prefill_s = run["ttft_s"], run.pop("decode_steps_s"), run["prefill_s"]
     row = {
-        "config": name, "requests": len(ps), "prompt_tokens": n_prompt,
-        "prefill_s": prefill_s, "prompt_tokens_per_s": n_prompt / prefill_s,
-        "ttft_mean_s": statistics.mean(ttft) if ttft else None,
-        "ttft_max_s": max(ttft) if ttft else None,
-        "index_build_s": build_s, "index_build_share_of_prefill": build_s / prefill_s,
-        "decode_s": decode_s, "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": decode_tokens / decode_s,
+        "config": name, "retro_settings": retro, "requests": len(ps),
+        "prompt_tokens": n_prompt, **run,
+        "prompt_tokens_per_s": n_prompt / prefill_s,
+        "ttft_mean_s": statistics.mean(ttft), "ttft_max_s": max(ttft),
+        "index_step_share_of_prefill": run["prefill_index_step_s"] / prefill_s,
+        "index_build_share_of_prefill": run["index_build_s"] / prefill_s,
+        "decode_tokens_per_s": run["decode_tokens"] / run["decode_s"],
         "decode_step_median_s": statistics.median(itl) if itl else None,
-        "sparse_decode_tokens": sparse,
+        "decode_step_max_s": max(itl) if itl else None,
         "kv_pool_blocks": pool, "capacity_requests": args.capacity_requests,
         "peak_concurrent_decodes": peak,
     }
-    share = 100 * row["index_build_share_of_prefill"]
+    share = 100 * row["index_step_share_of_prefill"]
+    work = 100 * row["index_build_share_of_prefill"]
     itl_ms = 1e3 * (row["decode_step_median_s"] or 0)
-    print(f"{name:>6}: prefill {row['prompt_tokens_per_s']:7.1f} tok/s  TTFT mean "
-          f"{row['ttft_mean_s'] or 0:6.2f} s  index build {share:4.1f}%  decode "
+    print(f"{name:>10}: prefill {row['prompt_tokens_per_s']:7.1f} tok/s  TTFT mean "
+          f"{row['ttft_mean_s'] or 0:6.2f} s  index in steps {share:4.1f}% (all build work "
+          f"{work:4.1f}%)  index in decode steps {run['decode_index_step_s']:5.2f} s  decode "
           f"{row['decode_tokens_per_s']:6.1f} tok/s  step {itl_ms:6.1f} ms  peak concurrent "
           f"{peak}/{args.capacity_requests}", flush=True)
     return row
@@ -171,11 +204,13 @@ def plot(result: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = ["prompt_tokens_per_s", "decode_tokens_per_s", "peak_concurrent_decodes"]
-    stock, retro = result["configs"]
+    configs = result["configs"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = range(len(keys))
-    ax.bar([i - 0.2 for i in x], [stock[k] for k in keys], 0.4, label="stock vLLM")
-    ax.bar([i + 0.2 for i in x], [retro[k] for k in keys], 0.4, label="retro")
+    width = 0.8 / len(configs)
+    for j, cfg in enumerate(configs):
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in x], [cfg[k] for k in keys], width,
+               label=cfg["config"])
     ax.set_xticks(list(x), ["prompt tok/s", "decode tok/s", "peak concurrent"])
     ax.set_title(f"{result['model_name']}, {result['requests']} x {result['prompt_tokens']} "
                  f"tokens, {result['device']}", fontsize=9)
@@ -197,6 +232,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-gib", type=int, default=2, help="KV cache size (GiB) of each engine")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="configurations to run (ratios are against the first, and need "
+                         "'stock' first)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
 
@@ -216,15 +254,18 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "dtype": args.dtype, "eager": args.eager,
-        "configs": [run_config("stock", False, model, ps, args),
-                    run_config("retro", True, model, ps, args)],
+        "configs": [run_config(name, CONFIGS[name], model, ps, args) for name in args.configs],
     }
-    stock, retro = result["configs"]
-    result["ratios_retro_over_stock"] = {
-        k: retro[k] / stock[k] for k in ("prompt_tokens_per_s", "decode_tokens_per_s",
-                                          "peak_concurrent_decodes") if stock[k]}
+    base = result["configs"][0]
+    result["ratios_over_" + base["config"]] = ratios = {}
+    for cfg in result["configs"][1:]:
+        ratios[cfg["config"]] = {
+            k: cfg[k] / base[k] for k in ("prompt_tokens_per_s", "ttft_mean_s", "ttft_max_s",
+                                          "decode_tokens_per_s", "peak_concurrent_decodes")
+            if base[k] and cfg[k] is not None}
+        print(f"{cfg['config']} / {base['config']}:",
+              {k: round(v, 3) for k, v in ratios[cfg["config"]].items()})
     result["wall_s"] = time.perf_counter() - t0
-    print("retro / stock:", {k: round(v, 3) for k, v in result["ratios_retro_over_stock"].items()})
     out = args.out or ROOT / "bench" / "results" / f"e2e_throughput_{device}.json"
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))

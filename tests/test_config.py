@@ -33,6 +33,8 @@ def test_defaults_follow_the_paper():
     ("page_size", 0, "an integer in [1, 1024]"),
     ("cache_fraction", 1.5, "a number in [0.0, 1.0]"),
     ("cache_pages", -1, "an integer in [0,"),
+    ("build_steps", -1, "an integer in [0, 65536]"),
+    ("build_steps", 1.5, "an integer in [0, 65536]"),
     ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
     ("estimator", "paper", "one of 'tilted', 'centroid'"),
@@ -68,3 +70,10 @@ def test_budget_counts():
     full = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
     assert (full.num_retrieval(37), full.num_estimation(37)) == (37, 0)
     assert RetroConfig(retrieval_budget=0.5, estimation_budget=0.5).num_estimation(3) == 1
+
+
+def test_build_steps_default_depends_on_the_device():
+    assert RetroConfig().build_steps_on("cuda") == 16
+    assert RetroConfig().build_steps_on("cpu") == 0
+    assert RetroConfig(build_steps=5).build_steps_on("cpu") == 5
+    assert RetroConfig(build_steps=0).build_steps_on("cuda") == 0

@@ -144,6 +144,11 @@ ROWS: list[Row] = [
               [(quantile(0.5, "vllm_retro:index_build_seconds"), "p50"),
                (quantile(0.95, "vllm_retro:index_build_seconds"), "p95")],
               "Seconds one worker spends indexing one request (all layers)."),
+        Panel("Index work in steps", "percentunit",
+              [(rate("vllm_retro:index_step_seconds_total"), "share of wall time")],
+              "Share of wall time engine steps spend on index builds (reading KV back; "
+              "builds themselves run on a background thread unless background_build is "
+              "off)."),
         Panel("Decode tokens: sparse vs dense", "short",
               [(rate("vllm_retro:decode_tokens_total", "route"), "{{route}}")],
               "Tokens decoded per second in full-attention layers through the wave index "

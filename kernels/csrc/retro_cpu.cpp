@@ -317,12 +317,15 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   const int64_t r = std::min<int64_t>(a.r, k);
   const int32_t* sz = a.sizes + h * a.sizes_h;
   std::vector<int64_t> order;
+  // per-thread scratch, reused across calls (a fresh 100+ KB vector per call is an mmap +
+  // page faults). logits [G, C] = scale * q_g . C_c, kept for the estimation zone, whose
+  // pseudo-token logits are these plus log(size).
+  thread_local std::vector<float> logits;
   if (C > 0 && k > 0) {
-    // per-thread scratch, reused across calls (a fresh 100+ KB vector per call is an
-    // mmap + page faults)
-    thread_local std::vector<float> logits;
     thread_local std::vector<const void*> cptr_raw;
+    thread_local std::vector<float> probs;
     logits.resize(size_t(G) * C);
+    probs.resize(size_t(G) * C);
     cptr_raw.resize(C);
     const T** cptr = reinterpret_cast<const T**>(cptr_raw.data());
     for (int64_t c = 0; c < C; ++c) cptr[c] = a.cent + h * a.cent_h + c * a.cent_c;
@@ -333,19 +336,20 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     thread_local std::vector<float> score;
     score.assign(C, 0.f);
     for (int g = 0; g < G; ++g) {
-      float* lg = logits.data() + size_t(g) * C;
+      const float* lg = logits.data() + size_t(g) * C;
+      float* pg = probs.data() + size_t(g) * C;
       float mx = kNegInf;
       for (int64_t c = 0; c < C; ++c) mx = std::max(mx, lg[c]);
       if (mx == kNegInf) continue;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < C; ++c) {
-        lg[c] = fast_exp(lg[c] - mx);
-        sum += lg[c];
+        pg[c] = fast_exp(lg[c] - mx);
+        sum += pg[c];
       }
       const float inv = 1.0f / sum;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) score[c] += lg[c] * inv;
+      for (int64_t c = 0; c < C; ++c) score[c] += pg[c] * inv;
     }
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0) score[c] = kNegInf;
@@ -443,17 +447,19 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
         }
       }
     }
-    std::vector<float> logits(size_t(G) * ne), inv_n(ne), spread(ne, 0.f);
+    // pseudo-token logits: the scoring logits of the estimated clusters plus log(size)
+    std::vector<float> est(size_t(G) * ne), inv_n(ne), spread(ne, 0.f);
     std::vector<float> ta(ne), ttv(ne), tden(ne);
-    std::vector<const T*> cptr(ne);
     std::vector<float> bias(ne);
     for (int64_t j = 0; j < ne; ++j) {
-      const int64_t c = order[r + j];
-      const int64_t n = sz[c * a.sizes_c];
-      cptr[j] = a.cent + h * a.cent_h + c * a.cent_c;
+      const int64_t n = sz[order[r + j] * a.sizes_c];
       bias[j] = n > 0 ? std::log(float(n)) : kNegInf;
     }
-    dots(q.data(), G, D, cptr.data(), ne, scale, bias.data(), logits.data(), ne);
+    for (int g = 0; g < G; ++g) {
+      const float* lg = logits.data() + size_t(g) * C;
+      float* eg = est.data() + size_t(g) * ne;
+      for (int64_t j = 0; j < ne; ++j) eg[j] = lg[order[r + j]] + bias[j];
+    }
     for (int64_t j = 0; j < ne; ++j) {
       const int64_t c = order[r + j];
       const int64_t n = sz[c * a.sizes_c];
@@ -469,14 +475,14 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     }
     if (tilted) {
       for (int g = 0; g < G; ++g) {
-        float* lg = logits.data() + size_t(g) * ne;
+        float* lg = est.data() + size_t(g) * ne;
         const float qv = qvar[g];
 #pragma omp simd
         for (int64_t j = 0; j < ne; ++j)
           lg[j] += log_tilt(qv * spread[j], ta[j], ttv[j], tden[j]);
       }
     }
-    fold_block(sm, logits.data(), ne, ne, tilted ? spread.data() : nullptr,
+    fold_block(sm, est.data(), ne, ne, tilted ? spread.data() : nullptr,
                [&](int64_t j, const float* p, int64_t ld) {
                  if (j + 8 < ne) {
                    const char* nxt = reinterpret_cast<const char*>(

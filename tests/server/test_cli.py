@@ -106,7 +106,8 @@ def test_every_option_parses_to_the_fields_type(parser: argparse.ArgumentParser)
     settings with the field's own type (int stays int, float float, choice str)."""
     argv: list[str] = []
     defaults = RetroConfig().to_dict()
-    defaults["cache_pages"] = 100  # the default None cannot be given on the command line
+    # a default None cannot be given on the command line
+    defaults["cache_pages"], defaults["build_steps"] = 100, 8
     for name, value in defaults.items():
         flag = "--retro-" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -25,6 +25,7 @@ from tests.server.serving import (  # noqa: E402
     unexpected_tracebacks,
 )
 from tests.tiny_model import build_tiny_llama  # noqa: E402
+from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.vllm.metrics import FAMILIES, family_names  # noqa: E402
 
 API_KEY = "sk-retro-test"
@@ -111,8 +112,9 @@ def test_long_prompt_is_indexed_and_metrics_show_it(server: Server, client) -> N
 
     assert grew("vllm_retro:indexed_requests_total") == 1
     assert grew("vllm_retro:indexed_tokens_total") == out.usage.prompt_tokens
-    assert grew("vllm_retro:decode_tokens_total", route="sparse") == 119
-    assert grew("vllm_retro:decode_tokens_total", route="dense") >= 7
+    lag = RetroConfig().build_steps_on("cpu")  # decoded on paged KV while the index builds
+    assert grew("vllm_retro:decode_tokens_total", route="sparse") == 119 - lag
+    assert grew("vllm_retro:decode_tokens_total", route="dense") >= 7 + lag
     assert grew("vllm_retro:index_build_seconds_count") == 1
     assert grew("vllm_retro:index_build_seconds_sum") > 0
     assert grew("vllm_retro:index_updates_total") >= 2  # 2 layers x >= 1 update block

@@ -30,12 +30,13 @@ def _generate(llm, lengths, max_tokens):
 
 
 def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
-    # Chunked prefill (512-token chunks), mixed lengths, continuous batching; budgets
-    # covering every cluster make the wave index exact, so greedy outputs must agree.
+    # Chunked prefill (512-token chunks), mixed lengths, continuous batching, background
+    # builds (8 dense steps each); budgets covering every cluster make the wave index
+    # exact, so greedy outputs must agree.
     with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
         stock = _generate(llm, LENGTHS, MAX_TOKENS)
         assert get_runtime().counters.indexes_built == 0
-    with engine(tiny_model_dir, retro={**TINY_RETRO, **FULL_BUDGET},
+    with engine(tiny_model_dir, retro={**TINY_RETRO, **FULL_BUDGET, "build_steps": 8},
                 max_num_batched_tokens=512) as llm:
         retro = _generate(llm, LENGTHS, MAX_TOKENS)
         rt = get_runtime()
@@ -55,8 +56,8 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
 def test_default_budgets_decode_through_the_index(tiny_model_dir):
     # A random model has no attention structure to exploit, so accuracy is checked on the
     # real models; here default budgets must decode every indexed token through the index
-    # (builds in the step, so each request is indexed from its first decode step on).
-    with engine(tiny_model_dir, retro={**TINY_RETRO, "background_build": False}) as llm:
+    # (built in the step, so each request decodes through its index from its first step).
+    with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}) as llm:
         out = _generate(llm, [1500, 3000], [80, 80])
         assert [len(o) for o in out] == [80, 80]
         c = get_runtime().counters
@@ -70,18 +71,18 @@ def _free_blocks(llm) -> int:
 
 
 def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_model_dir):
-    # The background build is held for 6 decode steps: the request decodes exactly from
-    # its paged KV, keeps its blocks, then switches to its index (catching up the tokens
-    # decoded meanwhile) and frees them. At full budgets the output equals stock's and
-    # that of a run whose index was ready at once, token for token.
+    # build_steps 6: the request decodes 6 steps exactly from its paged KV (keeping its
+    # blocks) while its index builds in the background, then switches to the index
+    # (catching up the 6 tokens) and frees them. At full budgets the output equals stock's
+    # and that of a run whose index was built in the step, token for token.
     prompt = random_prompts([1500], seed=5)
     retro = {**TINY_RETRO, **FULL_BUDGET}
     runs = []
-    for settings in (None, {**retro, "background_build": False}):
+    for settings in (None, {**retro, "build_steps": 0}):
         with engine(tiny_model_dir, retro=settings) as llm:
             runs.append(list(llm.generate(prompt, greedy(60))[0].outputs[0].token_ids))
-    stock, at_once = runs
-    with engine(tiny_model_dir, retro=retro) as llm:
+    stock, in_step = runs
+    with engine(tiny_model_dir, retro={**retro, "build_steps": 6}) as llm:
         rt, eng = get_runtime(), llm.llm_engine
         eng.add_request("r", prompt[0], greedy(60))
         tokens: list[int] = []
@@ -91,41 +92,48 @@ def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_mod
                 tokens[:] = out.outputs[0].token_ids
 
         free0 = _free_blocks(llm)
-        with rt.builder.hold():
-            while not tokens:
-                step()
-            held = _free_blocks(llm)
-            for _ in range(6):
-                step()
-            assert len(rt.builder.pending()) == 1 and rt.live_requests() == []
-            assert rt.counters.dense_decode_tokens == 6
-            assert rt.counters.sparse_decode_tokens == 0
-            assert _free_blocks(llm) <= held  # still decoding from its paged blocks
-        rt.builder.wait()
-        step()  # reports the request ready (still dense)
-        step()  # switches: catches up the 7 densely decoded tokens, decodes sparse
+        while not tokens:
+            step()
+        held = _free_blocks(llm)
+        for _ in range(6):
+            step()
+            assert rt.live_requests() == []
+            assert _free_blocks(llm) <= held  # decoding from its paged blocks
+        assert rt.counters.dense_decode_tokens == 6
+        assert rt.counters.sparse_decode_tokens == 0
+        step()  # switches (waiting for the build if it is not done)
         assert len(rt.live_requests()) == 1 and rt.builder.pending() == []
-        assert rt.counters.sparse_decode_tokens == 1
-        dense = rt.counters.dense_decode_tokens
-        assert dense == 7
-        step()  # the switch step has run: its blocks are gone
+        assert rt.counters.sparse_decode_tokens == 1 and rt.counters.dense_decode_tokens == 6
+        step()  # the switch step has run: the request's blocks are gone
         assert _free_blocks(llm) > held and _free_blocks(llm) >= free0 - 1
         while eng.has_unfinished_requests():
             step()
-        assert rt.counters.sparse_decode_tokens == 59 - dense
-    assert tokens == at_once == stock
+        assert rt.counters.sparse_decode_tokens == 59 - 6
+    assert tokens == in_step == stock
+
+
+def test_a_request_that_ends_within_build_steps_is_never_indexed(tiny_model_dir):
+    with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 8}) as llm:
+        _generate(llm, [1500, 1500], [9, 10])
+        c = get_runtime().counters
+        # 9 tokens: 1 from the prompt step + 8 dense, then done: no build at all. 10: built,
+        # and its last token goes through the index.
+        assert c.requests_indexed == 1 and c.sparse_decode_tokens == 1
+        assert c.dense_decode_tokens == 8 + 8
 
 
 def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
     # 40 blocks of 128 tokens: one 3500-token request fits, two do not. Stock vLLM must
     # serve the four requests one after another; retro frees each request's blocks once
-    # it is indexed, so all four decode together.
+    # it is indexed, so all four decode together. Built in the step (build_steps 0): with
+    # background builds a request keeps its blocks for build_steps more steps, so in a pool
+    # this tight fewer overlap (measured: 3 of 4 at build_steps 16).
     kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
     prompts, params = [3500] * 4, [40] * 4
     with engine(tiny_model_dir, **kw) as llm:
         stock = _generate(llm, prompts, params)
         stock_peak = get_runtime().counters.peak_decode_rows
-    with engine(tiny_model_dir, retro=TINY_RETRO, **kw) as llm:
+    with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}, **kw) as llm:
         retro = _generate(llm, prompts, params)
         retro_peak = get_runtime().counters.peak_decode_rows
         assert get_runtime().counters.requests_indexed == 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -46,41 +45,50 @@ def _freed(index: WaveIndex) -> bool:
 
 
 @pytest.mark.parametrize("background", [True, False])
-def test_a_sealed_request_is_ready_once_every_layer_is_built(background):
+def test_take_hands_over_every_layer_once_built(background):
     rec = Recorder()
     b = IndexBuilder(rec, background=background)
     kv = [_kv(0), _kv(1)]
     for layer, (k, v) in zip(("l0", "l1"), kv, strict=True):
         b.submit("r", layer, 700, k, v)
-    b.wait()
-    assert b.take_ready() == []  # built, but the step may have more layers to submit
     b.seal()
-    (ready,) = b.take_ready()
+    ready, waited = b.take("r")  # waits for the thread when in the background
     assert ready.request_id == "r" and ready.num_tokens == 700 and ready.seconds > 0
-    assert sorted(ready.indexes) == ["l0", "l1"]
+    assert waited >= 0 and sorted(ready.indexes) == ["l0", "l1"]
     for layer, (k, v) in zip(("l0", "l1"), kv, strict=True):
         ref = WaveIndex.build(k, v, CFG)
         assert torch.equal(ready.indexes[layer].centroids, ref.centroids)
         assert torch.equal(ready.indexes[layer].sizes, ref.sizes)
-    assert b.take_ready() == [] and b.pending() == []
+    assert b.take("r") == (None, 0.0) and b.pending() == []
     b.close()
 
 
-def test_held_builds_wait_and_cancel_drops_them_unbuilt():
-    rec = Recorder()
+def test_take_waits_for_a_build_still_running():
+    gate = threading.Event()
+    rec = Recorder(gate)
     b = IndexBuilder(rec)
-    with b.hold():
-        b.submit("r", "l0", 700, *_kv(0))
-        b.submit("s", "l0", 700, *_kv(1))
-        b.seal()
-        time.sleep(0.05)
-        assert rec.calls == 0 and b.pending() == ["r", "s"]
-        b.cancel("r")
-        with pytest.raises(RuntimeError, match="never return"):
-            b.wait()
+    b.submit("r", "l0", 700, *_kv(0))
+    assert rec.started.wait(10)
+    threading.Timer(0.1, gate.set).start()
+    ready, waited = b.take("r")
+    assert waited >= 0.05 and list(ready.indexes) == ["l0"]
+    b.close()
+
+
+def test_cancel_drops_queued_builds_unbuilt():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = IndexBuilder(rec)
+    b.submit("s", "l0", 700, *_kv(1))  # runs first, held at the gate
+    b.submit("r", "l0", 700, *_kv(0))
+    b.submit("r", "l1", 700, *_kv(0))
+    b.seal()
+    assert rec.started.wait(10)
+    assert b.cancel("r") < 0.05  # r never started: nothing to wait for
+    gate.set()
     b.wait()
-    assert rec.calls == 1  # only s
-    assert [r.request_id for r in b.take_ready()] == ["s"]
+    assert rec.calls == 1 and b.pending() == ["s"]
+    assert b.take("r") == (None, 0.0)
     b.close()
 
 
@@ -96,7 +104,7 @@ def test_cancel_waits_for_the_running_build_and_frees_everything_built():
     waited = b.cancel("r")  # l0 is running: waits for it; l1 never starts
     assert waited >= 0.05
     assert rec.calls == 1 and len(rec.built) == 1 and _freed(rec.built[0])
-    assert b.pending() == [] and b.take_ready() == []
+    assert b.pending() == [] and b.take("r") == (None, 0.0)
     b.close()
 
 
@@ -107,8 +115,8 @@ def test_a_failed_build_leaves_its_request_dense_and_the_rest_going(caplog):
         b.submit("bad", layer, 700, *_kv(0))
     b.submit("good", "l0", 700, *_kv(1))
     b.seal()
-    b.wait()
-    assert [r.request_id for r in b.take_ready()] == ["good"]
+    assert b.take("bad")[0] is None
+    assert list(b.take("good")[0].indexes) == ["l0"]
     assert "request goes on with dense attention" in caplog.text
     assert rec.calls == 3  # bad's third layer was dropped with it
     assert _freed(rec.built[0])  # bad's first layer
@@ -122,7 +130,6 @@ def test_a_request_submitted_again_after_sealing_starts_over():
     b.submit("r", "l0", 500, *_kv(0, n=500))
     b.seal()
     b.submit("r", "l0", 700, *_kv(1))
-    b.seal()
-    (ready,) = b.take_ready()
+    ready, _ = b.take("r")
     assert ready.num_tokens == 700 and _freed(rec.built[0])
     b.close()

@@ -6,6 +6,7 @@ import pytest
 
 from tests.vllm.engines import engine, finish_step
 from vllm_retro.capture import real_prose
+from vllm_retro.config import RetroConfig
 from vllm_retro.vllm.runtime import get_runtime
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("inprocess")]
@@ -48,7 +49,9 @@ def _run(model_dir, retro):
 
 def test_qwen_needle_and_continuation_match_stock(qwen_model_dir):
     stock_answers, stock_cont, _ = _run(qwen_model_dir, None)
-    retro_answers, retro_cont, counters = _run(qwen_model_dir, {})
+    # build_steps 2: the short answers switch to the index after 2 tokens (at the default
+    # they would end before their switch and never touch it)
+    retro_answers, retro_cont, counters = _run(qwen_model_dir, {"build_steps": 2})
     # Qwen2.5-Coder-0.5B finds the needle at every depth with full attention...
     assert all("amber-falcon-7391" in a for a in stock_answers), stock_answers
     # ... and answers exactly the same under retro at default budgets.
@@ -87,7 +90,8 @@ def test_gemma3_hybrid_sliding_window_mqa_head_dim_256(gemma_model_dir):
     # sliding-window layers and the short request stay on vLLM's path.
     assert c.requests_indexed == 1 and c.indexes_built == 3
     assert c.kv_heads == 1  # MQA
-    assert c.retro_decode_tokens == 3 * 31
+    # 31 decode steps, the first build_steps on the paged KV while the index builds
+    assert c.retro_decode_tokens == 3 * (31 - RetroConfig().build_steps_on("cpu"))
     assert ids[1] == stock_ids[1]  # the short prompt is served exactly as stock vLLM
     same = next((i for i, (a, b) in enumerate(zip(ids[0], stock_ids[0], strict=True))
                  if a != b), 32)
@@ -129,7 +133,8 @@ def test_aborted_neighbours_never_change_a_survivors_answer(qwen_model_dir):
     survivors, victims = prompts[:6], prompts[6:]
     answer = SamplingParams(max_tokens=16, temperature=0.0)
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
-    retro = {"update_segment": 64, "update_clusters": 4, "local_window": 16}
+    # build_steps 4: survivors answering in 16 tokens get indexed and switch mid-answer
+    retro = {"update_segment": 64, "update_clusters": 4, "local_window": 16, "build_steps": 4}
     # fp32: in bf16 stock vLLM itself answers some of these differently in a batch than
     # alone (measured: 1 of 6 survivors, the same under stock and retro), which would hide
     # what this test looks for; in fp32 stock gives every survivor its answer alone.

@@ -1,14 +1,13 @@
 """The retro KV connector: the scheduler's per-step plan to the workers.
 
 Scheduler side: decides, for every scheduled request, whether this step starts its index
-build or switches it to its index (once every worker reported the build ready), and which
-batch slot identifies it (vLLM's attention backends see rows, not request ids); records
-indexed requests for the KV-cache manager; reports finished, aborted and preempted
-requests so workers free their state. Worker side: hands each step's plan to the
-per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime` before the batch is prepared,
-and after the step reports the requests whose indexes became ready (see
-:mod:`vllm_retro.vllm.plan`). No KV is transferred: the wave buffer's host tier is
-filled by the attention backend.
+build or switches it to its index (``build_steps`` of its own steps later; see
+:mod:`vllm_retro.vllm.plan`), and which batch slot identifies it (vLLM's attention
+backends see rows, not request ids); records indexed requests for the KV-cache manager;
+reports finished, aborted and preempted requests so workers free their state. Worker side:
+hands each step's plan to the per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime`
+before the batch is prepared. No KV is transferred: the wave buffer's host tier is filled
+by the attention backend.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
-from vllm_retro.vllm.plan import RetroStepMetadata, RetroWorkerMetadata, RowStep
+from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.settings import retro_config
 from vllm_retro.vllm.stats import RetroConnectorStats
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from vllm_retro.vllm.metrics import RetroPromMetrics
@@ -54,9 +52,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._building: dict[str, int] = {}
         """Requests whose build started, with the tokens it covers."""
-        self._votes: dict[str, int] = {}
-        """Workers that reported a building request ready."""
-        self._workers = vllm_config.parallel_config.world_size
+        self._build_steps = (0 if self.config is None else
+                             self.config.build_steps_on(vllm_config.device_config.device_type))
         self._group: int | None = None
         self._block_size = 0
         if kv_cache_config is not None:
@@ -89,7 +86,6 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in released:
             schedule_state.release(rid, preempted=rid in preempted)
             self._building.pop(rid, None)
-            self._votes.pop(rid, None)
         for rid in so.finished_req_ids:
             self._requests.pop(rid, None)
         meta = RetroStepMetadata(released=released)
@@ -100,6 +96,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         start.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         state = so.kv_connector_block_state
         bs, min_ctx = self._block_size, self.config.min_indexed_context
+        lag = self._build_steps
         for rid, n in so.num_scheduled_tokens.items():
             req = self._requests[rid]
             first = start[rid]
@@ -108,28 +105,20 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             last = end - 1
             slot = blocks[last // bs] * bs + last % bs
             indexed = schedule_state.indexed_at(rid) is not None
-            switch = not indexed and self._votes.get(rid, 0) >= self._workers
-            build = (not indexed and rid not in self._building and end >= req.num_tokens
-                     and end >= min_ctx and _decodes_after(req, end))
+            built_at = self._building.get(rid)
+            switch = built_at is not None and first >= built_at + lag
+            build = (not indexed and built_at is None and end >= req.num_tokens
+                     and end >= min_ctx and _decodes_more(req, end, lag))
             if switch:
                 # Blocks go once this step (which still reads them to catch up) has run.
                 schedule_state.mark_indexed(rid, end)
-                del self._building[rid], self._votes[rid]
+                del self._building[rid]
             elif build:
                 self._building[rid] = end
             meta.rows[rid] = RowStep(slot=slot, start=first, num_tokens=n,
                                      indexed=indexed or switch, build_index=build,
                                      catch_up=switch)
         return meta
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Count the workers that report a building request's indexes ready."""
-        meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, RetroWorkerMetadata):
-            return
-        for (rid, num_tokens), n in meta.ready.items():
-            if self._building.get(rid) == num_tokens:  # else released or rebuilt meanwhile
-                self._votes[rid] = self._votes.get(rid, 0) + n
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -153,13 +142,6 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
         assert isinstance(kv_connector_metadata, RetroStepMetadata)
         get_runtime().begin_step(kv_connector_metadata)
-
-    def build_connector_worker_meta(self) -> RetroWorkerMetadata | None:
-        """After the step: the requests whose indexes became ready on this worker."""
-        from vllm_retro.vllm.runtime import get_runtime
-
-        ready = get_runtime().end_step()
-        return RetroWorkerMetadata({r: 1 for r in ready}) if ready else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to load."""
@@ -203,13 +185,13 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         return RetroPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _decodes_after(request: Request, end: int) -> bool:
-    """Whether ``request`` may decode a token after the step that computes its first
-    ``end`` tokens (False when that step's token is its last one allowed)."""
+def _decodes_more(request: Request, end: int, steps: int) -> bool:
+    """Whether ``request`` may decode more than ``steps`` tokens after the step that
+    computes its first ``end`` tokens (so that it would reach its index)."""
     max_tokens = getattr(request, "max_tokens", None)
     if max_tokens is None:
         return True
-    return end - request.num_prompt_tokens + 1 < max_tokens
+    return end - request.num_prompt_tokens + 1 + steps < max_tokens
 
 
 def _worker_rank() -> int:

@@ -5,14 +5,14 @@ Hand-off, per request:
 
 1. In the step that completes a request's prompt, each retro layer's forward reads the
    request's KV back from the paged cache (the only part on the critical path: a copy)
-   and :meth:`IndexBuilder.submit`\\ s it. At the end of that step the runtime
-   :meth:`IndexBuilder.seal`\\ s the request: every layer it has on this worker is queued.
+   and :meth:`IndexBuilder.submit`\\ s it. At the start of the next step the runtime
+   :meth:`IndexBuilder.seal`\\ s it: every layer it has on this worker is queued.
 2. The thread builds the layers in submission order (k-means and layout into the wave
    buffer); meanwhile the request keeps decoding exactly from its paged blocks, which
    stay allocated.
-3. :meth:`IndexBuilder.take_ready` hands the runtime the requests whose every layer is
-   built; the worker reports them to the scheduler (connector worker metadata), which
-   switches them to the index at its next step and then frees their paged blocks.
+3. At the step the scheduler switches the request to its index (``build_steps`` of its
+   own steps later), :meth:`IndexBuilder.take` hands its indexes over, waiting for the
+   rest of the build only if it is not done by then.
 
 ``background=False`` runs each build inside :meth:`submit` (the synchronous behaviour);
 the hand-off is the same. On CUDA the thread builds on its own stream, after an event
@@ -33,8 +33,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ class _Request:
 
 @dataclass(frozen=True, slots=True)
 class ReadyRequest:
-    """A request whose every layer on this worker is indexed."""
+    """A request whose every layer on this worker is indexed (see :meth:`IndexBuilder.take`)."""
 
     request_id: str
     num_tokens: int
@@ -89,7 +89,6 @@ class IndexBuilder:
         self._queue: deque[_Job] = deque()
         self._requests: dict[str, _Request] = {}
         self._running: str | None = None
-        self._held = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self._stream: Any = None
@@ -133,16 +132,23 @@ class IndexBuilder:
             for req in self._requests.values():
                 req.sealed = True
 
-    def take_ready(self) -> list[ReadyRequest]:
-        """The sealed requests whose every layer is built, each returned once; their
-        indexes become the caller's."""
+    def take(self, request_id: str) -> tuple[ReadyRequest | None, float]:
+        """``request_id``'s indexes (they become the caller's), once every layer submitted
+        for it is built, waiting for that if needed; None when it has no build here (never
+        submitted, cancelled, or failed). Returns (request, seconds waited)."""
+        t0 = time.perf_counter()
         with self._cond:
-            done = [rid for rid, r in self._requests.items() if r.sealed and r.queued == 0]
-            out = []
-            for rid in done:
-                r = self._requests.pop(rid)
-                out.append(ReadyRequest(rid, r.num_tokens, r.indexes, r.seconds))
-            return out
+            req = self._requests.get(request_id)
+            if req is None:
+                return None, 0.0
+            req.sealed = True
+            while self._requests.get(request_id) is req and req.queued > 0:
+                self._cond.wait()
+            if self._requests.get(request_id) is not req:  # failed meanwhile
+                return None, time.perf_counter() - t0
+            del self._requests[request_id]
+        ready = ReadyRequest(request_id, req.num_tokens, req.indexes, req.seconds)
+        return ready, time.perf_counter() - t0
 
     def cancel(self, request_id: str) -> float:
         """Drop ``request_id``'s queued builds, wait for its running one (one layer at
@@ -164,25 +170,9 @@ class IndexBuilder:
         with self._cond:
             return list(self._requests)
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """Builds queued inside this block do not start until it exits (the running one
-        finishes): lets a caller keep requests on their dense path for a known number of
-        steps, e.g. to compare the switch with an index that was ready at once."""
-        with self._cond:
-            self._held += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._held -= 1
-                self._cond.notify_all()
-
     def wait(self) -> None:
         """Block until no build is queued or running."""
         with self._cond:
-            if self._held and self._queue:
-                raise RuntimeError("IndexBuilder.wait() with builds held would never return")
             while self._queue or self._running is not None:
                 self._cond.wait()
 
@@ -216,7 +206,7 @@ class IndexBuilder:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             with self._cond:
-                while not self._closed and (self._held or not self._queue):
+                while not self._closed and not self._queue:
                     self._cond.wait()
                 if self._closed:
                     return

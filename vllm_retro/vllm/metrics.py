@@ -67,7 +67,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "decode_tokens_total", "counter", "", "dense_decode_tokens", route="dense"),
     Family(PREFIX + "index_build_seconds", "histogram",
            "Seconds one worker spent indexing one request (reading its KV back and clustering "
-           "it, all layers).", BUILD_SECONDS),
+           "it, all layers), in the background or in the step.", BUILD_SECONDS),
+    Family(PREFIX + "index_step_seconds_total", "counter",
+           "Seconds engine steps spent on index builds (reading KV back, builds run in the "
+           "step, waiting for a cancelled build), all workers: the builds' cost on the "
+           "critical path.", "index_step_seconds"),
     Family(PREFIX + "live_requests", "gauge",
            "Requests holding a wave index and wave buffer now.", "live_requests"),
     Family(PREFIX + "clusters", "gauge",

@@ -2,22 +2,19 @@
 
 The scheduler decides; workers execute. A request's index build starts at the step whose
 tokens complete its known sequence (prompt, or prompt + outputs after a preemption) when
-that sequence is at least ``RetroConfig.min_indexed_context`` long and the request will
-decode at least one more token. The workers build it (in the background by default) while
-the request decodes densely from its paged KV, and report it ready through the
-connector's worker metadata (:class:`RetroWorkerMetadata`); at the scheduler's next step
-the request switches: its rows decode through the wave index, and once that step has run
-the KV-cache manager frees its paged blocks.
+that sequence is at least ``RetroConfig.min_indexed_context`` long and the request may
+decode more than ``RetroConfig.build_steps`` further tokens. The workers build it in the
+background while the request decodes exactly from its paged KV for ``build_steps`` of its
+own steps; then it switches: its rows decode through the wave index, and once that step has
+run the KV-cache manager frees its paged blocks. The switch point is fixed in the
+request's tokens, so a request's output never depends on other requests or on timing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +51,3 @@ class RetroStepMetadata(KVConnectorMetadata):
     """Requests whose worker state must be freed before this step: finished, aborted or
     preempted (a preempted request is recomputed from scratch and re-indexed)."""
 
-
-@dataclass
-class RetroWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per-step report from a worker to the scheduler-side connector: the requests whose
-    every layer on that worker is now indexed, as ``{(request id, tokens indexed): number
-    of workers}`` (1 from each worker; summed over workers by :meth:`aggregate`)."""
-
-    ready: dict[tuple[str, int], int] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """This report plus another worker's."""
-        assert isinstance(other, RetroWorkerMetadata)
-        merged = dict(self.ready)
-        for key, n in other.ready.items():
-            merged[key] = merged.get(key, 0) + n
-        return RetroWorkerMetadata(merged)

@@ -51,7 +51,8 @@ class RetroCounters:
     the builder thread or in the step."""
     index_step_seconds: float = 0.0
     """Seconds steps spent on index builds: reading KV back, builds run in the step
-    (``background_build`` off), waiting for a cancelled request's running build."""
+    (``build_steps`` 0), waiting at a switch for a build not yet done or for a cancelled
+    request's running build."""
     indexed_tokens: int = 0
     """Context tokens of the requests indexed (once per request, not per layer)."""
     index_updates: int = 0
@@ -72,6 +73,7 @@ class RetroRuntime:
         self._engine: object | None = None
         self._manager: WaveBufferManager | None = None
         self._builder: IndexBuilder | None = None
+        self._device_type = "cpu"
         self._indexes: dict[str, dict[str, WaveIndex]] = {}
         self._lock = threading.Lock()
         self.step: RetroStepMetadata | None = None
@@ -95,6 +97,8 @@ class RetroRuntime:
         self._reported = {}
         self._build_seconds = {}
         self._engine = engine_config
+        self._device_type = getattr(getattr(engine_config, "device_config", None),
+                                    "device_type", "cpu")
         self.config = config
         self.step = None
         self._slot_to_req = {}
@@ -114,14 +118,18 @@ class RetroRuntime:
         if self._builder is None:
             if self.config is None:
                 raise RuntimeError("retro runtime used while retro is off for this engine")
-            self._builder = IndexBuilder(self._build, self.config.background_build)
+            steps = self.config.build_steps_on(self._device_type)
+            self._builder = IndexBuilder(self._build, background=steps > 0)
         return self._builder
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, meta: RetroStepMetadata) -> None:
-        """Free the requests the scheduler released, then publish this step's plan."""
+        """Free the requests the scheduler released, seal the builds the previous step
+        submitted, then publish this step's plan."""
         for rid in meta.released:
             self.free_request(rid)
+        if self._builder is not None:
+            self._builder.seal()
         self.step = meta
         self._slot_to_req = {row.slot: (rid, row) for rid, row in meta.rows.items()}
         self.counters.steps += 1
@@ -129,21 +137,6 @@ class RetroRuntime:
     def row_for_slot(self, slot: int) -> tuple[str, RowStep] | None:
         """The request whose last scheduled token of this step goes to ``slot``."""
         return self._slot_to_req.get(slot)
-
-    def end_step(self) -> list[tuple[str, int]]:
-        """After a step has run every layer: seal the builds it submitted, and take in the
-        requests whose every layer is now indexed. Returns them as (request id, tokens
-        indexed), for the scheduler to switch them to their index."""
-        if self._builder is None:
-            return []
-        self._builder.seal()
-        ready = []
-        for r in self._builder.take_ready():
-            for layer, index in r.indexes.items():
-                self._register(r.request_id, layer, index)
-            self.note_build_time(r.request_id, r.seconds, step=not self._builder.background)
-            ready.append((r.request_id, r.num_tokens))
-        return ready
 
     # ------------------------------------------------------------------ indexes
     def _build(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> WaveIndex:
@@ -155,8 +148,7 @@ class RetroRuntime:
     def submit_build(self, request_id: str, layer: str, keys: torch.Tensor,
                      values: torch.Tensor) -> None:
         """Hand one layer of a request's prefilled KV (keys, values: [H_kv, N, D], a private
-        copy) to the index builder; the index is this runtime's once :meth:`end_step`
-        reports the request ready."""
+        copy) to the index builder; :meth:`index` takes it over at the request's switch."""
         self.builder.submit(request_id, layer, keys.shape[1], keys, values)
 
     def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
@@ -192,7 +184,17 @@ class RetroRuntime:
             self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
-        """The index of ``request_id`` at ``layer``; a clear error if it does not exist."""
+        """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
+        from the builder, waiting for it if needed); a clear error if it does not exist."""
+        per_layer = self._indexes.get(request_id)
+        if per_layer is None and self._builder is not None:
+            ready, waited = self._builder.take(request_id)
+            self.counters.index_step_seconds += waited
+            if ready is not None:
+                for name, index in ready.indexes.items():
+                    self._register(request_id, name, index)
+                self.note_build_time(request_id, ready.seconds,
+                                     step=not self._builder.background)
         try:
             return self._indexes[request_id][layer]
         except KeyError:
@@ -208,6 +210,11 @@ class RetroRuntime:
             self.counters.index_step_seconds += self._builder.cancel(request_id)
         with self._lock:
             per_layer = self._indexes.pop(request_id, None)
+        if per_layer and self._builder is not None and self._builder.background and any(
+                i.centroids.is_cuda for i in per_layer.values()):
+            # Their memory came from the builder's stream: the caching allocator may hand it
+            # to the next build there at once, so the main stream's last reads must be done.
+            torch.cuda.current_stream().synchronize()
         for index in (per_layer or {}).values():
             index.free()
         if self._manager is not None:
