@@ -1,8 +1,8 @@
 """End-to-end offline throughput through vLLM on a real model at long prompts: retro vs stock.
 
-For each configuration (stock vLLM; retro with index builds inside the step, as before
-background builds (``build_steps`` 0); retro at its defaults, builds on the background
-builder while requests decode their first ``build_steps`` tokens densely) one in-process
+For each configuration (stock vLLM; retro at its defaults, on CPU index builds inside the
+step; retro with background builds while each request decodes its first 16 tokens from
+its paged KV, ``build_steps`` 16, the CUDA default) one in-process
 engine (prefix caching off, so every run prefills for real) runs, in the same process:
 
 1. serve: every prompt submitted at once with ``max_tokens=M``, stepped by hand.
@@ -62,7 +62,7 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[Any]:
 
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
-    "stock": None, "retro-step": {"build_steps": 0}, "retro": {}}
+    "stock": None, "retro": {}, "retro-background": {"build_steps": 16}}
 """Configuration name -> retro settings (None: stock vLLM)."""
 
 
@@ -164,13 +164,16 @@ def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any
     close(llm)
 
     pool = args.pool_requests * (args.prompt_tokens + args.max_tokens) // BLOCK + 2
-    llm = make_engine(model, retro, max_len, pool, args)
-    c = get_runtime().counters
-    c.peak_decode_rows = 0
-    cap = [p for _ in range(-(-args.capacity_requests // len(ps))) for p in ps]
-    llm.generate(cap[:args.capacity_requests], sampling(args.capacity_decode), use_tqdm=False)
-    peak = c.peak_decode_rows
-    close(llm)
+    peak = 0
+    if args.capacity_requests:
+        llm = make_engine(model, retro, max_len, pool, args)
+        c = get_runtime().counters
+        c.peak_decode_rows = 0
+        cap = [p for _ in range(-(-args.capacity_requests // len(ps))) for p in ps]
+        llm.generate(cap[:args.capacity_requests], sampling(args.capacity_decode),
+                     use_tqdm=False)
+        peak = c.peak_decode_rows
+        close(llm)
     ttft, itl, prefill_s = run["ttft_s"], run.pop("decode_steps_s"), run["prefill_s"]
     row = {
         "config": name, "retro_settings": retro, "requests": len(ps),
@@ -188,7 +191,7 @@ def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any
     share = 100 * row["index_step_share_of_prefill"]
     work = 100 * row["index_build_share_of_prefill"]
     itl_ms = 1e3 * (row["decode_step_median_s"] or 0)
-    print(f"{name:>10}: prefill {row['prompt_tokens_per_s']:7.1f} tok/s  TTFT mean "
+    print(f"{name:>16}: prefill {row['prompt_tokens_per_s']:7.1f} tok/s  TTFT mean "
           f"{row['ttft_mean_s'] or 0:6.2f} s  index in steps {share:4.1f}% (all build work "
           f"{work:4.1f}%)  index in decode steps {run['decode_index_step_s']:5.2f} s  decode "
           f"{row['decode_tokens_per_s']:6.1f} tok/s  step {itl_ms:6.1f} ms  peak concurrent "
@@ -227,7 +230,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pool-requests", type=float, default=1.5,
                     help="capacity run: KV pool size in long requests")
-    ap.add_argument("--capacity-requests", type=int, default=6)
+    ap.add_argument("--capacity-requests", type=int, default=6,
+                    help="capacity run: long requests given at once (0: skip the run)")
     ap.add_argument("--capacity-decode", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-gib", type=int, default=2, help="KV cache size (GiB) of each engine")

@@ -63,6 +63,9 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
         c = get_runtime().counters
         assert c.retro_decode_tokens == 2 * 2 * 79
         assert c.sparse_decode_tokens == 2 * 79 and c.dense_decode_tokens == 0
+        # built in the step: all of the build time was the steps'
+        assert c.index_build_seconds > 0
+        assert c.index_step_seconds == pytest.approx(c.index_build_seconds, rel=0.05)
 
 
 def _free_blocks(llm) -> int:

@@ -95,16 +95,18 @@ class IndexBuilder:
 
     # ------------------------------------------------------------------ main thread
     def submit(self, request_id: str, layer: str, num_tokens: int, keys: torch.Tensor,
-               values: torch.Tensor) -> None:
+               values: torch.Tensor, seconds: float = 0.0) -> None:
         """Queue (or, not in the background, run) the build of one layer of
         ``request_id``. keys, values: [H_kv, num_tokens, D], owned by the builder from now
-        on (a private copy, not a view of the paged cache)."""
+        on (a private copy, not a view of the paged cache); ``seconds`` already spent on
+        it (reading it back) count in the request's build time."""
         with self._cond:
             req = self._requests.get(request_id)
             if req is None or req.sealed:
                 if req is not None:
                     self._free(req)
                 req = self._requests[request_id] = _Request(num_tokens)
+            req.seconds += seconds
             if not self.background:
                 req.queued += 1
         if not self.background:

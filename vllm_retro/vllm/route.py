@@ -193,8 +193,7 @@ class RouteImplMixin:
         for b in md.plan.builds:
             t0 = time.perf_counter()
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
-            rt.note_build_time(b.request_id, time.perf_counter() - t0)
-            rt.submit_build(b.request_id, name, keys, values)
+            rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0)
         if md.plan.decodes:
             self._decode_indexed(rt, layer, kv_cache, md.plan.decodes, query, key, value, out)
         return output

@@ -9,6 +9,7 @@ counters are read from other threads (metrics, tests).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -146,10 +147,14 @@ class RetroRuntime:
         return WaveIndex.build(keys, values, self.config, store=store)
 
     def submit_build(self, request_id: str, layer: str, keys: torch.Tensor,
-                     values: torch.Tensor) -> None:
+                     values: torch.Tensor, read_seconds: float = 0.0) -> None:
         """Hand one layer of a request's prefilled KV (keys, values: [H_kv, N, D], a private
-        copy) to the index builder; :meth:`index` takes it over at the request's switch."""
-        self.builder.submit(request_id, layer, keys.shape[1], keys, values)
+        copy, read back in ``read_seconds``) to the index builder; :meth:`index` takes the
+        index over at the request's switch. The read and, when the builder runs builds in
+        the step, the build count as the step's index time."""
+        t0 = time.perf_counter()
+        self.builder.submit(request_id, layer, keys.shape[1], keys, values, read_seconds)
+        self.counters.index_step_seconds += read_seconds + time.perf_counter() - t0
 
     def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
                     values: torch.Tensor) -> WaveIndex:
@@ -174,12 +179,10 @@ class RetroRuntime:
         if old is not None:
             old.free()
 
-    def note_build_time(self, request_id: str, seconds: float, step: bool = True) -> None:
-        """Add ``seconds`` (reading back KV or indexing it) to the request's index build
-        time; ``step``: they were spent inside a step (on its critical path)."""
+    def note_build_time(self, request_id: str, seconds: float) -> None:
+        """Add ``seconds`` (reading back KV and indexing it) to the request's index build
+        time."""
         self.counters.index_build_seconds += seconds
-        if step:
-            self.counters.index_step_seconds += seconds
         with self._lock:
             self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
@@ -193,8 +196,7 @@ class RetroRuntime:
             if ready is not None:
                 for name, index in ready.indexes.items():
                     self._register(request_id, name, index)
-                self.note_build_time(request_id, ready.seconds,
-                                     step=not self._builder.background)
+                self.note_build_time(request_id, ready.seconds)
         try:
             return self._indexes[request_id][layer]
         except KeyError:
