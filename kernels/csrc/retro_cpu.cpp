@@ -353,29 +353,51 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     }
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0) score[c] = kNegInf;
-    // the k-th largest score on a copy of the values (no index indirection), then the
-    // clusters above it, then ties at it in id order; only those k get sorted
+    // The top k by (score desc, id asc), split into the first r (retrieval) and the rest
+    // (estimation), each listed in ascending cluster id (memory order, so zone reads
+    // stream; the sums are order-independent up to fp32 rounding). No sort: the k-th and
+    // r-th largest scores come from nth_element on a copy of the values (no index
+    // indirection), then one pass in id order admits clusters above each threshold and,
+    // in id order, as many ties at it as the ranking would.
     thread_local std::vector<float> vals;
     vals.assign(score.begin(), score.end());
     std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
-    const float thr = vals[k - 1];
-    order.clear();
-    order.reserve(k);
-    for (int64_t c = 0; c < C; ++c)
-      if (score[c] > thr) order.push_back(c);
-    for (int64_t c = 0; c < C && int64_t(order.size()) < k; ++c)
-      if (score[c] == thr) order.push_back(c);
-    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return score[x] > score[y] || (score[x] == score[y] && x < y);
-    });
+    const float thr_k = vals[k - 1];
+    float thr_r = std::numeric_limits<float>::infinity();
+    if (r > 0) {
+      std::nth_element(vals.begin(), vals.begin() + (r - 1), vals.begin() + k,
+                       std::greater<float>());
+      thr_r = vals[r - 1];
+    }
+    int64_t above_r = 0, above_k = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      above_r += score[c] > thr_r;
+      above_k += score[c] > thr_k;
+    }
+    const int64_t ties_r = r - above_r, ties_k = k - above_k;
+    order.assign(k, 0);
+    int64_t nr = 0, ne_ = 0, tr = 0, tk = 0;
+    for (int64_t c = 0; c < C && nr + ne_ < k; ++c) {
+      const float sc = score[c];
+      if (sc > thr_r || (sc == thr_r && tr < ties_r)) {
+        order[nr++] = c;
+        tr += sc == thr_r;
+        tk += sc == thr_k;
+      } else if (sc > thr_k || (sc == thr_k && tk < ties_k)) {
+        order[r + ne_++] = c;
+        tk += sc == thr_k;
+      }
+    }
+    if (sel != nullptr) {  // the ranking itself (tests, diagnostics)
+      std::vector<int64_t> ranked(order);
+      std::sort(ranked.begin(), ranked.end(), [&](int64_t x, int64_t y) {
+        return score[x] > score[y] || (score[x] == score[y] && x < y);
+      });
+      for (int64_t i = 0; i < S; ++i) sel[i] = i < k ? ranked[i] : -1;
+    }
+  } else if (sel != nullptr) {
+    for (int64_t i = 0; i < S; ++i) sel[i] = -1;
   }
-  if (sel != nullptr) {
-    for (int64_t i = 0; i < S; ++i) sel[i] = i < int64_t(order.size()) ? order[i] : -1;
-  }
-  // each zone read in ascending cluster order: memory order, so reads stream (the sums are
-  // order-independent up to fp32 rounding)
-  std::sort(order.begin(), order.begin() + r);
-  std::sort(order.begin() + r, order.end());
 
   // ---- 3: attention. The exact tokens (sinks, window, retrieval clusters) as one list of
   // row pointers, scored and folded in tiles of kTile rows across zone and cluster
