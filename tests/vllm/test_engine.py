@@ -115,6 +115,34 @@ def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_mod
     assert tokens == in_step == stock
 
 
+def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, monkeypatch,
+                                                                caplog):
+    # Fault injection: every build on the builder thread fails. The request goes on from
+    # its paged KV, and the switch step builds its index in the step from that KV.
+    import threading
+
+    from vllm_retro.vllm.runtime import RetroRuntime
+
+    real = RetroRuntime._build
+
+    def failing(self, request_id, keys, values):
+        if threading.current_thread().name == "retro-index-builder":
+            raise MemoryError("injected")
+        return real(self, request_id, keys, values)
+
+    monkeypatch.setattr(RetroRuntime, "_build", failing)
+    retro = {**TINY_RETRO, **FULL_BUDGET}
+    with engine(tiny_model_dir) as llm:
+        stock = _generate(llm, [1500], [30])
+    with engine(tiny_model_dir, retro={**retro, "build_steps": 4}) as llm:
+        out = _generate(llm, [1500], [30])
+        c = get_runtime().counters
+        assert c.requests_indexed == 1 and c.indexes_built == 2
+        assert c.dense_decode_tokens == 4 and c.sparse_decode_tokens == 25
+    assert "request goes on with dense attention" in caplog.text
+    assert out == stock
+
+
 def test_a_request_that_ends_within_build_steps_is_never_indexed(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 8}) as llm:
         _generate(llm, [1500, 1500], [9, 10])

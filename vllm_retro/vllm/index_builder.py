@@ -19,8 +19,9 @@ the hand-off is the same. On CUDA the thread builds on its own stream, after an 
 recorded behind the read-back, and synchronises that stream before a request is ready,
 so the main stream never waits on a build.
 
-A build that fails is logged and its request stays on its dense path (it is never
-reported ready, so its paged blocks stay); the engine goes on.
+A build that fails is logged and dropped with the rest of its request's layers; the
+request keeps decoding from its paged KV, and the step that switches it builds its index
+in the step instead (the route's fallback), so the engine goes on.
 
 The thread runs at a lower scheduling priority (nice +10, inherited by its OpenMP team),
 so on a CPU with few cores the serving thread's kernels come first.
@@ -102,9 +103,9 @@ class IndexBuilder:
         it (reading it back) count in the request's build time."""
         with self._cond:
             req = self._requests.get(request_id)
-            if req is None or req.sealed:
+            if req is None or req.sealed:  # sealed: a new build of the same request
                 if req is not None:
-                    self._free(req)
+                    self._cancel_locked(request_id)
                 req = self._requests[request_id] = _Request(num_tokens)
             req.seconds += seconds
             if not self.background:
@@ -157,15 +158,16 @@ class IndexBuilder:
         most), and free every index built for it. Returns the seconds waited."""
         t0 = time.perf_counter()
         with self._cond:
-            self._queue = deque(j for j in self._queue if j.request_id != request_id)
-            req = self._requests.pop(request_id, None)
-            if req is not None:
-                req.queued = 0
-            while self._running == request_id:
-                self._cond.wait()
-            if req is not None:
-                self._free(req)
+            self._cancel_locked(request_id)
         return time.perf_counter() - t0
+
+    def _cancel_locked(self, request_id: str) -> None:
+        self._queue = deque(j for j in self._queue if j.request_id != request_id)
+        req = self._requests.pop(request_id, None)
+        while self._running == request_id:
+            self._cond.wait()
+        if req is not None:
+            self._free(req)
 
     def pending(self) -> list[str]:
         """Request ids with builds queued, running, or built but not yet taken."""

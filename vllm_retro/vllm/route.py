@@ -204,7 +204,18 @@ class RouteImplMixin:
         """Append each indexed row's new K/V and decode its queries through the wave index:
         all rows of the layer in one :func:`decode_batch` call per token position (one
         call in all without speculative tokens)."""
-        indexes = [rt.index(d.request_id, layer.layer_name) for d in decodes]
+        name = layer.layer_name
+        for d in decodes:
+            c = d.catch_up
+            if c is not None and rt.find_index(d.request_id, name) is None:
+                # its background build failed (logged): build it now, in the switch step,
+                # from its paged KV, which stays allocated until this step has run
+                t0 = time.perf_counter()
+                keys, values = self.read_kv(layer, kv_cache, c.block_ids, c.num_tokens)
+                rt.build_index(d.request_id, name, keys, values)
+                rt.note_build_time(d.request_id, seconds := time.perf_counter() - t0)
+                rt.counters.index_step_seconds += seconds
+        indexes = [rt.index(d.request_id, name) for d in decodes]
         for d, index in zip(decodes, indexes, strict=True):
             c = d.catch_up
             if c is not None and index.num_tokens < c.num_tokens:

@@ -186,9 +186,10 @@ class RetroRuntime:
         with self._lock:
             self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
-    def index(self, request_id: str, layer: str) -> WaveIndex:
+    def find_index(self, request_id: str, layer: str) -> WaveIndex | None:
         """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
-        from the builder, waiting for it if needed); a clear error if it does not exist."""
+        from the builder, waiting for it if needed), or None when it has none (never
+        indexed here, or its background build failed)."""
         per_layer = self._indexes.get(request_id)
         if per_layer is None and self._builder is not None:
             ready, waited = self._builder.take(request_id)
@@ -197,13 +198,17 @@ class RetroRuntime:
                 for name, index in ready.indexes.items():
                     self._register(request_id, name, index)
                 self.note_build_time(request_id, ready.seconds)
-        try:
-            return self._indexes[request_id][layer]
-        except KeyError:
+                per_layer = self._indexes.get(request_id)
+        return None if per_layer is None else per_layer.get(layer)
+
+    def index(self, request_id: str, layer: str) -> WaveIndex:
+        """:meth:`find_index`, with a clear error if the index does not exist."""
+        index = self.find_index(request_id, layer)
+        if index is None:
             raise RuntimeError(
                 f"retro: no wave index for request {request_id!r} layer {layer!r}; the "
-                "scheduler planned a retro decode for a request this worker never indexed"
-            ) from None
+                "scheduler planned a retro decode for a request this worker never indexed")
+        return index
 
     def free_request(self, request_id: str) -> bool:
         """Free every index and buffer byte of ``request_id`` (and cancel its builds);
