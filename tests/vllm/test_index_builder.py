@@ -40,6 +40,13 @@ class Recorder:
         return index
 
 
+def _gated_builder() -> tuple[threading.Event, Recorder, IndexBuilder]:
+    """A background builder whose builds wait for the returned event."""
+    gate = threading.Event()
+    rec = Recorder(gate)
+    return gate, rec, IndexBuilder(rec)
+
+
 def _freed(index: WaveIndex) -> bool:
     return index.centroids.shape[1] == 0 and index.store.nbytes() == 0
 
@@ -64,9 +71,7 @@ def test_take_hands_over_every_layer_once_built(background):
 
 
 def test_take_waits_for_a_build_still_running():
-    gate = threading.Event()
-    rec = Recorder(gate)
-    b = IndexBuilder(rec)
+    gate, rec, b = _gated_builder()
     b.submit("r", "l0", 700, *_kv(0))
     assert rec.started.wait(10)
     threading.Timer(0.1, gate.set).start()
@@ -76,9 +81,7 @@ def test_take_waits_for_a_build_still_running():
 
 
 def test_cancel_drops_queued_builds_unbuilt():
-    gate = threading.Event()
-    rec = Recorder(gate)
-    b = IndexBuilder(rec)
+    gate, rec, b = _gated_builder()
     b.submit("s", "l0", 700, *_kv(1))  # runs first, held at the gate
     b.submit("r", "l0", 700, *_kv(0))
     b.submit("r", "l1", 700, *_kv(0))
@@ -93,9 +96,7 @@ def test_cancel_drops_queued_builds_unbuilt():
 
 
 def test_cancel_waits_for_the_running_build_and_frees_everything_built():
-    gate = threading.Event()
-    rec = Recorder(gate)
-    b = IndexBuilder(rec)
+    gate, rec, b = _gated_builder()
     b.submit("r", "l0", 700, *_kv(0))
     b.submit("r", "l1", 700, *_kv(1))
     b.seal()
