@@ -251,6 +251,10 @@ class WaveBufferStore:
         self.cache.free_blocks[h].extend(blocks.tolist())
         return int(blocks.size)
 
+    def settle(self) -> None:
+        """Wait until the worker has laid out every block appended so far."""
+        self._sync()
+
     def cluster_rows(self, wait: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """See :meth:`~vllm_retro.index.store.RowAddressedStore.cluster_rows`: the host tier's

@@ -22,20 +22,15 @@ so the main stream never waits on a build.
 A build that fails is logged and dropped with the rest of its request's layers; the
 request keeps decoding from its paged KV, and the step that switches it builds its index
 in the step instead (the route's fallback), so the engine goes on.
-
-The thread runs at a lower scheduling priority (nice +10, inherited by its OpenMP team),
-so on a CPU with few cores the serving thread's kernels come first.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,8 +201,6 @@ class IndexBuilder:
             self._thread.start()
 
     def _loop(self) -> None:
-        with suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             with self._cond:
                 while not self._closed and not self._queue:

@@ -144,7 +144,11 @@ class RetroRuntime:
         assert self.config is not None
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device)
-        return WaveIndex.build(keys, values, self.config, store=store)
+        index = WaveIndex.build(keys, values, self.config, store=store)
+        # the host-tier layout (on the buffer's worker) is part of the build: done here, it
+        # is never waited for by the first decode step
+        store.settle()
+        return index
 
     def submit_build(self, request_id: str, layer: str, keys: torch.Tensor,
                      values: torch.Tensor, read_seconds: float = 0.0) -> None:
