@@ -5,9 +5,10 @@ tokens complete its known sequence (prompt, or prompt + outputs after a preempti
 that sequence is at least ``RetroConfig.min_indexed_context`` long and the request may
 decode more than ``RetroConfig.build_steps`` further tokens. The workers build it in the
 background while the request decodes exactly from its paged KV for ``build_steps`` of its
-own steps; then it switches: its rows decode through the wave index, and once that step has
-run the KV-cache manager frees its paged blocks. The switch point is fixed in the
-request's tokens, so a request's output never depends on other requests or on timing.
+own steps (in that step itself when ``build_steps`` is 0); then it switches: its rows
+decode through the wave index, and once that step has run the KV-cache manager frees its
+paged blocks. The switch point is fixed in the request's tokens, so a request's output
+never depends on other requests or on timing.
 """
 
 from __future__ import annotations
@@ -50,4 +51,3 @@ class RetroStepMetadata(KVConnectorMetadata):
     released: set[str] = field(default_factory=set)
     """Requests whose worker state must be freed before this step: finished, aborted or
     preempted (a preempted request is recomputed from scratch and re-indexed)."""
-
