@@ -20,6 +20,8 @@ from torch import Tensor
 
 from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
 from vllm_retro.kernels.kmeans import (
+    available_cpu,
+    kmeans_assign_cpu,
     kmeans_assign_torch,
     kmeans_assign_triton,
     scatter_sum_torch,
@@ -65,10 +67,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def kmeans_assign(x: Tensor, centroids: Tensor, n_valid: Tensor, k_valid: Tensor,
                   backend: str = "auto") -> Tensor:
-    """Dispatching :func:`kernels.kmeans.kmeans_assign_ref` (the torch backend runs its
-    faster, bit-identical :func:`kernels.kmeans.kmeans_assign_torch`)."""
+    """Dispatching :func:`kernels.kmeans.kmeans_assign_ref`: 'auto' on CPU runs the fused C++
+    kernel (:func:`kernels.kmeans.kmeans_assign_cpu`, equal up to ties within rounding) when
+    the extension is built; the torch backend runs the reference's faster, bit-identical
+    :func:`kernels.kmeans.kmeans_assign_torch`."""
     if resolve_backend(backend, x.device) == "triton":
         return kmeans_assign_triton(x, centroids, n_valid, k_valid)
+    if backend == "auto" and x.device.type == "cpu" and available_cpu():
+        return kmeans_assign_cpu(x, centroids, n_valid, k_valid)
     return kmeans_assign_torch(x, centroids, n_valid, k_valid)
 
 

@@ -1,6 +1,9 @@
 """Fused batched decode on CPU: scoring, selection and tripartite attention of every indexed
 row of a layer in one call (a C++ extension, ``kernels/csrc/retro_cpu.cpp``).
 
+The same extension holds the CPU k-means assignment (``kernels/csrc/kmeans_cpu.cpp``,
+:func:`vllm_retro.kernels.kmeans.kmeans_assign_cpu`); this module builds and loads it.
+
 Per row (one request at one layer) the inputs are its own tensors, referenced in place: the
 meta index (centroids, value sums, sizes, the tilted estimator's spreads and deviates and
 residual-model terms), its KV pool of cluster-contiguous rows with each cluster's first row,
@@ -36,7 +39,8 @@ from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "retro_cpu.cpp"
+_CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
@@ -100,7 +104,7 @@ def _build_dir() -> tuple[pathlib.Path, str]:
     # above them)
     root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
     flags = _flags()
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
 
@@ -120,7 +124,7 @@ def load() -> Any:
             directory.mkdir(parents=True, exist_ok=True)
             flags = _flags()
             _module = cpp_extension.load(
-                name=f"vllm_retro_cpu_{key}", sources=[str(_SOURCE)],
+                name=f"vllm_retro_cpu_{key}", sources=[str(p) for p in _SOURCES],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(directory), verbose=False)
         except Exception as exc:  # compiler missing, headers missing, ...

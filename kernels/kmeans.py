@@ -79,6 +79,35 @@ def kmeans_assign_torch(
     return assign
 
 
+def kmeans_assign_cpu(
+    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor
+) -> torch.Tensor:
+    """:func:`kmeans_assign_ref` on CPU through the C++ extension
+    (``kernels/csrc/kmeans_cpu.cpp``): the similarity GEMM and the argmax fused, so the
+    [S, N, K] similarity matrix is never materialised. Same arguments and result, up to
+    rounding: each similarity is one fp32 multiply-add chain, so a choice can differ from the
+    reference only where two clusters tie to ~1e-6. Raises RuntimeError when the extension
+    is unavailable (see :func:`available_cpu`)."""
+    from vllm_retro.kernels import cpu_decode
+
+    mod = cpu_decode.load()
+    if mod is None:
+        raise RuntimeError(f"the CPU k-means kernel is unavailable: {cpu_decode.load_error()}")
+    s, n, _ = x.shape
+    out = torch.empty(s, n, dtype=torch.int64)
+    mod.kmeans_assign(x.float().contiguous(), centroids.float().contiguous(),
+                      n_valid.to(torch.int64).contiguous(), k_valid.to(torch.int64).contiguous(),
+                      out)
+    return out
+
+
+def available_cpu() -> bool:
+    """True when :func:`kmeans_assign_cpu` can run (the C++ extension is built or buildable)."""
+    from vllm_retro.kernels import cpu_decode
+
+    return cpu_decode.available()
+
+
 def scatter_sum_torch(
     x: torch.Tensor, assign: torch.Tensor, num_clusters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,8 @@ def test_wheel_has_only_the_vllm_retro_import_package(wheel: Path) -> None:
     assert tops == {"vllm_retro"}
     for module in ("vllm_retro/kernels/tripartite_attention.py", "vllm_retro/server/cli.py",
                    "vllm_retro/vllm/connector.py",
-                   "vllm_retro/kernels/csrc/retro_cpu.cpp"):  # compiled on first use
+                   "vllm_retro/kernels/csrc/retro_cpu.cpp",  # compiled on first use
+                   "vllm_retro/kernels/csrc/kmeans_cpu.cpp"):
         assert module in names
     (ep,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(ep).decode()

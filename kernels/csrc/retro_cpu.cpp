@@ -640,6 +640,11 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
   }
 }
 
+// kmeans_cpu.cpp
+void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_valid,
+                   torch::Tensor k_valid, torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
+  m.def("kmeans_assign", &kmeans_assign, "Fused nearest-centroid assignment (CPU)");
 }
