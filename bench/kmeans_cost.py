@@ -10,7 +10,10 @@ prefill (segments of 8192 tokens, one centroid per 16 tokens, 10 rounds):
 - ``after``: the fast torch path (:func:`vllm_retro.kernels.kmeans.kmeans_assign_torch`,
   :func:`~vllm_retro.kernels.kmeans.scatter_sum_torch`), bit-identical clusters, stopping
   once no key moves (exact);
-- ``after_tol``: the same with ``--tol`` (stop once a round moves at most that fraction).
+- ``after_tol``: the same with ``--tol`` (stop once a round moves at most that fraction);
+- ``fused`` / ``fused_tol``: the serving path, the 'auto' backend: on CPU the fused C++
+  assignment (:func:`vllm_retro.kernels.kmeans.kmeans_assign_cpu`, GEMM and argmax in one
+  pass, equal up to ties within rounding), on CUDA the Triton kernel.
 
 Scale: one prefill layer of the same model at the same length on the same machine (QKV and
 output projections, causal SDPA attention with GQA, SwiGLU MLP; bf16), timed in the same run.
@@ -85,6 +88,11 @@ def prefill_layer_s(n: int, device: torch.device, repeat: int) -> float:
     return _timed(layer, device, repeat)[0]
 
 
+IMPLS = {"before": "torch", "after": "torch", "after_tol": "torch", "fused": "auto",
+         "fused_tol": "auto"}
+"""Implementation -> kernel backend it clusters with (see the module docstring)."""
+
+
 def build_s(keys: torch.Tensor, values: torch.Tensor, impl: str, tol: float, iters: int,
             device: torch.device, repeat: int) -> tuple[float, int]:
     """(seconds, k-means rounds run) of clustering one layer's keys with ``impl``."""
@@ -93,8 +101,9 @@ def build_s(keys: torch.Tensor, values: torch.Tensor, impl: str, tol: float, ite
         kernels.kmeans_assign_torch, kernels.scatter_sum_torch = (km.kmeans_assign_ref,
                                                                    km.scatter_sum_ref)
         tol = -1.0
+    backend = IMPLS[impl] if device.type == "cpu" else "auto"
     try:
-        s, cl = _timed(lambda: cluster_block(keys, values, 8192, None, 16, iters, "auto", tol),
+        s, cl = _timed(lambda: cluster_block(keys, values, 8192, None, 16, iters, backend, tol),
                        device, repeat)
     finally:
         kernels.kmeans_assign_torch, kernels.scatter_sum_torch = saved
@@ -119,23 +128,32 @@ def main() -> None:
         keys, values = keys[0].to(device), values[0].to(device)
         layer = prefill_layer_s(n, device, args.repeat)
         row = {"context": n, "prefill_layer_s": layer}
-        for impl, tol in (("before", 0.0), ("after", 0.0), ("after_tol", args.tol)):
+        for impl in IMPLS:
+            tol = args.tol if impl.endswith("_tol") else 0.0
             s, rounds = build_s(keys, values, impl, tol, args.iters, device, args.repeat)
             row[f"{impl}_s"], row[f"{impl}_rounds"] = s, rounds
             row[f"{impl}_share_of_layer"] = s / layer
         row["speedup_exact"] = row["before_s"] / row["after_s"]
         row["speedup_tol"] = row["before_s"] / row["after_tol_s"]
+        row["speedup_fused"] = row["before_s"] / row["fused_s"]
+        row["speedup_fused_tol"] = row["before_s"] / row["fused_tol_s"]
         rows.append(row)
         print(f"ctx {n:>6}: layer {layer:7.3f} s | build before {row['before_s']:7.3f} s "
               f"({row['before_share_of_layer']:6.1%}, {row['before_rounds']} rounds) | after "
               f"{row['after_s']:7.3f} s ({row['after_share_of_layer']:6.1%}, "
               f"{row['after_rounds']} rounds, {row['speedup_exact']:.2f}x) | tol {args.tol} "
               f"{row['after_tol_s']:7.3f} s ({row['after_tol_share_of_layer']:6.1%}, "
-              f"{row['after_tol_rounds']} rounds, {row['speedup_tol']:.2f}x)", flush=True)
+              f"{row['after_tol_rounds']} rounds, {row['speedup_tol']:.2f}x)\n"
+              f"            fused {row['fused_s']:7.3f} s ({row['fused_share_of_layer']:6.1%}, "
+              f"{row['fused_rounds']} rounds, {row['speedup_fused']:.2f}x) | fused tol "
+              f"{row['fused_tol_s']:7.3f} s ({row['fused_tol_share_of_layer']:6.1%}, "
+              f"{row['fused_tol_rounds']} rounds, {row['speedup_fused_tol']:.2f}x)", flush=True)
     out = args.out or ROOT / "bench" / "results" / f"kmeans_cost_{device.type}.json"
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"
             else platform.processor() or platform.machine(),
             "threads": args.threads, "iters": args.iters, "tol": args.tol,
+            "fused_assignment": "triton" if device.type == "cuda" else
+            "C++ extension" if km.available_cpu() else "torch (extension unavailable)",
             "shape": {"kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "segment": 8192,
                       "tokens_per_cluster": 16}}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,35 @@ def available() -> bool:
     return load() is not None
 
 
+@dataclass(slots=True)
+class PackedRow:
+    """One row's argument lists for the extension, in :func:`decode_packed`'s order. Built
+    by :func:`pack_row`; reusable for as long as the row's tensors stay the same objects
+    (a caller can keep it across steps and pass the window's current length per call)."""
+
+    meta: list[torch.Tensor]
+    tilt: list[torch.Tensor]
+    """Empty for the paper's estimator."""
+    kv: list[torch.Tensor]
+    steady: list[torch.Tensor]
+    ints: list[int]
+    """head_rows, start_mult, sinks, window rows, retrieval clusters, estimated clusters."""
+    heads: int
+
+
+def pack_row(r: DecodeRow, tilted: bool, n_win: int | None = None) -> PackedRow:
+    """``r``'s argument lists. ``n_win``: the window rows to attend (the first ``n_win`` of
+    ``r.win_k``; all of them when None), so ``r.win_k`` may be a preallocated buffer."""
+    return PackedRow(
+        meta=[r.centroids, r.value_sums, r.sizes, r.spreads, r.deviates],
+        tilt=[r.profile, r.key_factor, r.value_factor] if tilted else [],
+        kv=[r.kv_keys, r.kv_values, r.cluster_starts],
+        steady=[r.sink_k, r.sink_v, r.win_k, r.win_v],
+        ints=[r.head_rows, r.start_mult, r.sink_k.shape[1],
+              r.win_k.shape[1] if n_win is None else n_win, r.n_retrieval, r.n_estimation],
+        heads=r.centroids.shape[0])
+
+
 def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool,
                 selection_width: int = 0, out: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,13 +188,23 @@ def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted
     clusters in score order, retrieval first, -1 padding). ``out``, when given ([B, Hq, D],
     query's dtype, last dim contiguous), receives the output in place.
     """
+    return decode_packed(query, [pack_row(r, tilted) for r in rows], scale, tilted,
+                         selection_width, out)
+
+
+def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
+                  selection_width: int = 0, out: torch.Tensor | None = None,
+                  n_win: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`decode_rows` on packed rows (:func:`pack_row`); ``n_win``, when given, the
+    window rows each row attends this call (overriding its packed count)."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
     b, hq, _ = query.shape
     if len(rows) != b:
         raise ValueError(f"{len(rows)} rows for a query batch of {b}")
-    h = rows[0].centroids.shape[0] if rows else 1
+    h = rows[0].heads if rows else 1
     if out is None:
         out = torch.empty_like(query)
     lse = torch.empty(b, hq, dtype=torch.float32)
@@ -175,14 +214,16 @@ def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted
     kv: list[torch.Tensor] = []
     steady: list[torch.Tensor] = []
     ints: list[int] = []
-    for r in rows:
-        meta += [r.centroids, r.value_sums, r.sizes, r.spreads, r.deviates]
-        if tilted:
-            tilt += [r.profile, r.key_factor, r.value_factor]
-        kv += [r.kv_keys, r.kv_values, r.cluster_starts]
-        steady += [r.sink_k, r.sink_v, r.win_k, r.win_v]
-        ints += [r.head_rows, r.start_mult, r.sink_k.shape[1], r.win_k.shape[1],
-                 r.n_retrieval, r.n_estimation]
+    for i, r in enumerate(rows):
+        meta += r.meta
+        tilt += r.tilt
+        kv += r.kv
+        steady += r.steady
+        ints += r.ints
+        if n_win is not None:
+            ints[-3] = n_win[i]
+    if tilted and len(tilt) != 3 * b:
+        raise ValueError("tilted decoding needs every row packed with its tilted terms")
     mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted)
     return out, lse, sel
 

@@ -63,3 +63,39 @@ def test_falls_back_to_per_row_for_other_backends():
     assert not fused_supported(index, q)
     out = decode_batch([index], q, 0.125)
     torch.testing.assert_close(out[0], index.decode(q[0], 0.125).output)
+
+
+@pytest.mark.parametrize("wave_buffer", [True, False])
+def test_packed_view_follows_the_index(wave_buffer):
+    """The fused kernel's packed view of an index is kept across steps while only the
+    window's length changes, and rebuilt when the window buffer is replaced (an append
+    larger than its room) or a block joins the meta index; outputs equal the per-row
+    reference throughout."""
+    g = torch.Generator().manual_seed(7)
+    cfg = _cfg()
+    h, d, dtype = 2, 64, torch.float32
+    mgr = WaveBufferManager(cfg) if wave_buffer else None
+    store = mgr.store("r", h, d, dtype, "cpu") if mgr else None
+    index = WaveIndex.build(torch.randn(h, 900, d, generator=g),
+                            torch.randn(h, 900, d, generator=g), cfg, store=store)
+
+    def check() -> None:
+        q = torch.randn(1, h * 2, d, generator=g)
+        out = decode_batch([index], q, d ** -0.5)
+        torch.testing.assert_close(out[0], index.decode(q[0], d ** -0.5).output,
+                                   rtol=1e-5, atol=1e-5)
+
+    check()
+    view = index.fused_view
+    assert view is not None
+    index.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
+    check()
+    assert index.fused_view is view  # one more window row: same view, length per call
+    clusters = index.num_clusters
+    big = 3 * cfg.update_segment  # more than the window buffer holds: regrown, blocks land
+    assert index.append(torch.randn(h, big, d, generator=g), torch.randn(h, big, d, generator=g))
+    assert index.num_clusters > clusters
+    check()
+    assert index.fused_view is not view
+    if mgr:
+        mgr.close()

@@ -17,11 +17,17 @@ cluster choice is the same up to exact ties of scores).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode, resolve_backend
+
+_ROW_ADDRESSED: dict[type, bool] = {}
+"""Store class -> whether it is a :class:`RowAddressedStore` (a runtime protocol check is
+slow, and it is asked for every row of every layer at every step)."""
 
 
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
@@ -29,11 +35,14 @@ def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     :class:`WaveIndex` (not a baseline subclass) on the CPU with the 'auto' kernel backend,
     a store that exposes its rows (:class:`RowAddressedStore`), the query in the index's
     dtype, and the kernel built."""
-    return (type(index) is WaveIndex and query.device.type == "cpu"
-            and index.backend == "auto" and resolve_backend("auto", query.device) == "torch"
-            and query.dtype == index.centroids.dtype
-            and isinstance(index.store, RowAddressedStore)
-            and cpu_decode.available())
+    if type(index) is not WaveIndex or query.device.type != "cpu" or index.backend != "auto":
+        return False
+    kind = type(index.store)
+    addressed = _ROW_ADDRESSED.get(kind)
+    if addressed is None:
+        addressed = _ROW_ADDRESSED[kind] = isinstance(index.store, RowAddressedStore)
+    return (addressed and query.dtype == index.centroids.dtype
+            and resolve_backend("auto", query.device) == "torch" and cpu_decode.available())
 
 
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
@@ -55,6 +64,19 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
         win_v=index.win_v, n_retrieval=cfg.num_retrieval(c), n_estimation=cfg.num_estimation(c))
 
 
+def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
+    """The fused kernel's packed arguments for ``index`` with its whole window buffer (the
+    caller passes the window's length per call), cached on the index
+    (:attr:`WaveIndex.fused_view`) until its meta index, store layout or window buffer
+    changes, so a decode step does no per-row Python work beyond the lookup."""
+    packed = index.fused_view
+    if packed is None:
+        win_k, win_v, n_win = index.window_rows()
+        row = dataclasses.replace(decode_row(index), win_k=win_k, win_v=win_v)
+        packed = index.fused_view = cpu_decode.pack_row(row, tilted, n_win)
+    return packed
+
+
 def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Tripartite decode of row ``b``'s query ``query[b]`` ([B, Hq, D]) over ``indexes[b]``,
@@ -69,8 +91,9 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if not indexes:
         return out
     if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
-        cpu_decode.decode_rows(query, [decode_row(i) for i in indexes], scale,
-                               indexes[0].config.estimator == "tilted", out=out)
+        tilted = indexes[0].config.estimator == "tilted"
+        cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
+                                 tilted, out=out, n_win=[i.window_rows()[2] for i in indexes])
         return out
     for b, index in enumerate(indexes):
         out[b] = index.decode(query[b], scale).output.to(out.dtype)

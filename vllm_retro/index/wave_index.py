@@ -110,6 +110,11 @@ class WaveIndex:
         self._landing: Clusters | None = None
         """An update block clustered and handed to the store, whose clusters join the meta
         index (and whose tokens leave the window) once the store has taken it in."""
+        self.fused_view: Any = None
+        """The fused CPU kernel's packed view of this index
+        (:func:`vllm_retro.index.batched.packed_row`), kept across steps; reset to None
+        whenever the meta index (with it the store's layout) or the window buffer is
+        replaced."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -146,6 +151,12 @@ class WaveIndex:
         self._win_buf_k[:, :n] = keys
         self._win_buf_v[:, :n] = values
         self._win_len = n
+        self.fused_view = None
+
+    def window_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(keys, values, n): the window's preallocated buffers [H, capacity, D], whose first
+        ``n`` rows are the local window (:attr:`win_k`, :attr:`win_v`)."""
+        return self._win_buf_k, self._win_buf_v, self._win_len
 
     @property
     def win_k(self) -> torch.Tensor:
@@ -178,6 +189,7 @@ class WaveIndex:
 
     def _add_meta(self, clusters: Clusters) -> None:
         """Append a block's clusters to the meta index (its KV is already in the store)."""
+        self.fused_view = None
         self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
         self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
         self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
@@ -316,7 +328,7 @@ class WaveIndex:
     def free(self) -> None:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
-        self._pending = self._landing = None
+        self._pending = self._landing = self.fused_view = None
         empty = self.centroids[:, :0]
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
         self._win_buf_k = self._win_buf_v = empty
