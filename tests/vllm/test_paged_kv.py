@@ -81,3 +81,24 @@ def test_cuda_backend_classes_wrap_flash_attention():
     builder = RetroFlashAttentionBackend.get_builder_cls()
     assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER
     assert RetroFlashAttentionBackend.get_impl_cls().__name__ == "RetroFlashAttentionImpl"
+
+
+@pytest.mark.parametrize("isa, dtype, block_size, head_dim", _isas())
+def test_strided_read_equals_the_gather(isa, dtype, block_size, head_dim):
+    """Strided layouts are read as views; the gather (every layout) gives the same tensors,
+    from any first token."""
+    from vllm_retro.vllm.paged_kv import _gather_halves, affine_layout
+
+    if isa == "vec":
+        assert affine_layout(isa, dtype, block_size, head_dim) is not None
+    g = torch.Generator().manual_seed(2)
+    h, n = 2, 2 * block_size + 7
+    kv = torch.randn(6, h, block_size, 2 * head_dim, generator=g).to(dtype)
+    blocks = torch.tensor([4, 1, 3])
+    for first in (0, 5, block_size + 1):
+        k, v = read_cpu_paged_kv(kv, blocks, n, isa, first)
+        planes = kv.reshape(6, h, -1).index_select(0, blocks[first // block_size:])
+        lo = first % block_size
+        gk, gv = _gather_halves(planes, isa, block_size, head_dim, lo, lo + n - first)
+        assert torch.equal(k, gk) and torch.equal(v, gv)
+        assert k.is_contiguous() and k.shape == (h, n - first, head_dim)

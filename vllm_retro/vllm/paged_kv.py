@@ -72,6 +72,27 @@ def _blocks_for(block_ids: torch.Tensor, first: int, num_tokens: int, block_size
     return block_ids[first // block_size:need].to(device=device, dtype=torch.long)
 
 
+@functools.cache
+def affine_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int
+                  ) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """When both halves of the plane are strided views — element ``(t, d)`` at
+    ``offset + t * stride_t + d * stride_d`` (``vec`` stores keys dimension-major and
+    values token-major) — their ``(offset, stride_t, stride_d)`` for keys and for values;
+    None for layouts that are not (tiled ISAs), which are read by a gather."""
+    out = []
+    for pos in plane_layout(isa, dtype, block_size, head_dim):
+        grid = pos.view(block_size, head_dim)
+        off = int(grid[0, 0])
+        st = int(grid[1, 0]) - off if block_size > 1 else 0
+        sd = int(grid[0, 1]) - off if head_dim > 1 else 0
+        t = torch.arange(block_size)[:, None]
+        d = torch.arange(head_dim)[None, :]
+        if not torch.equal(grid, off + t * st + d * sd):
+            return None
+        out.append((off, st, sd))
+    return out[0], out[1]
+
+
 def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
                       isa: str, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of tokens ``[first, num_tokens)`` of one request.
@@ -79,20 +100,36 @@ def read_cpu_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_token
     kv_cache: [num_blocks, H_kv, block_size, 2 * D] as vLLM's CPU backend holds it;
     block_ids: the request's block-table row (at least ``ceil(num_tokens / block_size)``
     entries); isa: the layer's kernel ISA. Returns two contiguous
-    [H_kv, num_tokens - first, D].
+    [H_kv, num_tokens - first, D]. Strided layouts (:func:`affine_layout`) are read as
+    views, one copy per half; others by one gather of both halves.
     """
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
     ids = _blocks_for(block_ids, first, num_tokens, bs, kv_cache.device)
     need = ids.numel()
     lo, hi = first % bs, first % bs + num_tokens - first
-    k_pos, v_pos = plane_layout(isa, kv_cache.dtype, bs, d)
-    planes = kv_cache.reshape(nb, h, 2 * bs * d).index_select(0, ids)  # [need, H, plane]
-    keys = planes.index_select(2, k_pos).view(need, h, bs, d)
-    values = planes.index_select(2, v_pos).view(need, h, bs, d)
-    keys = keys.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, lo:hi]
-    values = values.permute(1, 0, 2, 3).reshape(h, need * bs, d)[:, lo:hi]
-    return keys.contiguous(), values.contiguous()
+    plane = 2 * bs * d
+    planes = kv_cache.reshape(nb, h, plane).index_select(0, ids)  # [need, H, plane]
+    affine = affine_layout(isa, kv_cache.dtype, bs, d)
+    if affine is None:
+        return _gather_halves(planes, isa, bs, d, lo, hi)
+    halves = []
+    for off, st, sd in affine:
+        half = planes.as_strided((h, need, bs, d), (plane, h * plane, st, sd),
+                                 planes.storage_offset() + off)
+        halves.append(half.reshape(h, need * bs, d)[:, lo:hi].contiguous())
+    return halves[0], halves[1]
+
+
+def _gather_halves(planes: torch.Tensor, isa: str, bs: int, d: int, lo: int, hi: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [H, hi - lo, D] of block planes [need, H, plane] in any layout: one
+    gather of both halves by :func:`plane_layout`'s positions, then one copy each."""
+    need, h, _ = planes.shape
+    k_pos, v_pos = plane_layout(isa, planes.dtype, bs, d)
+    both = planes.index_select(2, torch.cat([k_pos, v_pos])).view(need, h, 2, bs, d)
+    both = both.permute(2, 1, 0, 3, 4).reshape(2, h, need * bs, d)[:, :, lo:hi]
+    return both[0].contiguous(), both[1].contiguous()
 
 
 def read_flash_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
