@@ -66,3 +66,32 @@ def test_tilt_tracks_the_true_mass_of_gaussian_clusters(rng):
             assert abs(tilt - true) < 0.25 * true, (n, sigma, true, tilt)  # v/2: up to 240%
             if sigma >= 2:  # below, both are within sampling noise of the truth
                 assert abs(tilt - true) < abs(lognormal - true), (n, sigma, true, tilt)
+
+
+def test_update_blocks_track_the_exact_low_rank_factors(qwen_capture):
+    """After the first (exact) block, each further block refines the factors by one
+    block-power step instead of a full SVD. On real Qwen keys and values (a 1024-token
+    first block, then three 1024-token update blocks of 64 clusters, every captured layer),
+    the value shift of the real queries stays as close to the full-rank one as an exact
+    rank-8 SVD of the same pooled moments gets, within 2% of its norm (measured: at most
+    1.2% further, on a truncation that is itself 16-45% off; where the spectrum is flat
+    around rank 8 the two pick different, equally good directions)."""
+    cpu = torch.device("cpu")
+    for layer, data in qwen_capture["layers"].items():
+        k, v = data["k"], data["v"]
+        h, _, d = k.shape
+        q = data["q"].reshape(h, -1, d)  # query heads of each KV head's group, all steps
+        model = ResidualModel(h, d, cpu)
+        for block in range(4):
+            kb, vb = k[:, block * 1024:(block + 1) * 1024], v[:, block * 1024:(block + 1) * 1024]
+            cl = cluster_block(kb, vb, 1024, None if block == 0 else [64], 16, 3,
+                               backend="torch")
+            model.add(cl.key_sq, cl.cross)
+            exact = ResidualModel(h, d, cpu)
+            exact.add(model.key_sq, model.cross)  # one exact SVD of the pooled sums
+            full = ResidualModel(h, d, cpu, rank=d)
+            full.add(model.key_sq, model.cross)
+            target = full.query_terms(q, qwen_capture["scale"])[1]
+            got = (model.query_terms(q, qwen_capture["scale"])[1] - target).norm()
+            best = (exact.query_terms(q, qwen_capture["scale"])[1] - target).norm()
+            assert got <= best + 0.02 * target.norm(), f"layer {layer} block {block}"

@@ -57,29 +57,39 @@ class HostTier:
         """Bytes allocated for keys and values."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def reserve(self, pages: int) -> int:
-        """Claim ``pages`` more pages (growing the pool by >= 1.5x when full); returns the
-        first claimed page. Called from the update worker, so it copies with numpy (see
+    def reserve(self, pages: int, headroom: int = 0) -> int:
+        """Claim ``pages`` more pages; returns the first claimed page. When the pool is full
+        it grows (see :meth:`ensure_room`), to ``headroom`` pages beyond the claim if it was
+        empty (a first allocation copies nothing, so the room for the next block is free
+        to take now). Called from the update worker, so it copies with numpy (see
         :func:`bits`)."""
         start = self.used_pages
-        need = start + pages
-        if need > self.capacity_pages:
-            cap = max(need, (3 * self.capacity_pages) // 2)
-            before = self.nbytes()
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = torch.empty(cap, self.page_size, self.head_dim, dtype=self.dtype,
-                                  pin_memory=self.pin)
-                new_np = bits(new)
-                new_np[: self.used_pages] = bits(old)[: self.used_pages]
-                new_np[self.used_pages:] = 0
-                setattr(self, name, new)
-            pos = np.full(cap * self.page_size, -1, dtype=np.int64)
-            pos[: self.positions.numel()] = self.positions.numpy()
-            self.positions = torch.from_numpy(pos)
-            self.stats.add(host_bytes=self.nbytes() - before)
-        self.used_pages = need
+        self.ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
+        self.used_pages = start + pages
         return start
+
+    def ensure_room(self, pages: int) -> bool:
+        """Grow the pool (by >= 1.5x, copying the used pages) unless ``pages`` more fit;
+        True when it grew. The grown pool replaces the old one whole, after the copy, so
+        a reader holding the old pool still reads every page laid out before."""
+        need = self.used_pages + pages
+        if need <= self.capacity_pages:
+            return False
+        cap = max(need, (3 * self.capacity_pages) // 2)
+        before = self.nbytes()
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(cap, self.page_size, self.head_dim, dtype=self.dtype,
+                              pin_memory=self.pin)
+            new_np = bits(new)
+            new_np[: self.used_pages] = bits(old)[: self.used_pages]
+            new_np[self.used_pages:] = 0
+            setattr(self, name, new)
+        pos = np.full(cap * self.page_size, -1, dtype=np.int64)
+        pos[: self.positions.numel()] = self.positions.numpy()
+        self.positions = torch.from_numpy(pos)
+        self.stats.add(host_bytes=self.nbytes() - before)
+        return True
 
     def write_rows(self, rows: np.ndarray, keys: np.ndarray, values: np.ndarray,
                    positions: np.ndarray) -> None:

@@ -62,6 +62,9 @@ class WaveBufferStore:
                                       stats)
         self.table = ClusterMappingTable(num_heads, self.page_size)
         self._pending: Future | None = None
+        self._growing: Future | None = None
+        """The host tier's growth for the next block, queued after a layout (nothing waits
+        for it but the next layout, behind it in the worker's queue, and :meth:`free`)."""
         self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None
         self._clock = 0
@@ -99,8 +102,20 @@ class WaveBufferStore:
         n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]
         self._sync()  # no update of this store may touch the free lists while they grow
         self._grow_cache(n_pages.sum(axis=1))
-        self._pending = self.manager.worker.submit(
+        worker = self.manager.worker
+        self._pending = worker.submit(
             lambda: self._ingest(staged, positions.cpu().numpy(), order, sizes, n_pages))
+        # Room for the next update block, made now on the worker: the step that lands that
+        # block then waits only for its own rows, never for the pool to be copied (at 16K
+        # tokens x 8 heads a growth is ~70 ms, most of it first-touch page faults).
+        self._growing = worker.submit(lambda: self.host.ensure_room(self._block_pages()))
+
+    def _block_pages(self) -> int:
+        """Host pages one update block can take at most: each head's tokens in pages, plus
+        one partly filled page per cluster."""
+        cfg = self.config
+        per_head = -(-cfg.update_segment // self.page_size) + cfg.update_clusters
+        return self.num_heads * per_head
 
     def _ingest(self, staged: tuple, positions: np.ndarray, order: np.ndarray,
                 sizes: np.ndarray, n_pages: np.ndarray) -> None:
@@ -111,7 +126,7 @@ class WaveBufferStore:
             event.synchronize()
         h, c = sizes.shape
         m = order.shape[1]
-        first = self.host.reserve(int(n_pages.sum()))
+        first = self.host.reserve(int(n_pages.sum()), headroom=self._block_pages())
         flat_pages = n_pages.reshape(-1)
         page_start = (first + np.cumsum(flat_pages) - flat_pages).reshape(h, c)
         # token t of head-major, cluster-contiguous order belongs to flat cluster f
@@ -329,7 +344,9 @@ class WaveBufferStore:
             return
         try:
             self._sync()
+            self.manager.worker.wait(self._growing)
         finally:
+            self._growing = None
             self._freed = True
             self._step = None
             self._staged = None
