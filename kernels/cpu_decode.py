@@ -132,8 +132,9 @@ def load() -> Any:
             # the compiler's first error says why; ninja's last line only that it stopped
             first = next((ln for ln in lines if "error:" in ln), lines[-1])
             _error = f"{type(exc).__name__}: {first.strip()}"
-            logger.warning("vllm-retro: the fused CPU decode kernel could not be built (%s); "
-                           "decoding falls back to the per-row path", _error)
+            logger.warning("vllm-retro: the fused CPU kernels could not be built (%s); "
+                           "decoding falls back to the per-row path and index builds to "
+                           "the torch k-means", _error)
         return _module
 
 
@@ -281,15 +282,15 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
 def main() -> int:
     """Build (or find) the extension; print where it is. Used by the setup script."""
     if os.environ.get("VLLM_RETRO_SKIP_CPU_EXT"):
-        print("== fused CPU decode kernel: skipped (VLLM_RETRO_SKIP_CPU_EXT)")
+        print("== fused CPU decode and k-means kernels: skipped (VLLM_RETRO_SKIP_CPU_EXT)")
         return 0
     directory, _ = _build_dir()
     mod = load()
     if mod is None:
-        print(f"== fused CPU decode kernel: NOT built ({_error}); decoding will use the "
-              "slower per-row path")
+        print(f"== fused CPU decode and k-means kernels: NOT built ({_error}); decoding "
+              "will use the slower per-row path, index builds the torch k-means")
         return 1
-    print(f"== fused CPU decode kernel: ready in {directory}")
+    print(f"== fused CPU decode and k-means kernels: ready in {directory}")
     return 0
 
 
