@@ -74,7 +74,7 @@ def test_update_blocks_track_the_exact_low_rank_factors(qwen_capture):
     first block, then three 1024-token update blocks of 64 clusters, every captured layer),
     the value shift of the real queries stays as close to the full-rank one as an exact
     rank-8 SVD of the same pooled moments gets, within 2% of its norm (measured: at most
-    1.2% further, on a truncation that is itself 16-45% off; where the spectrum is flat
+    1.7% further, on truncations that are themselves 16-50% off; where the spectrum is flat
     around rank 8 the two pick different, equally good directions)."""
     cpu = torch.device("cpu")
     for layer, data in qwen_capture["layers"].items():
