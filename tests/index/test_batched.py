@@ -78,6 +78,8 @@ def test_packed_view_follows_the_index(wave_buffer):
     store = mgr.store("r", h, d, dtype, "cpu") if mgr else None
     index = WaveIndex.build(torch.randn(h, 900, d, generator=g),
                             torch.randn(h, 900, d, generator=g), cfg, store=store)
+    if store is not None:
+        store.settle()  # as the runtime does after a build
 
     def check() -> None:
         q = torch.randn(1, h * 2, d, generator=g)
@@ -98,4 +100,12 @@ def test_packed_view_follows_the_index(wave_buffer):
     check()
     assert index.fused_view is not view
     if mgr:
+        # the worker grows the host pool for the next block: the view re-reads the new pool
+        # at the next step (so the old one is released) and decodes the same
+        store.settle()
+        view = index.fused_view
+        assert store.host.ensure_room(store.host.capacity_pages)
+        check()
+        assert index.fused_view is not view
+        assert index.fused_view[1].kv[0].data_ptr() == store.host.k.data_ptr()
         mgr.close()

@@ -43,6 +43,8 @@ class HostTier:
         self.positions = torch.full((0,), -1, dtype=torch.int64)
         """[capacity_pages * page_size] absolute token position of each row (-1 = padding)."""
         self.used_pages = 0
+        self.generation = 0
+        """Pools replaced so far (a growth replaces ``k``, ``v`` and ``positions``)."""
 
     def _alloc(self, pages: int) -> torch.Tensor:
         return torch.zeros(pages, self.page_size, self.head_dim, dtype=self.dtype,
@@ -88,6 +90,7 @@ class HostTier:
         pos = np.full(cap * self.page_size, -1, dtype=np.int64)
         pos[: self.positions.numel()] = self.positions.numpy()
         self.positions = torch.from_numpy(pos)
+        self.generation += 1
         self.stats.add(host_bytes=self.nbytes() - before)
         return True
 

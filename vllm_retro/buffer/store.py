@@ -267,8 +267,11 @@ class WaveBufferStore:
         return int(blocks.size)
 
     def settle(self) -> None:
-        """Wait until the worker has laid out every block appended so far."""
+        """Wait until the worker has laid out every block appended so far and made room for
+        the next one."""
         self._sync()
+        self.manager.worker.wait(self._growing)
+        self._growing = None
 
     def cluster_rows(self, wait: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -286,6 +289,12 @@ class WaveBufferStore:
         d = self.head_dim
         return (self.host.k.view(-1, d), self.host.v.view(-1, d),
                 torch.from_numpy(self.table.page_start), 0, self.page_size)
+
+    @property
+    def layout_generation(self) -> int:
+        """See :attr:`~vllm_retro.index.store.RowAddressedStore.layout_generation`: the host
+        tier's pool generation (the worker replaces the pools when it grows them)."""
+        return self.host.generation
 
     def step_done(self) -> None:
         """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""

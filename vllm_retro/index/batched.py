@@ -67,14 +67,16 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
 def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
     """The fused kernel's packed arguments for ``index`` with its whole window buffer (the
     caller passes the window's length per call), cached on the index
-    (:attr:`WaveIndex.fused_view`) until its meta index, store layout or window buffer
-    changes, so a decode step does no per-row Python work beyond the lookup."""
-    packed = index.fused_view
-    if packed is None:
+    (:attr:`WaveIndex.fused_view`) until its meta index or window buffer changes or its
+    store replaces its pools (then the old pools are released), so a decode step does no
+    per-row Python work beyond the lookup."""
+    generation = index.store.layout_generation
+    view = index.fused_view
+    if view is None or view[0] != generation:
         win_k, win_v, n_win = index.window_rows()
         row = dataclasses.replace(decode_row(index), win_k=win_k, win_v=win_v)
-        packed = index.fused_view = cpu_decode.pack_row(row, tilted, n_win)
-    return packed
+        view = index.fused_view = (generation, cpu_decode.pack_row(row, tilted, n_win))
+    return view[1]
 
 
 def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,

@@ -77,6 +77,12 @@ class RowAddressedStore(Protocol):
         wait for background work on the newest block (its rows may be missing)."""
         ...
 
+    @property
+    def layout_generation(self) -> int:
+        """Changes whenever the pools :meth:`cluster_rows` returns are replaced (a caller
+        holding them re-reads them then, so the replaced pools can be released)."""
+        ...
+
 
 class DenseClusterStore:
     """All indexed KV in one cluster-contiguous tensor pair per request-layer (no tiers)."""
@@ -86,6 +92,8 @@ class DenseClusterStore:
         self.values = torch.empty_like(self.keys)
         self.positions = torch.empty(num_heads, 0, dtype=torch.int64, device=device)
         self.offsets = torch.zeros(num_heads, 1, dtype=torch.int64, device=device)
+        self.layout_generation = 0
+        """See :attr:`RowAddressedStore.layout_generation`."""
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Nothing to move: the KV stays where it is."""
@@ -98,6 +106,7 @@ class DenseClusterStore:
         self.values = torch.cat([self.values, take_rows(values, clusters.order)], dim=1)
         self.positions = torch.cat([self.positions, positions[clusters.order]], dim=1)
         self.offsets = torch.cat([self.offsets, clusters.offsets[:, 1:] + base], dim=1)
+        self.layout_generation += 1
 
     def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

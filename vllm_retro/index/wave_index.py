@@ -111,10 +111,10 @@ class WaveIndex:
         """An update block clustered and handed to the store, whose clusters join the meta
         index (and whose tokens leave the window) once the store has taken it in."""
         self.fused_view: Any = None
-        """The fused CPU kernel's packed view of this index
-        (:func:`vllm_retro.index.batched.packed_row`), kept across steps; reset to None
-        whenever the meta index (with it the store's layout) or the window buffer is
-        replaced."""
+        """The fused CPU kernel's packed view of this index and the store's layout generation
+        it was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps;
+        reset to None whenever the meta index (with it the store's layout) or the window
+        buffer is replaced."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
