@@ -88,7 +88,8 @@ def build_prompts(n: int, prompt_tokens: int, cpt: float, seed: int) -> list[str
 @dataclass
 class RequestResult:
     """One request as the client saw it (times in seconds from the run's start;
-    ``token_times``: when each streamed token arrived)."""
+    ``token_times``: when each streamed token arrived, from the per-chunk usage the server
+    reports, so tokens coalesced into one chunk share its time)."""
 
     index: int
     start: float = 0.0
@@ -132,7 +133,10 @@ async def one_request(client: Any, args: argparse.Namespace, model: str, prompt:
     chat = args.api == "chat"
     common = dict(model=model, max_tokens=args.max_tokens, temperature=args.temperature,
                   seed=args.seed + res.index, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                  # continuous usage: every chunk says how many tokens it carries (the
+                  # server coalesces tokens into one chunk when the client falls behind)
+                  stream_options={"include_usage": True, "continuous_usage_stats": True},
+                  extra_body={"ignore_eos": True})
     res.start = time.perf_counter() - t0
     try:
         if chat:
@@ -140,14 +144,22 @@ async def one_request(client: Any, args: argparse.Namespace, model: str, prompt:
                 messages=[{"role": "user", "content": prompt}], **common)
         else:
             stream = await client.completions.create(prompt=prompt, **common)
+        seen = 0  # completion tokens accounted for so far
         async for chunk in stream:
             now = time.perf_counter() - t0
-            if _is_token_chunk(chunk, chat):
+            usage = chunk.usage
+            if usage is not None and usage.completion_tokens is not None:
+                # each token of a chunk arrived with it (a coalesced chunk: zero gaps)
+                res.token_times += [now] * max(usage.completion_tokens - seen, 0)
+                seen = max(seen, usage.completion_tokens)
+            elif _is_token_chunk(chunk, chat):  # a server without per-chunk usage
                 res.token_times.append(now)
+                seen += 1
+            if _is_token_chunk(chunk, chat):
                 res.finish_reason = chunk.choices[0].finish_reason or res.finish_reason
-            if chunk.usage is not None:
-                res.prompt_tokens = chunk.usage.prompt_tokens
-                res.completion_tokens = chunk.usage.completion_tokens
+            if usage is not None:
+                res.prompt_tokens = usage.prompt_tokens
+                res.completion_tokens = usage.completion_tokens
         res.end = time.perf_counter() - t0
         if not res.token_times:
             res.error = "no tokens streamed"
@@ -207,7 +219,7 @@ def client_summary(results: list[RequestResult], wall_s: float,
         "errors": len(results) - len(ok),
         "error_messages": sorted({r.error for r in results if r.error}),
         "short_outputs": sum(r.completion_tokens != max_tokens for r in ok),
-        "chunk_token_mismatches": sum(len(r.token_times) != r.completion_tokens for r in ok),
+        "timed_token_mismatches": sum(len(r.token_times) != r.completion_tokens for r in ok),
         "wall_s": wall_s,
         "prompt_tokens": prompt,
         "generation_tokens": gen,
@@ -388,7 +400,7 @@ def run_against(args: argparse.Namespace, url: str) -> dict[str, Any]:
     print(format_report(client, server, rows), flush=True)
     return {"model": model, "chars_per_token": cpt, "client": client, "server": server,
             "comparison": rows,
-            "per_request": [asdict(r) | {"n_token_chunks": len(r.token_times)}
+            "per_request": [asdict(r) | {"n_timed_tokens": len(r.token_times)}
                             for r in results],
             "_results": results}
 
