@@ -33,7 +33,7 @@ from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, eviction_order
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
-from vllm_retro.index.store import SteadyParts
+from vllm_retro.index.store import SteadyParts, fill_steady
 from vllm_retro.kernels.gather import HIT, MISS
 
 if TYPE_CHECKING:
@@ -153,40 +153,56 @@ class WaveBufferStore:
 
     # ------------------------------------------------------------------ decode
     def _sync(self) -> None:
+        """Wait for this store's pending worker job; a decode step's update the caller has
+        not joined yet is joined first (its admission plan must not be dropped)."""
+        if self._step is not None:
+            self.step_done()
         self.manager.worker.wait(self._pending)
         self._pending = None
 
     def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See :meth:`ClusterStore.gather`."""
-        if self._freed:
-            raise RuntimeError("this wave buffer store was freed")
-        self._sync()
+        """See :meth:`ClusterStore.gather` (into the manager's shared execution buffer)."""
         ids = cluster_ids.detach().to("cpu", torch.int64).numpy()
-        lk = self.table.lookup(ids)
+        lk = self._lookup(ids)
         n_steady = sum(int(sk.shape[1]) for sk, _ in steady)
         t = n_steady + int(lk.totals.max()) if self.num_heads else 0
         exec_k, exec_v = self.manager.exec_buffer(self.num_heads, t, self.head_dim,
                                                   self.dtype, self.device)
-        off = 0
-        for sk, sv in steady:
-            n = sk.shape[1]
-            exec_k[:, off:off + n] = sk
-            exec_v[:, off:off + n] = sv
-            off += n
+        self._fill(ids, lk, steady, exec_k, exec_v)
+        positions = torch.where(lk.host_row >= 0, self.host.positions[lk.host_row.clamp_min(0)],
+                                -1).to(self.device)
+        totals = (lk.totals + n_steady).to(self.device)
+        return exec_k, exec_v, positions, totals
+
+    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+                    dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
+        """See :meth:`ClusterStore.gather_into`: the lookup runs on the host copy of the ids,
+        the fill as in :meth:`gather`, and the cache update is submitted the same way."""
+        self._fill(cluster_ids, self._lookup(cluster_ids), steady, dst_k, dst_v)
+
+    def _lookup(self, ids: np.ndarray) -> Lookup:
+        """Wait for this store's previous update, then look ``ids`` ([H, R]) up."""
+        if self._freed:
+            raise RuntimeError("this wave buffer store was freed")
+        self._sync()
+        return self.table.lookup(ids)
+
+    def _fill(self, ids: np.ndarray, lk: Lookup, steady: SteadyParts, exec_k: torch.Tensor,
+              exec_v: torch.Tensor) -> None:
+        """Assemble the execution buffer ``exec_k``/``exec_v`` ([H, T_cap, D]): steady zone,
+        cache hits and host misses; then submit the step's cache update to the worker (joined
+        by :meth:`step_done`)."""
+        n_steady = fill_steady(steady, exec_k, exec_v)
         d = self.head_dim
         kernels.gather_rows(
             exec_k, exec_v, n_steady, self.cache.k.view(-1, d), self.cache.v.view(-1, d),
             self.host.k.view(-1, d), self.host.v.view(-1, d), lk.kind, lk.src_row,
             backend=self.config.kernel_backend,
         )
-        positions = torch.where(lk.host_row >= 0, self.host.positions[lk.host_row.clamp_min(0)],
-                                -1).to(self.device)
         self._count(ids, lk, n_steady)
         self._step = (exec_k, exec_v)
         self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
-        totals = (lk.totals + n_steady).to(self.device)
-        return exec_k, exec_v, positions, totals
 
     def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
         row_bytes = 2 * self.head_dim * self.host.k.element_size()

@@ -1,4 +1,5 @@
-"""Decode many wave indexes of one layer at once: one fused kernel call for all rows.
+"""Decode many wave indexes of one layer at once: one fused kernel call for all rows on the
+CPU, one sequence of kernel calls over padded rows elsewhere (:mod:`vllm_retro.index.padded`).
 
 :meth:`WaveIndex.decode` is the per-row reference (select, gather through the store, tripartite
 attention: ~30 torch ops and a mapping-table lookup per row). On the CPU the fused kernel
@@ -21,6 +22,7 @@ import dataclasses
 
 import torch
 
+from vllm_retro.index.padded import MetaViewCache, decode_padded, padded_supported
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode, resolve_backend
@@ -80,10 +82,14 @@ def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
 
 
 def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Tripartite decode of row ``b``'s query ``query[b]`` ([B, Hq, D]) over ``indexes[b]``,
-    all rows in one call when every index supports the fused kernel
-    (:func:`fused_supported`), else row by row through :meth:`WaveIndex.decode`.
+                 out: torch.Tensor | None = None, cache: MetaViewCache | None = None
+                 ) -> torch.Tensor:
+    """Tripartite decode of row ``b``'s query ``query[b]`` ([B, Hq, D]) over ``indexes[b]``:
+    all rows in one fused call when every index supports the fused CPU kernel
+    (:func:`fused_supported`), else all rows through one padded sequence of kernel calls
+    (:func:`vllm_retro.index.padded.decode_padded`; ``cache``, held per layer by the caller,
+    keeps its meta view across steps) when every index is a plain wave index, else row by
+    row through :meth:`WaveIndex.decode` (baselines).
 
     All indexes share one config and head layout (one layer of one model). Returns
     ``out`` ([B, Hq, D], query dtype; allocated when None).
@@ -97,6 +103,8 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
                                  tilted, out=out, n_win=[i.window_rows()[2] for i in indexes])
         return out
+    if all(padded_supported(i) for i in indexes):
+        return decode_padded(indexes, query, scale, out, cache)
     for b, index in enumerate(indexes):
         out[b] = index.decode(query[b], scale).output.to(out.dtype)
     return out

@@ -111,12 +111,23 @@ class ResidualModel:
         """Per-query terms for query [H, G, D] (G query heads per KV head): ``qvar`` [H, G],
         the variance of ``scale * q.(k - C)`` per unit of spread, and ``vshift`` [H, G, D],
         the value shift per unit of spread (both fp32)."""
-        q = query.float()
-        qvar = (q * q) @ self.profile[..., None] * (scale * scale)
-        vshift = (q @ self.key_factor) @ self.value_factor.transpose(1, 2) * scale
-        return qvar[..., 0], vshift
+        return residual_query_terms(query, self.profile, self.key_factor, self.value_factor,
+                                    scale)
 
     def nbytes(self) -> int:
         """Bytes held (running sums, profile and factors)."""
         return sum(t.numel() * t.element_size() for t in (
             self.key_sq, self.cross, self.profile, self.value_factor, self.key_factor))
+
+
+def residual_query_terms(query: torch.Tensor, profile: torch.Tensor, key_factor: torch.Tensor,
+                         value_factor: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tilted estimator's per-query terms for rows of queries (see
+    :meth:`ResidualModel.query_terms`): query [R, G, D]; profile [R, D]; key_factor,
+    value_factor [R, D, rank] (fp32), one row per (request, KV head). Returns ``qvar`` [R, G]
+    and ``vshift`` [R, G, D], fp32."""
+    q = query.float()
+    qvar = (q * q) @ profile[..., None] * (scale * scale)
+    vshift = (q @ key_factor) @ value_factor.transpose(1, 2) * scale
+    return qvar[..., 0], vshift

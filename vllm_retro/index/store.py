@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from vllm_retro.index.clustering import Clusters
@@ -51,8 +52,20 @@ class ClusterStore(Protocol):
         """
         ...
 
+    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+                    dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
+        """:meth:`gather` into given buffers, with the cluster ids already on the host: the
+        batched path's fill of one request's slice of a layer's execution buffer.
+
+        cluster_ids: [H, R] int64 numpy (no repeats per head); dst_k, dst_v: [H, T_cap, D]
+        contiguous, T_cap at least the steady zone plus each head's retrieved tokens. Rows
+        past a head's total are left as they are. Makes no device->host transfer.
+        """
+        ...
+
     def step_done(self) -> None:
-        """The attention over the last :meth:`gather` has been issued: finish the step."""
+        """The attention over the last :meth:`gather` (or :meth:`gather_into`) has been
+        issued: finish the step."""
         ...
 
     def nbytes(self) -> int:
@@ -92,6 +105,9 @@ class DenseClusterStore:
         self.values = torch.empty_like(self.keys)
         self.positions = torch.empty(num_heads, 0, dtype=torch.int64, device=device)
         self.offsets = torch.zeros(num_heads, 1, dtype=torch.int64, device=device)
+        self._offsets_host = self.offsets.cpu()
+        """A host copy of ``offsets`` (refreshed per block), so that :meth:`gather_into`
+        expands cluster ids into token rows without reading the device."""
         self.layout_generation = 0
         """See :attr:`RowAddressedStore.layout_generation`."""
 
@@ -106,6 +122,7 @@ class DenseClusterStore:
         self.values = torch.cat([self.values, take_rows(values, clusters.order)], dim=1)
         self.positions = torch.cat([self.positions, positions[clusters.order]], dim=1)
         self.offsets = torch.cat([self.offsets, clusters.offsets[:, 1:] + base], dim=1)
+        self._offsets_host = self.offsets.cpu()
         self.layout_generation += 1
 
     def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
@@ -120,6 +137,17 @@ class DenseClusterStore:
         keys = torch.cat([sk for sk, _ in steady] + [k.to(self.keys.dtype)], dim=1)
         values = torch.cat([sv for _, sv in steady] + [v.to(self.values.dtype)], dim=1)
         return keys, values, pos, lengths + n_steady
+
+    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+                    dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
+        """See :meth:`ClusterStore.gather_into`."""
+        n_steady = fill_steady(steady, dst_k, dst_v)
+        token_idx, _ = cluster_token_index(self._offsets_host, torch.from_numpy(cluster_ids))
+        t = token_idx.shape[1]
+        if t:
+            safe = token_idx.clamp_min(0).to(self.keys.device)
+            dst_k[:, n_steady:n_steady + t] = take_rows(self.keys, safe)
+            dst_v[:, n_steady:n_steady + t] = take_rows(self.values, safe)
 
     def step_done(self) -> None:
         """Nothing to finish."""
@@ -139,6 +167,18 @@ class DenseClusterStore:
     def free(self) -> None:
         """See :meth:`ClusterStore.free`."""
         self.keys = self.values = self.keys[:, :0]
+
+
+def fill_steady(steady: SteadyParts, dst_k: torch.Tensor, dst_v: torch.Tensor) -> int:
+    """Copy the steady zone's pieces, in order, to the front of dst_k / dst_v ([H, T_cap, D]);
+    returns its length in tokens."""
+    off = 0
+    for sk, sv in steady:
+        n = sk.shape[1]
+        dst_k[:, off:off + n] = sk
+        dst_v[:, off:off + n] = sv
+        off += n
+    return off
 
 
 def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -16,6 +16,7 @@ the steady zone and decode attention is exact (dense) until it grows long enough
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -55,9 +56,13 @@ class DecodeResult:
     """[H, T] int64 absolute positions of the exactly-read tokens (-1 padding), if asked."""
 
 
-class _PhaseClock:
-    """Adds the time since the previous mark to ``phases[name]``; does nothing without
-    ``phases`` (the serving path)."""
+_UIDS = itertools.count()
+"""Source of :attr:`WaveIndex.uid` (unlike ``id()``, never reused within a process)."""
+
+
+class PhaseClock:
+    """Adds the time since the previous mark to ``phases[name]`` (seconds), synchronising
+    the device first on CUDA; does nothing without ``phases`` (the serving path)."""
 
     def __init__(self, phases: dict[str, float] | None, device: torch.device):
         self.phases = phases
@@ -110,6 +115,11 @@ class WaveIndex:
         self._landing: Clusters | None = None
         """An update block clustered and handed to the store, whose clusters join the meta
         index (and whose tokens leave the window) once the store has taken it in."""
+        self.uid = next(_UIDS)
+        """Identifies this index for caches of batch views (never reused in the process)."""
+        self.meta_generation = 0
+        """Counts changes of the meta index (a block joining it, :meth:`free`): a batch view
+        read at one generation stays valid until the next."""
         self.fused_view: Any = None
         """The fused CPU kernel's packed view of this index and the store's layout generation
         it was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps;
@@ -190,6 +200,7 @@ class WaveIndex:
     def _add_meta(self, clusters: Clusters) -> None:
         """Append a block's clusters to the meta index (its KV is already in the store)."""
         self.fused_view = None
+        self.meta_generation += 1
         self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
         self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
         self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
@@ -329,6 +340,7 @@ class WaveIndex:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
         self._pending = self._landing = self.fused_view = None
+        self.meta_generation += 1
         empty = self.centroids[:, :0]
         self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
         self._win_buf_k = self._win_buf_v = empty
@@ -380,7 +392,7 @@ class WaveIndex:
         """
         h, d = self.num_kv_heads, self.head_dim
         scale = d ** -0.5 if scale is None else scale
-        mark = _PhaseClock(phases, query.device)
+        mark = PhaseClock(phases, query.device)
         sel = selection or self.select(query, scale)
         mark("select")
         k_exact, v_exact, rpos, n_exact = self.store.gather(

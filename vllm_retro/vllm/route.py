@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from vllm_retro.index.batched import decode_batch
+from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.runtime import get_runtime
@@ -140,6 +141,9 @@ class RouteImplMixin:
         get_runtime().attach(vllm_config, cfg)
         self.retro = (cfg is not None and attn_type == AttentionType.DECODER
                       and sliding_window is None)
+        self.meta_views = MetaViewCache()
+        """This layer's padded meta view of its indexed rows, kept across steps (the batched
+        path off the fused CPU kernel, :mod:`vllm_retro.index.padded`)."""
         if not self.retro:
             return
         unsupported = {
@@ -196,6 +200,8 @@ class RouteImplMixin:
             rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0)
         if md.plan.decodes:
             self._decode_indexed(rt, layer, kv_cache, md.plan.decodes, query, key, value, out)
+        else:
+            self.meta_views.clear()  # no indexed rows left: release the view's copy
         return output
 
     def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, decodes: list,
@@ -233,10 +239,12 @@ class RouteImplMixin:
             first = tokens[0]
             if tokens == list(range(first, first + len(tokens))):  # decodes come first: a slice
                 decode_batch([i for _, i in live], query[first:first + len(tokens)],
-                             self.scale, out=out[first:first + len(tokens)])
+                             self.scale, out=out[first:first + len(tokens)],
+                             cache=self.meta_views)
             else:
                 idx = torch.tensor(tokens, device=query.device)
-                res = decode_batch([i for _, i in live], query.index_select(0, idx), self.scale)
+                res = decode_batch([i for _, i in live], query.index_select(0, idx), self.scale,
+                                   cache=self.meta_views)
                 out.index_copy_(0, idx, res.to(out.dtype))
             rt.counters.retro_decode_tokens += len(live)
 

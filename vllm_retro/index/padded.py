@@ -1,0 +1,261 @@
+"""Decode all wave indexes of one layer through one sequence of kernel calls over padded rows:
+the batched path on CUDA (and on the CPU with the 'torch' or 'triton' kernel backend; the
+'auto' backend on the CPU takes the fused kernel of :mod:`vllm_retro.index.batched`).
+
+Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
+
+1. one cluster-scoring call over the layer's padded meta view (:class:`PaddedMeta`,
+   centroids [R, C_max, D]; padding has size 0 and scores ``-inf``) and one top-k of the
+   largest zone size among the rows;
+2. **one device->host transfer**: every row's retrieval ids and their sizes, together;
+3. per request, on the host, its mapping-table lookup (numpy, the table lives on the host)
+   and the fill of its slice of the layer's one execution buffer [R, T_max, D] (steady zone,
+   device-cache hits, host-tier misses: copies and one gather kernel, no synchronisation),
+   which submits its cache update to the wave buffer's worker;
+4. the tilted estimator's query terms for all rows (three batched products);
+5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``;
+6. per request, joining its cache update (admissions copied out of the execution buffer)
+   at the start of this layer's next call, so the worker's decisions overlap the rest of
+   the step (the execution buffer is the layer's own; a store joins a pending update itself
+   before any other read of it).
+
+The padded view is a copy of the batch's meta indexes, built when the batch's set of indexes
+or any of their meta indexes (:attr:`WaveIndex.meta_generation`) changes — a request joining
+or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
+the caller holds per layer. Steps 3 and 6 are per request because each request's host pages,
+device blocks and mapping table are its own; they launch work, they never wait for the
+device.
+
+What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (static
+shapes, given a padded T_max bucket); not step 3, whose shapes follow the host-side lookup.
+
+The result is the per-row :meth:`WaveIndex.decode` (fp32 1e-5, 16-bit within rounding; the
+cluster choice is the same up to exact ties of scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_retro import kernels
+from vllm_retro.index.estimator import residual_query_terms
+from vllm_retro.index.wave_index import PhaseClock, WaveIndex
+
+
+@dataclass(frozen=True)
+class PaddedMeta:
+    """The meta indexes of a batch's rows, padded to the longest (R = B x H rows)."""
+
+    key: tuple[tuple[int, int], ...]
+    """(uid, meta generation) of each index, in batch order: what the view was built from."""
+    centroids: torch.Tensor
+    """[R, C_max, D] in the indexes' dtype (zeros as padding)."""
+    scoring: torch.Tensor
+    """[R, C_max, D] centroids for scoring: an fp32 copy on the torch backend (as
+    :meth:`WaveIndex._scoring_centroids`), else ``centroids``."""
+    value_sums: torch.Tensor
+    """[R, C_max, D] in the indexes' dtype."""
+    sizes: torch.Tensor
+    """[R, C_max] int32 cluster sizes, 0 as padding."""
+    empty: torch.Tensor
+    """[R, C_max] bool: an empty cluster of the row (not padding)."""
+    spreads: torch.Tensor
+    """[R, C_max] fp32."""
+    deviates: torch.Tensor
+    """[R, C_max] fp32."""
+    profile: torch.Tensor
+    """[R, D] fp32 residual profile per row."""
+    key_factor: torch.Tensor
+    """[R, D, rank] fp32."""
+    value_factor: torch.Tensor
+    """[R, D, rank] fp32."""
+    n_retrieval: list[int]
+    """Retrieval clusters per request (per KV head)."""
+    top_k: int
+    """Clusters ranked per row: the largest retrieval + estimation zone of the batch."""
+    retrieval_keep: torch.Tensor
+    """[R, r_max] bool: slot j of the ranking is in the row's retrieval zone."""
+    estimation_slots: torch.Tensor
+    """[R, e_max] int64: the ranking slots of the row's estimation zone (valid up to
+    ``n_est``)."""
+    n_est: torch.Tensor
+    """[R] int64 estimation clusters per row."""
+
+
+class MetaViewCache:
+    """One layer's decode state kept across steps: the padded meta view of its last batch
+    (until the batch changes) and its execution buffer."""
+
+    def __init__(self) -> None:
+        self.view: PaddedMeta | None = None
+        self._exec: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._unjoined: list[WaveIndex] = []
+        """Indexes whose last step's cache update is still to be joined (at this layer's next
+        call, before its execution buffer is refilled)."""
+
+    def join(self) -> None:
+        """Join the cache updates of this layer's previous call (their admissions are copied
+        out of the execution buffer)."""
+        unjoined, self._unjoined = self._unjoined, []
+        for index in unjoined:
+            index.store.step_done()
+
+    def exec_buffer(self, rows: int, tokens: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [rows, tokens, head_dim] (K, V) of this layer's execution buffer, grown by
+        >= 1.5x when too small. It is zero-filled when allocated and afterwards holds only
+        KV rows, so slots past a row's length are finite (the kernels mask them by weight,
+        and a NaN there would survive a zero weight)."""
+        return _exec_views(self, rows, tokens, head_dim, dtype, device)
+
+    def get(self, indexes: list[WaveIndex]) -> PaddedMeta:
+        """The view of ``indexes`` (rebuilt when the batch or a meta index changed)."""
+        key = tuple((i.uid, i.meta_generation) for i in indexes)
+        if self.view is None or self.view.key != key:
+            self.view = None  # release the old copy before building the new one
+            self.view = padded_meta(indexes)
+        return self.view
+
+    def clear(self) -> None:
+        """Join what is pending, then drop the view and the execution buffer (the layer has
+        no indexed rows)."""
+        self.join()
+        self.view = None
+        self._exec = None
+
+
+def _exec_views(cache: MetaViewCache | None, rows: int, tokens: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :meth:`MetaViewCache.exec_buffer` (a fresh zeroed pair without a cache)."""
+    need = rows * tokens * head_dim
+    held = None if cache is None else cache._exec
+    if held is None or held[0].numel() < need or held[0].dtype != dtype \
+            or held[0].device != device:
+        size = need if held is None else max(need, 3 * held[0].numel() // 2)
+        held = (torch.zeros(size, dtype=dtype, device=device),
+                torch.zeros(size, dtype=dtype, device=device))
+        if cache is not None:
+            cache._exec = held
+    shape = (rows, tokens, head_dim)
+    return held[0][:need].view(shape), held[1][:need].view(shape)
+
+
+def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
+         ) -> torch.Tensor:
+    """Stack ``parts`` ([H, c_b, ...] each) into [B * H, width, ...], zero-padded."""
+    first = parts[0]
+    out = first.new_zeros((len(parts), first.shape[0], width, *first.shape[2:]),
+                          dtype=dtype or first.dtype)
+    for b, p in enumerate(parts):
+        out[b, :, :p.shape[1]] = p
+    return out.flatten(0, 1)
+
+
+def padded_meta(indexes: list[WaveIndex]) -> PaddedMeta:
+    """Build the padded meta view of ``indexes`` (one layer: same config and head layout)."""
+    first = indexes[0]
+    cfg, h, dev = first.config, first.num_kv_heads, first.centroids.device
+    counts = [i.num_clusters for i in indexes]
+    width = max(counts)
+    n_ret = [cfg.num_retrieval(c) for c in counts]
+    n_est = [cfg.num_estimation(c) for c in counts]
+    top_k = max(r + e for r, e in zip(n_ret, n_est, strict=True))
+    r_max, e_max = max(n_ret), max(n_est)
+    centroids = _pad([i.centroids for i in indexes], width)
+    sizes = _pad([i.sizes for i in indexes], width)
+    in_row = (torch.arange(width, device=dev)[None, :]
+              < torch.tensor(counts, device=dev).repeat_interleave(h)[:, None])
+    per_row = torch.tensor(n_ret, device=dev).repeat_interleave(h)
+    est_per_row = torch.tensor(n_est, device=dev).repeat_interleave(h)
+    slots = per_row[:, None] + torch.arange(e_max, device=dev)[None, :]
+    torch_scoring = kernels.resolve_backend(first.backend, dev) == "torch"
+    return PaddedMeta(
+        key=tuple((i.uid, i.meta_generation) for i in indexes),
+        centroids=centroids,
+        scoring=centroids.float() if torch_scoring else centroids,
+        value_sums=_pad([i.value_sums for i in indexes], width),
+        sizes=sizes, empty=in_row & (sizes == 0),
+        spreads=_pad([i.spreads for i in indexes], width),
+        deviates=_pad([i.deviates for i in indexes], width),
+        profile=torch.cat([i.residuals.profile for i in indexes]),
+        key_factor=torch.cat([i.residuals.key_factor for i in indexes]),
+        value_factor=torch.cat([i.residuals.value_factor for i in indexes]),
+        n_retrieval=n_ret, top_k=top_k,
+        retrieval_keep=torch.arange(r_max, device=dev)[None, :] < per_row[:, None],
+        estimation_slots=slots.clamp_max(max(top_k - 1, 0)),
+        n_est=est_per_row,
+    )
+
+
+def padded_supported(index: WaveIndex) -> bool:
+    """True when ``index`` can decode through :func:`decode_padded`: a plain
+    :class:`WaveIndex` (baselines select differently)."""
+    return type(index) is WaveIndex
+
+
+def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
+                  out: torch.Tensor, cache: MetaViewCache | None = None,
+                  phases: dict[str, float] | None = None) -> torch.Tensor:
+    """Tripartite decode of ``query[b]`` over ``indexes[b]`` for all rows at once (see the
+    module docstring). query: [B, Hq, D]; out: [B, Hq, D] (written, returned). ``cache``
+    keeps the padded meta view across calls (None: built for this call). ``phases``, when
+    given, accumulates seconds per phase (``join``, ``view``, ``select``: scoring + top-k,
+    ``transfer``: the device->host copy, ``lookup+gather``, ``estimator``, ``attention``),
+    synchronising the device at each boundary (benchmarks only)."""
+    first = indexes[0]
+    mark = PhaseClock(phases, query.device)
+    b, h, d = len(indexes), first.num_kv_heads, first.head_dim
+    dev, dtype, backend = first.centroids.device, first.centroids.dtype, first.backend
+    if cache is not None:
+        cache.join()
+    mark("join")
+    meta = cache.get(indexes) if cache is not None else padded_meta(indexes)
+    mark("view")
+    q = query.reshape(b * h, -1, d)
+    r_max = meta.retrieval_keep.shape[1]
+    if meta.top_k:
+        scores = kernels.cluster_scores(q, meta.scoring, meta.sizes, scale, backend=backend)
+        # a row's empty clusters rank above its padding, so no zone reaches the padding
+        scores = scores.masked_fill(meta.empty, torch.finfo(scores.dtype).min)
+        top = torch.topk(scores, meta.top_k, dim=1, sorted=True).indices
+    else:
+        top = torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
+    mark("select")
+    retrieval = top[:, :r_max]
+    sizes = torch.gather(meta.sizes, 1, retrieval).long() * meta.retrieval_keep
+    host = torch.stack([retrieval, sizes]).cpu().numpy()  # the step's one device->host copy
+    mark("transfer")
+    steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
+    n_steady = torch.tensor([i.sink_k.shape[1] + i.win_k.shape[1] for i in indexes]
+                            ).repeat_interleave(h)
+    n_exact = n_steady + torch.from_numpy(host[1].sum(axis=1))
+    t = max(int(n_exact.max()), 1)
+    exec_k, exec_v = _exec_views(cache, b * h, t, d, dtype, dev)
+    for j, index in enumerate(indexes):
+        rows = slice(j * h, (j + 1) * h)
+        index.store.gather_into(np.ascontiguousarray(host[0, rows, :meta.n_retrieval[j]]),
+                                steady[j],
+                                exec_k[rows], exec_v[rows])
+    mark("lookup+gather")
+    tilt = None
+    est = top.gather(1, meta.estimation_slots) if meta.estimation_slots.shape[1] else \
+        torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
+    if first.config.estimator == "tilted" and est.shape[1]:
+        qvar, vshift = residual_query_terms(q, meta.profile, meta.key_factor,
+                                            meta.value_factor, scale)
+        tilt = kernels.TiltTerms(meta.spreads, meta.deviates, qvar, vshift)
+    mark("estimator")
+    res, _ = kernels.tripartite_decode(
+        q, exec_k, exec_v, n_exact.to(dev, non_blocking=True), meta.centroids,
+        meta.value_sums, meta.sizes, est, meta.n_est, scale, tilt, backend=backend)
+    mark("attention")
+    if cache is not None:  # joined at this layer's next call: the worker's decision overlaps
+        cache._unjoined = list(indexes)  # the rest of this step
+    else:
+        for index in indexes:
+            index.store.step_done()
+    out.copy_(res.reshape(out.shape))
+    return out
