@@ -35,6 +35,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,6 +44,7 @@ from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.batched import decode_batch, decode_row, fused_supported  # noqa: E402
+from vllm_retro.index.padded import MetaViewCache, decode_padded  # noqa: E402
 from vllm_retro.kernels import cpu_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -116,6 +118,26 @@ def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
     if index.config.estimator == "tilted":
         tilt = HKV * (8 * e + 4 * D * (1 + 2 * index.residuals.rank))
     return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem + tilt
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched, views aside (on a GPU each is a kernel launch
+    or a copy; here the torch reference kernels count as several)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> int:
+    """Tensor operations ``fn()`` dispatches."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.ops
 
 
 def sync(device: torch.device) -> None:
@@ -204,7 +226,10 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     build_s = (time.perf_counter() - build_s) / batch
     del keys, values
     walk = QueryWalk(batch, centers, seed=n)
-    full_t, retro_t, row_t, rbytes = [], [], [], []
+    full_t, retro_t, row_t, pad_t, rbytes = [], [], [], [], []
+    views = MetaViewCache()  # one layer's, as the route holds it
+    fused_ok = all(fused_supported(i, torch.empty(1, HQ, D, dtype=dtype, device=device))
+                   for i in indexes)
     for step in range(args.warmup + args.steps):
         q = walk.step()
         sync(device)
@@ -212,9 +237,13 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         full(q)
         sync(device)
         b = time.perf_counter()
-        decode_batch(indexes, qb := q.to(device, dtype), SCALE)  # the serving path
+        decode_batch(indexes, qb := q.to(device, dtype), SCALE, cache=views)  # serving path
         sync(device)
         c = time.perf_counter()
+        if fused_ok:  # the padded batched path (CUDA's) on this CPU, for comparison
+            decode_padded(indexes, qb, SCALE, torch.empty_like(qb), views)
+        sync(device)
+        c2 = time.perf_counter()
         step_bytes = 0
         for i, idx in enumerate(indexes):  # the per-row reference path, for comparison
             res = idx.decode(qb[i], SCALE)
@@ -224,11 +253,12 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         if step >= args.warmup:
             full_t.append(b - a)
             retro_t.append(c - b)
-            row_t.append(e - c)
+            row_t.append(e - c2)
+            pad_t.append(c2 - c)
             rbytes.append(step_bytes)
     phases: dict[str, float] = {}
     fused = {"row views (python)": 0.0, "fused kernel": 0.0}
-    fused_ok = all(fused_supported(i, q.to(device, dtype)) for i in indexes)
+    padded: dict[str, float] = {}
     for _ in range(args.phase_steps):  # the per-phase split, on separate steps
         q = walk.step().to(device, dtype)
         for i, idx in enumerate(indexes):
@@ -240,13 +270,19 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             cpu_decode.decode_rows(q, rows, SCALE, cfg.estimator == "tilted")
             fused["row views (python)"] += u - t
             fused["fused kernel"] += time.perf_counter() - u
+        decode_padded(indexes, q, SCALE, torch.empty_like(q), views, phases=padded)
+    q = walk.step().to(device, dtype)
+    ops = {"padded batched": count_ops(
+        lambda: decode_padded(indexes, q, SCALE, torch.empty_like(q), views)),
+        "per-row": count_ops(lambda: [idx.decode(q[i], SCALE) for i, idx in enumerate(indexes)])}
     snap = mgr.stats.snapshot()
     mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
     row = {
         "context": n, "batch": batch, "full_kernel": full_name,
         "full_ms": full_ms, "retro_ms": retro_ms, "speedup": full_ms / retro_ms,
-        "retro_path": "fused batched CPU kernel" if fused_ok else "per-row",
+        "retro_path": "fused batched CPU kernel" if fused_ok else "padded batched kernels",
+        "retro_padded_ms": statistics.median(pad_t) * 1e3 if fused_ok else None,
         "retro_per_row_ms": statistics.median(row_t) * 1e3,
         "speedup_per_row": full_ms / (statistics.median(row_t) * 1e3),
         "full_bytes_per_step": full_bytes, "retro_bytes_per_step": statistics.mean(rbytes),
@@ -257,6 +293,9 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3 for k, v in phases.items()},
         "fused_phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
                                     for k, v in fused.items()} if fused_ok else {},
+        "torch_ops_per_step": ops,
+        "padded_phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
+                                     for k, v in padded.items()},
     }
     bw = args.read_bw
     row["full_lower_bound_ms"] = full_bytes / bw * 1e3
@@ -268,9 +307,16 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
           f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
     print(f"    per-row path {row['retro_per_row_ms']:8.2f} ms  speedup "
           f"{row['speedup_per_row']:5.2f}x", flush=True)
+    if row["retro_padded_ms"] is not None:
+        print(f"    padded batched path {row['retro_padded_ms']:8.2f} ms  speedup "
+              f"{full_ms / row['retro_padded_ms']:5.2f}x", flush=True)
     if phases:
         print("    per-row phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["phase_ms_per_step"].items()), flush=True)
+    print("    tensor ops per layer step (launches on a GPU): " + "  ".join(
+        f"{k} {v}" for k, v in ops.items()), flush=True)
+    print("    padded phases (ms/step, all requests): " + "  ".join(
+        f"{k} {v:.2f}" for k, v in row["padded_phase_ms_per_step"].items()), flush=True)
     if row["fused_phase_ms_per_step"]:
         print("    fused phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["fused_phase_ms_per_step"].items()), flush=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_retro.index.store import expand_runs
 from vllm_retro.kernels.gather import HIT, MISS
 
 
@@ -88,22 +87,31 @@ class ClusterMappingTable:
         return slice(start, start + int(self.n_pages[head, cluster]))
 
     def lookup(self, cluster_ids: np.ndarray) -> Lookup:
-        """Locate every token of ``cluster_ids`` ([H, R] int64; read-only)."""
+        """Locate every token of ``cluster_ids`` ([H, R] int64; read-only). Numpy only: the
+        table lives on the host, and this runs per request and layer step."""
         c = self.num_clusters
         if cluster_ids.size and (cluster_ids.min() < 0 or cluster_ids.max() >= c):
             bad = cluster_ids[(cluster_ids < 0) | (cluster_ids >= c)][0]
             raise ValueError(f"cluster id {int(bad)} is out of range; accepted: 0 to {c - 1}")
-        ids = torch.from_numpy(cluster_ids)
-        starts = torch.from_numpy(self.page_start).gather(1, ids) * self.page_size
-        sizes = torch.from_numpy(self.size).gather(1, ids)
-        host_row, _, totals = expand_runs(starts, sizes)
-        valid = host_row >= 0
-        safe = host_row.clamp_min(0)
-        block = torch.from_numpy(self.page_block)[safe // self.page_size]
-        hit = valid & (block >= 0)
-        kind = torch.where(hit, HIT, torch.where(valid, MISS, 0)).to(torch.int32)
-        src_row = torch.where(hit, block * self.page_size + safe % self.page_size, safe)
-        sz = sizes.numpy()
-        begins = np.cumsum(sz, axis=1) - sz
+        h, r = cluster_ids.shape
+        rows = np.arange(h)[:, None]
+        sizes = self.size[rows, cluster_ids]  # [H, R]
+        totals = sizes.sum(axis=1)
+        t = int(totals.max()) if h and r else 0
+        # every head's tokens, concatenated head after head, and their (head, slot) places
+        flat = runs(self.page_start[rows, cluster_ids].reshape(-1) * self.page_size,
+                    sizes.reshape(-1))
+        head = np.repeat(np.arange(h), totals)
+        slot = np.arange(flat.size) - np.repeat(np.cumsum(totals) - totals, totals)
+        host_row = np.full((h, t), -1, dtype=np.int64)
+        host_row[head, slot] = flat
+        block = np.full((h, t), -1, dtype=np.int64)
+        block[head, slot] = self.page_block[flat // self.page_size]
+        hit = block >= 0
+        kind = np.where(hit, HIT, np.where(host_row >= 0, MISS, 0)).astype(np.int32)
+        src_row = np.where(hit, block * self.page_size + host_row % self.page_size,
+                           np.maximum(host_row, 0))
+        begins = np.cumsum(sizes, axis=1) - sizes
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
-        return Lookup(kind, src_row, host_row, totals, cached, begins)
+        return Lookup(torch.from_numpy(kind), torch.from_numpy(src_row),
+                      torch.from_numpy(host_row), torch.from_numpy(totals), cached, begins)
