@@ -29,6 +29,7 @@ import os
 import pathlib
 import platform
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,12 +194,21 @@ def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted
                          selection_width, out)
 
 
+PHASES = ("scoring", "selection", "lookup", "attention", "estimation")
+"""The fused kernel's phases per (row, KV head): cluster scoring (logits and the group's
+softmax), selection (top-k thresholds and zone lists), lookup (the exact rows' addresses:
+steady zone and retrieved clusters, read in place), exact attention, estimation zone (with the
+output write)."""
+
+
 def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
                   selection_width: int = 0, out: torch.Tensor | None = None,
-                  n_win: list[int] | None = None
+                  n_win: list[int] | None = None, phases: dict[str, float] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_rows` on packed rows (:func:`pack_row`); ``n_win``, when given, the
-    window rows each row attends this call (overriding its packed count)."""
+    window rows each row attends this call (overriding its packed count). ``phases``, when
+    given, accumulates the kernel's wall seconds split by :data:`PHASES` in proportion to the
+    threads' time in each (summed over rows and heads), under ``"kernel " + phase``."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
@@ -225,7 +235,16 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
             ints[-3] = n_win[i]
     if tilted and len(tilt) != 3 * b:
         raise ValueError("tilted decoding needs every row packed with its tilted terms")
-    mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted)
+    phase_ns = torch.zeros(b * h if phases is not None else 0, len(PHASES), dtype=torch.int64)
+    t0 = time.perf_counter()
+    mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted,
+                    phase_ns)
+    if phases is not None:
+        wall = time.perf_counter() - t0
+        per = phase_ns.sum(0).double()
+        share = per / per.sum().clamp_min(1)
+        for name, f in zip(PHASES, share.tolist(), strict=True):
+            phases["kernel " + name] = phases.get("kernel " + name, 0.0) + wall * f
     return out, lse, sel
 
 

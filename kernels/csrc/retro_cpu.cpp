@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +30,7 @@ namespace {
 #define RETRO_INLINE inline __attribute__((always_inline))
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kPhases = 5;  // scoring, selection, row lookup, exact attention, estimation
 constexpr int kTile = 32;
 
 template <typename T>
@@ -305,7 +307,16 @@ void fold_block(Softmax& sm, float* logits, int64_t ld, int64_t n, const float* 
 template <typename T>
 void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stride, int G,
               int D, float scale, bool tilted, T* out, int64_t out_head_stride, float* lse,
-              int64_t* sel, int64_t S) {
+              int64_t* sel, int64_t S, int64_t* phase_ns) {
+  // phase_ns (optional, kPhases counters): nanoseconds spent in each phase for this head
+  using clock = std::chrono::steady_clock;
+  auto mark_t = phase_ns ? clock::now() : clock::time_point();
+  auto mark = [&](int phase) {
+    if (!phase_ns) return;
+    const auto now = clock::now();
+    phase_ns[phase] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark_t).count();
+    mark_t = now;
+  };
   std::vector<float> q(size_t(G) * D);
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) q[size_t(g) * D + d] = to_f(q_in[g * q_head_stride + d]);
@@ -353,6 +364,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     }
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0) score[c] = kNegInf;
+    mark(0);
     // The top k by (score desc, id asc), split into the first r (retrieval) and the rest
     // (estimation), each listed in ascending cluster id (memory order, so zone reads
     // stream; the sums are order-independent up to fp32 rounding). No sort: the k-th and
@@ -398,6 +410,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   } else if (sel != nullptr) {
     for (int64_t i = 0; i < S; ++i) sel[i] = -1;
   }
+  mark(1);
 
   // ---- 3: attention. The exact tokens (sinks, window, retrieval clusters) as one list of
   // row pointers, scored and folded in tiles of kTile rows across zone and cluster
@@ -423,6 +436,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   const T* const* kp = reinterpret_cast<const T* const*>(kp_raw.data());
   const T* const* vp = reinterpret_cast<const T* const*>(vp_raw.data());
   const int64_t n_exact = int64_t(kp_raw.size());
+  mark(2);
   float tile[16 * kTile];
   std::vector<float> tile_big;
   float* tl = tile;
@@ -441,6 +455,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     });
   }
 
+  mark(3);
   // estimation zone: one block of pseudo-tokens (centroid key, log(size) bias, mean value;
   // tilted: + log-tilt mass correction and spread * vshift value correction)
   const int64_t ne = k - r;
@@ -536,6 +551,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
       lse[g] = kNegInf;
     }
   }
+  mark(4);
 }
 
 template <typename T>
@@ -544,7 +560,7 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
                       const std::vector<torch::Tensor>& tilt,
                       const std::vector<torch::Tensor>& kv,
                       const std::vector<torch::Tensor>& steady,
-                      const std::vector<int64_t>& ints, bool tilted) {
+                      const std::vector<int64_t>& ints, bool tilted, int64_t* phase_ns) {
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = meta.empty() ? 0 : meta[0].size(0);
   TORCH_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
@@ -595,7 +611,8 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
                   query.stride(1), G, int(D), sc, tilted,
                   op + b * out.stride(0) + h * G * out.stride(1), out.stride(1),
                   lp + b * lse.stride(0) + h * G,
-                  sp ? sp + b * sel.stride(0) + h * sel.stride(1) : nullptr, S);
+                  sp ? sp + b * sel.stride(0) + h * sel.stride(1) : nullptr, S,
+                  phase_ns ? phase_ns + i * kPhases : nullptr);
     }
   });
 }
@@ -611,10 +628,12 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
 //   steady[4b..4b+3] sink keys, values, window keys, values, each [H, n, D]
 //   ints[6b..6b+5]   head_rows, start_mult, n_sink, n_win, r, e
 // Cluster c of KV head h occupies pool rows head_rows * h + starts[h, c] * start_mult, + size.
+// phase_ns: empty, or int64 [B * H, kPhases] zeroed by the caller, receiving each (row, KV
+// head)'s nanoseconds in scoring, selection, row lookup, exact attention, estimation.
 void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch::Tensor sel,
                  double scale, std::vector<torch::Tensor> meta, std::vector<torch::Tensor> tilt,
                  std::vector<torch::Tensor> kv, std::vector<torch::Tensor> steady,
-                 std::vector<int64_t> ints, bool tilted) {
+                 std::vector<int64_t> ints, bool tilted, torch::Tensor phase_ns) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1,
               "retro_cpu: out must match query");
@@ -624,15 +643,22 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
                   (!tilted || int64_t(tilt.size()) == 3 * B),
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;
+  int64_t* ph = nullptr;
+  if (phase_ns.numel()) {
+    TORCH_CHECK(phase_ns.scalar_type() == torch::kInt64 && phase_ns.is_contiguous() &&
+                    phase_ns.numel() == B * meta[0].size(0) * kPhases,
+                "retro_cpu: phase_ns must be int64 [B * H, ", kPhases, "]");
+    ph = phase_ns.data_ptr<int64_t>();
+  }
   switch (query.scalar_type()) {
     case torch::kFloat:
-      decode_rows_impl<float>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted);
+      decode_rows_impl<float>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
       break;
     case torch::kBFloat16:
-      decode_rows_impl<c10::BFloat16>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted);
+      decode_rows_impl<c10::BFloat16>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
       break;
     case torch::kHalf:
-      decode_rows_impl<c10::Half>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted);
+      decode_rows_impl<c10::Half>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
       break;
     default:
       TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),

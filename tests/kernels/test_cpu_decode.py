@@ -86,6 +86,21 @@ def test_out_written_in_place_through_strided_views():
     assert (out_buf[0] == 7).all() and (out_buf[4] == 7).all()
 
 
+def test_phase_split_changes_nothing_and_covers_the_call():
+    """With ``phases`` the kernel also reports its wall time split by phase: every phase is
+    present and non-negative, the split adds up to the call, and the output is the same."""
+    rng = torch.Generator().manual_seed(5)
+    rows = [_row(2, 64, c, 4, 20, torch.float32, rng, True) for c in (400, 0, 90)]
+    q = torch.randn(3, 8, 64, generator=rng)
+    packed = [cpu_decode.pack_row(r, True) for r in rows]
+    plain, _, _ = cpu_decode.decode_packed(q, packed, 0.125, True)
+    phases: dict[str, float] = {}
+    timed, _, _ = cpu_decode.decode_packed(q, packed, 0.125, True, phases=phases)
+    assert torch.equal(plain, timed)
+    assert set(phases) == {"kernel " + p for p in cpu_decode.PHASES}
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) > 0
+
+
 def test_nothing_to_attend_gives_zeros_and_minus_inf():
     rng = torch.Generator().manual_seed(4)
     row = _row(2, 64, 0, 0, 0, torch.float32, rng, False)
