@@ -200,6 +200,8 @@ softmax), selection (top-k thresholds and zone lists), lookup (the exact rows' a
 steady zone and retrieved clusters, read in place), exact attention, estimation zone (with the
 output write)."""
 
+_NO_PHASES = torch.empty(0, dtype=torch.int64)
+
 
 def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
                   selection_width: int = 0, out: torch.Tensor | None = None,
@@ -235,7 +237,8 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
             ints[-3] = n_win[i]
     if tilted and len(tilt) != 3 * b:
         raise ValueError("tilted decoding needs every row packed with its tilted terms")
-    phase_ns = torch.zeros(b * h if phases is not None else 0, len(PHASES), dtype=torch.int64)
+    phase_ns = _NO_PHASES if phases is None else torch.zeros(b * h, len(PHASES),
+                                                             dtype=torch.int64)
     t0 = time.perf_counter()
     mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted,
                     phase_ns)
