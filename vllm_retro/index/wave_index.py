@@ -60,6 +60,33 @@ _UIDS = itertools.count()
 """Source of :attr:`WaveIndex.uid` (unlike ``id()``, never reused within a process)."""
 
 
+class GrowingRows:
+    """A [H, capacity, ...] buffer filled along dim 1 up to :attr:`n`: appending a block of
+    rows writes them in place, and a full buffer is replaced by one >= 1.5x as large (plus
+    the caller's headroom), so a context of N rows is copied O(log N) times in all instead
+    of at every block."""
+
+    def __init__(self, empty: torch.Tensor):
+        self.buf = empty
+        self.n = 0
+
+    def append(self, rows: torch.Tensor, headroom: int = 0) -> torch.Tensor:
+        """Add ``rows`` ([H, c, ...]) after the filled ones; returns the filled view."""
+        n, c = self.n, rows.shape[1]
+        if n + c > self.buf.shape[1]:
+            cap = max(n + c + headroom, (3 * self.buf.shape[1]) // 2)
+            buf = self.buf.new_empty((self.buf.shape[0], cap, *self.buf.shape[2:]))
+            buf[:, :n] = self.buf[:, :n]
+            self.buf = buf
+        self.buf[:, n:n + c] = rows
+        self.n = n + c
+        return self.buf[:, :self.n]
+
+    def nbytes(self) -> int:
+        """Bytes held (the whole capacity)."""
+        return self.buf.numel() * self.buf.element_size()
+
+
 class PhaseClock:
     """Adds the time since the previous mark to ``phases[name]`` (seconds), synchronising
     the device first on CUDA; does nothing without ``phases`` (the serving path)."""
@@ -93,12 +120,8 @@ class WaveIndex:
         self.head_dim = head_dim
         self.backend = config.kernel_backend
         self.store: ClusterStore = store or DenseClusterStore(num_kv_heads, head_dim, dtype, device)
-        empty = torch.empty(num_kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.centroids = empty
-        self.value_sums = empty
-        self.sizes = torch.empty(num_kv_heads, 0, dtype=torch.int32, device=device)
-        self.spreads = torch.empty(num_kv_heads, 0, dtype=torch.float32, device=device)
-        self.deviates = torch.empty_like(self.spreads)
+        self._new_meta(dtype, device)
+        empty = self.centroids
         self.residuals = ResidualModel(num_kv_heads, head_dim, device)
         self._centroids_f32: torch.Tensor | None = None
         self.sink_k = self.sink_v = empty
@@ -197,16 +220,32 @@ class WaveIndex:
         self.store.append(keys, values, positions, clusters)
         self._add_meta(clusters)
 
+    def _new_meta(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Empty meta index: its per-cluster rows in :class:`GrowingRows` buffers, which
+        :attr:`centroids`, :attr:`value_sums`, :attr:`sizes`, :attr:`spreads` and
+        :attr:`deviates` are views of."""
+        h, d = self.num_kv_heads, self.head_dim
+        self._meta_rows = {
+            "centroids": GrowingRows(torch.empty(h, 0, d, dtype=dtype, device=device)),
+            "value_sums": GrowingRows(torch.empty(h, 0, d, dtype=dtype, device=device)),
+            "sizes": GrowingRows(torch.empty(h, 0, dtype=torch.int32, device=device)),
+            "spreads": GrowingRows(torch.empty(h, 0, dtype=torch.float32, device=device)),
+            "deviates": GrowingRows(torch.empty(h, 0, dtype=torch.float32, device=device)),
+        }
+        for name, rows in self._meta_rows.items():
+            setattr(self, name, rows.buf)
+
     def _add_meta(self, clusters: Clusters) -> None:
-        """Append a block's clusters to the meta index (its KV is already in the store)."""
+        """Append a block's clusters to the meta index (its KV is already in the store),
+        in place: a growth leaves room for a few more update blocks."""
         self.fused_view = None
         self.meta_generation += 1
-        self.centroids = torch.cat([self.centroids, clusters.centroids], dim=1)
-        self.value_sums = torch.cat([self.value_sums, clusters.value_sums], dim=1)
-        self.sizes = torch.cat([self.sizes, clusters.sizes], dim=1)
-        self.spreads = torch.cat([self.spreads, clusters.spreads.to(self.spreads)], dim=1)
-        self.deviates = torch.cat(
-            [self.deviates, expected_max_deviate(clusters.sizes).to(self.deviates)], dim=1)
+        headroom = 4 * self.config.update_clusters
+        new = {"centroids": clusters.centroids, "value_sums": clusters.value_sums,
+               "sizes": clusters.sizes, "spreads": clusters.spreads.float(),
+               "deviates": expected_max_deviate(clusters.sizes)}
+        for name, rows in new.items():
+            setattr(self, name, self._meta_rows[name].append(rows, headroom))
         self.residuals.add(clusters.key_sq, clusters.cross)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -341,12 +380,10 @@ class WaveIndex:
         self.store.free()
         self._pending = self._landing = self.fused_view = None
         self.meta_generation += 1
-        empty = self.centroids[:, :0]
-        self.centroids = self.value_sums = self.sink_k = self.sink_v = empty
-        self._win_buf_k = self._win_buf_v = empty
+        self._new_meta(self.centroids.dtype, self.centroids.device)  # buffers released
+        empty = self.centroids
+        self.sink_k = self.sink_v = self._win_buf_k = self._win_buf_v = empty
         self._win_len = 0
-        self.sizes = self.sizes[:, :0]
-        self.spreads = self.deviates = self.spreads[:, :0]
         self.residuals = ResidualModel(self.num_kv_heads, self.head_dim, self.sizes.device)
 
     def steady_nbytes(self) -> int:
@@ -355,11 +392,10 @@ class WaveIndex:
                    for t in (self.sink_k, self.sink_v, self._win_buf_k, self._win_buf_v))
 
     def meta_nbytes(self) -> int:
-        """Bytes of the meta index (centroids, value sums, sizes, the tilted estimator's
-        per-cluster spreads and deviates and per-head residual model)."""
-        return self.residuals.nbytes() + sum(
-            t.numel() * t.element_size()
-            for t in (self.centroids, self.value_sums, self.sizes, self.spreads, self.deviates))
+        """Bytes held for the meta index (centroids, value sums, sizes, the tilted
+        estimator's per-cluster spreads and deviates, with their buffers' room for later
+        blocks, and the per-head residual model)."""
+        return self.residuals.nbytes() + sum(r.nbytes() for r in self._meta_rows.values())
 
     # ------------------------------------------------------------------ decode
     def select(self, query: torch.Tensor, scale: float) -> Selection:
