@@ -174,3 +174,24 @@ def test_padded_batch_with_triton_kernels(triton_device):
             index.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
         _check(indexes, q, d ** -0.5, 1e-4, cache)
     mgr.close()
+
+
+def test_unjoined_step_is_dropped_when_its_store_is_freed():
+    """A layer's last step is joined at its next call; a request freed before that (outside
+    the inference mode its step ran in, as at an engine's shutdown) frees cleanly."""
+    g = torch.Generator().manual_seed(6)
+    cfg = _cfg(cache_fraction=0.5)  # room for this step's misses: admissions are pending
+    h, d = 2, 32
+    mgr = WaveBufferManager(cfg)
+    cache = MetaViewCache()
+    with torch.inference_mode():
+        indexes = _indexes([700, 900], cfg, h, d, torch.float32, g, mgr)
+        q = torch.randn(2, h * 2, d, generator=g)
+        decode_padded(indexes, q, d ** -0.5, torch.empty_like(q), cache)  # all misses
+    assert all(i.store._step is not None for i in indexes)  # left for the next call
+    assert mgr.stats.snapshot()["pages_admitted"] > 0
+    for i in indexes:
+        i.free()
+    cache.join()  # nothing left to join
+    assert all(i.store.nbytes() == 0 and i.store.device_nbytes() == 0 for i in indexes)
+    mgr.close()

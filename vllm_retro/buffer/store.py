@@ -367,6 +367,9 @@ class WaveBufferStore:
         """See :meth:`ClusterStore.free`: waits for pending work, releases both tiers."""
         if self._freed:
             return
+        # a step's admissions not joined yet have no cache left to fill (and may be joined
+        # here outside the inference mode their tensors were made in)
+        self._step = None
         try:
             self._sync()
             self.manager.worker.wait(self._growing)
