@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex
+from vllm_retro.index.padded import MetaViewCache, decode_padded
 
 
 def sdpa_context(device: torch.device, dtype: torch.dtype, head_dim: int
@@ -87,6 +88,7 @@ class RetroStack:
         self.dtype, self.device = dtype, device
         self.manager = WaveBufferManager(cfg)
         self.indexes: list[list[WaveIndex | None]] = [[None] * batch for _ in range(layers)]
+        self.views = [MetaViewCache() for _ in range(layers)]  # per layer, as the route keeps
 
     def build(self, layer: int, request: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Index one request-layer's prefill. keys, values: [H_kv, N, D] post-RoPE, device."""
@@ -106,24 +108,24 @@ class RetroStack:
         worker.wait(worker.submit(lambda: None))
 
     def step(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        """Append one token per request and layer, then tripartite decode.
+        """Append one token per request and layer, then tripartite decode of each layer's
+        batch through the padded batched path (:func:`decode_padded`, the serving path on
+        CUDA; the reduced CPU mode runs the same code with the torch kernels).
 
         q: [L, B, H_q, D]; k_new, v_new: [L, B, H_kv, D]. Returns [L, B, H_q, D].
         """
-        outs = []
+        out = torch.empty_like(q)
         for layer, row in enumerate(self.indexes):
-            per_req = []
             for b, index in enumerate(row):
                 assert index is not None
                 index.append(k_new[layer, b][:, None], v_new[layer, b][:, None])
-                per_req.append(index.decode(q[layer, b]).output)
-            outs.append(torch.stack(per_req))
-        return torch.stack(outs)
+            decode_padded(row, q[layer], q.shape[-1] ** -0.5, out[layer], self.views[layer])
+        return out
 
     def device_nbytes(self) -> int:
         """Bytes on the compute device: meta indexes, steady zones, block caches and the
         shared execution buffers (on CPU the same structures, in RAM)."""
-        total = self.manager.exec_nbytes()
+        total = self.manager.exec_nbytes() + sum(v.nbytes() for v in self.views)
         for row in self.indexes:
             for index in row:
                 if index is None:

@@ -119,6 +119,14 @@ class MetaViewCache:
             self.view = padded_meta(indexes)
         return self.view
 
+    def nbytes(self) -> int:
+        """Bytes held: the padded meta view's tensors and the execution buffer."""
+        held = [] if self._exec is None else list(self._exec)
+        if self.view is not None:
+            held += [t for t in vars(self.view).values() if isinstance(t, torch.Tensor)]
+        unique = {t.data_ptr(): t for t in held}  # ``scoring`` may be ``centroids``
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
     def clear(self) -> None:
         """Join what is pending, then drop the view and the execution buffer (the layer has
         no indexed rows)."""
