@@ -1,4 +1,4 @@
-"""Shared test helpers: dense reference attention and error metrics."""
+"""Shared test helpers: dense reference attention, error metrics, random wave indexes."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative L2 error ||out - ref|| / ||ref|| (NaN never passes a < comparison)."""
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm())
+
+
+def random_indexes(lengths: list[int], config, heads: int, head_dim: int, dtype: torch.dtype,
+                   generator: torch.Generator, manager=None) -> list:
+    """Wave indexes over random KV of the given context lengths ([heads, n, head_dim] each),
+    over wave buffer stores of ``manager`` (requests 'r0', 'r1', ...) or dense stores."""
+    from vllm_retro.index import WaveIndex
+
+    out = []
+    for i, n in enumerate(lengths):
+        k = torch.randn(heads, n, head_dim, generator=generator).to(dtype)
+        v = torch.randn(heads, n, head_dim, generator=generator).to(dtype)
+        store = manager.store(f"r{i}", heads, head_dim, dtype, "cpu") if manager else None
+        out.append(WaveIndex.build(k, v, config, store=store))
+    return out

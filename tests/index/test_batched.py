@@ -4,6 +4,7 @@ WaveIndex.decode (the per-row reference) gives, on mixed batches over both store
 import pytest
 import torch
 
+from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex
@@ -28,13 +29,7 @@ def test_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, 
     cfg = _cfg(estimator=estimator)
     h = 2
     mgr = WaveBufferManager(cfg) if wave_buffer else None
-    lengths = [40, 700, 1300, 333]
-    indexes = []
-    for i, n in enumerate(lengths):
-        k = torch.randn(h, n, d, generator=g).to(dtype)
-        v = torch.randn(h, n, d, generator=g).to(dtype)
-        store = mgr.store(f"r{i}", h, d, dtype, "cpu") if mgr else None
-        indexes.append(WaveIndex.build(k, v, cfg, store=store))
+    indexes = random_indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
     assert indexes[0].is_dense and not indexes[1].is_dense
     scale = d ** -0.5
     updates = 0

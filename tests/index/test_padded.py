@@ -5,6 +5,7 @@ gives, on mixed batches over both stores, and keeps its meta view only while it 
 import pytest
 import torch
 
+from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex
@@ -17,16 +18,6 @@ def _cfg(**kw):
                 sink_tokens=4, kmeans_iters=3, kernel_backend="torch")
     base.update(kw)
     return RetroConfig(**base)
-
-
-def _indexes(lengths, cfg, h, d, dtype, g, mgr):
-    out = []
-    for i, n in enumerate(lengths):
-        k = torch.randn(h, n, d, generator=g).to(dtype)
-        v = torch.randn(h, n, d, generator=g).to(dtype)
-        store = mgr.store(f"r{i}", h, d, dtype, "cpu") if mgr else None
-        out.append(WaveIndex.build(k, v, cfg, store=store))
-    return out
 
 
 def _check(indexes, q, scale, tol, cache, msg=""):
@@ -47,7 +38,7 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
     cfg = _cfg(estimator=estimator)
     h = 2
     mgr = WaveBufferManager(cfg) if wave_buffer else None
-    indexes = _indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
+    indexes = random_indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
     assert indexes[0].is_dense and not indexes[1].is_dense
     cache = MetaViewCache()
     scale = d ** -0.5
@@ -55,7 +46,7 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
     for step in range(70):
         if step == 30:  # a request finishes; another joins
             indexes.pop(2).free()
-            indexes += _indexes([900], cfg, h, d, dtype, g, mgr)
+            indexes += random_indexes([900], cfg, h, d, dtype, g, mgr)
         q = torch.randn(len(indexes), h * group, d, generator=g).to(dtype)
         for index in indexes:
             updates += index.append(torch.randn(h, 1, d, generator=g).to(dtype),
@@ -76,7 +67,7 @@ def test_all_dense_batch_is_exact_attention():
     g = torch.Generator().manual_seed(1)
     cfg = _cfg()
     h, d = 2, 32
-    indexes = _indexes([20, 50], cfg, h, d, torch.float32, g, None)
+    indexes = random_indexes([20, 50], cfg, h, d, torch.float32, g, None)
     assert all(i.is_dense for i in indexes)
     q = torch.randn(2, h * 2, d, generator=g)
     out = decode_batch(indexes, q, d ** -0.5, cache=MetaViewCache())
@@ -94,7 +85,7 @@ def test_meta_view_is_kept_until_the_batch_or_a_meta_index_changes():
     g = torch.Generator().manual_seed(2)
     cfg = _cfg()
     h, d = 2, 32
-    indexes = _indexes([700, 1300], cfg, h, d, torch.float32, g, None)
+    indexes = random_indexes([700, 1300], cfg, h, d, torch.float32, g, None)
     cache = MetaViewCache()
 
     def step(batch):
@@ -144,7 +135,7 @@ def test_view_has_padding_only_past_each_rows_clusters():
     g = torch.Generator().manual_seed(4)
     cfg = _cfg()
     h, d = 2, 16
-    indexes = _indexes([40, 700, 1300], cfg, h, d, torch.float32, g, None)
+    indexes = random_indexes([40, 700, 1300], cfg, h, d, torch.float32, g, None)
     meta = padded_meta(indexes)
     width = max(i.num_clusters for i in indexes)
     assert meta.centroids.shape == (3 * h, width, d)
@@ -166,7 +157,7 @@ def test_padded_batch_with_triton_kernels(triton_device):
     cfg = _cfg(kernel_backend="triton", segment_size=256)
     h, d = 2, 32
     mgr = WaveBufferManager(cfg)
-    indexes = _indexes([40, 300, 520], cfg, h, d, torch.float32, g, mgr)
+    indexes = random_indexes([40, 300, 520], cfg, h, d, torch.float32, g, mgr)
     cache = MetaViewCache()
     for _ in range(3):
         q = torch.randn(3, h * 2, d, generator=g)
@@ -185,7 +176,7 @@ def test_unjoined_step_is_dropped_when_its_store_is_freed():
     mgr = WaveBufferManager(cfg)
     cache = MetaViewCache()
     with torch.inference_mode():
-        indexes = _indexes([700, 900], cfg, h, d, torch.float32, g, mgr)
+        indexes = random_indexes([700, 900], cfg, h, d, torch.float32, g, mgr)
         q = torch.randn(2, h * 2, d, generator=g)
         decode_padded(indexes, q, d ** -0.5, torch.empty_like(q), cache)  # all misses
     assert all(i.store._step is not None for i in indexes)  # left for the next call
