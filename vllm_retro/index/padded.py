@@ -109,15 +109,28 @@ class MetaViewCache:
         >= 1.5x when too small. It is zero-filled when allocated and afterwards holds only
         KV rows, so slots past a row's length are finite (the kernels mask them by weight,
         and a NaN there would survive a zero weight)."""
-        return _exec_views(self, rows, tokens, head_dim, dtype, device)
+        need = rows * tokens * head_dim
+        held = self._exec
+        if held is None or held[0].numel() < need or held[0].dtype != dtype \
+                or held[0].device != device:
+            size = need if held is None else max(need, 3 * held[0].numel() // 2)
+            held = self._exec = (torch.zeros(size, dtype=dtype, device=device),
+                                 torch.zeros(size, dtype=dtype, device=device))
+        shape = (rows, tokens, head_dim)
+        return held[0][:need].view(shape), held[1][:need].view(shape)
 
     def get(self, indexes: list[WaveIndex]) -> PaddedMeta:
         """The view of ``indexes`` (rebuilt when the batch or a meta index changed)."""
-        key = tuple((i.uid, i.meta_generation) for i in indexes)
+        key = _view_key(indexes)
         if self.view is None or self.view.key != key:
             self.view = None  # release the old copy before building the new one
-            self.view = padded_meta(indexes)
+            self.view = padded_meta(indexes, key)
         return self.view
+
+    def defer(self, indexes: list[WaveIndex]) -> None:
+        """Leave the cache updates of this call's ``indexes`` to :meth:`join` at the layer's
+        next call."""
+        self._unjoined = list(indexes)
 
     def nbytes(self) -> int:
         """Bytes held: the padded meta view's tensors and the execution buffer."""
@@ -135,22 +148,6 @@ class MetaViewCache:
         self._exec = None
 
 
-def _exec_views(cache: MetaViewCache | None, rows: int, tokens: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :meth:`MetaViewCache.exec_buffer` (a fresh zeroed pair without a cache)."""
-    need = rows * tokens * head_dim
-    held = None if cache is None else cache._exec
-    if held is None or held[0].numel() < need or held[0].dtype != dtype \
-            or held[0].device != device:
-        size = need if held is None else max(need, 3 * held[0].numel() // 2)
-        held = (torch.zeros(size, dtype=dtype, device=device),
-                torch.zeros(size, dtype=dtype, device=device))
-        if cache is not None:
-            cache._exec = held
-    shape = (rows, tokens, head_dim)
-    return held[0][:need].view(shape), held[1][:need].view(shape)
-
-
 def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
          ) -> torch.Tensor:
     """Stack ``parts`` ([H, c_b, ...] each) into [B * H, width, ...], zero-padded."""
@@ -162,8 +159,14 @@ def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
     return out.flatten(0, 1)
 
 
-def padded_meta(indexes: list[WaveIndex]) -> PaddedMeta:
-    """Build the padded meta view of ``indexes`` (one layer: same config and head layout)."""
+def _view_key(indexes: list[WaveIndex]) -> tuple[tuple[int, int], ...]:
+    return tuple((i.uid, i.meta_generation) for i in indexes)
+
+
+def padded_meta(indexes: list[WaveIndex], key: tuple[tuple[int, int], ...] | None = None
+                ) -> PaddedMeta:
+    """Build the padded meta view of ``indexes`` (one layer: same config and head layout);
+    ``key``: their :func:`_view_key`, when the caller has it."""
     first = indexes[0]
     cfg, h, dev = first.config, first.num_kv_heads, first.centroids.device
     counts = [i.num_clusters for i in indexes]
@@ -181,7 +184,7 @@ def padded_meta(indexes: list[WaveIndex]) -> PaddedMeta:
     slots = per_row[:, None] + torch.arange(e_max, device=dev)[None, :]
     torch_scoring = kernels.resolve_backend(first.backend, dev) == "torch"
     return PaddedMeta(
-        key=tuple((i.uid, i.meta_generation) for i in indexes),
+        key=key if key is not None else _view_key(indexes),
         centroids=centroids,
         scoring=centroids.float() if torch_scoring else centroids,
         value_sums=_pad([i.value_sums for i in indexes], width),
@@ -241,7 +244,8 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
                             ).repeat_interleave(h)
     n_exact = n_steady + torch.from_numpy(host[1].sum(axis=1))
     t = max(int(n_exact.max()), 1)
-    exec_k, exec_v = _exec_views(cache, b * h, t, d, dtype, dev)
+    buffers = cache if cache is not None else MetaViewCache()  # without one: a fresh buffer
+    exec_k, exec_v = buffers.exec_buffer(b * h, t, d, dtype, dev)
     for j, index in enumerate(indexes):
         rows = slice(j * h, (j + 1) * h)
         index.store.gather_into(np.ascontiguousarray(host[0, rows, :meta.n_retrieval[j]]),
@@ -261,7 +265,7 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         meta.value_sums, meta.sizes, est, meta.n_est, scale, tilt, backend=backend)
     mark("attention")
     if cache is not None:  # joined at this layer's next call: the worker's decision overlaps
-        cache._unjoined = list(indexes)  # the rest of this step
+        cache.defer(indexes)  # the rest of this step
     else:
         for index in indexes:
             index.store.step_done()
