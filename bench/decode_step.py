@@ -220,7 +220,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     build_s = time.perf_counter()
     indexes = [
         WaveIndex.build(keys[b].to(device), values[b].to(device), cfg,
-                        store=mgr.store(f"req{b}", HKV, D, dtype, device))
+                        store=mgr.store(f"req{b}", HKV, D, dtype, device, layer="L0"))
         for b in range(batch)
     ]
     build_s = (time.perf_counter() - build_s) / batch

@@ -35,7 +35,7 @@ def run(rounds: int, context: int, steps: int) -> list[float]:
     k = torch.randn(HKV, context, D, generator=g).bfloat16()
     v = torch.randn(HKV, context, D, generator=g).bfloat16()
     manager = WaveBufferManager(cfg)  # the serving path's store
-    store = manager.store("r", HKV, D, torch.bfloat16, "cpu")
+    store = manager.store("r", HKV, D, torch.bfloat16, "cpu", layer="L0")
     index = WaveIndex.build(k, v, cfg, store=store)
     store.settle()  # as the serving runtime does: the prefill's layout is part of its build
     while index.num_tokens - index.window_start < cfg.local_window + cfg.update_segment - 5:

@@ -36,15 +36,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_indexes(lengths: list[int], config, heads: int, head_dim: int, dtype: torch.dtype,
-                   generator: torch.Generator, manager=None) -> list:
+                   generator: torch.Generator, manager=None, layer: str | None = "L0",
+                   first: int = 0) -> list:
     """Wave indexes over random KV of the given context lengths ([heads, n, head_dim] each),
-    over wave buffer stores of ``manager`` (requests 'r0', 'r1', ...) or dense stores."""
+    over wave buffer stores of ``manager`` (requests 'r<first>', 'r<first + 1>', ..., in the
+    pools of ``layer``; None: pools of their own) or dense stores."""
     from vllm_retro.index import WaveIndex
 
     out = []
-    for i, n in enumerate(lengths):
+    for i, n in enumerate(lengths, start=first):
         k = torch.randn(heads, n, head_dim, generator=generator).to(dtype)
         v = torch.randn(heads, n, head_dim, generator=generator).to(dtype)
-        store = manager.store(f"r{i}", heads, head_dim, dtype, "cpu") if manager else None
+        store = manager.store(f"r{i}", heads, head_dim, dtype, "cpu", layer=layer) \
+            if manager else None
         out.append(WaveIndex.build(k, v, config, store=store))
     return out

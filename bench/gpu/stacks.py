@@ -93,7 +93,8 @@ class RetroStack:
     def build(self, layer: int, request: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Index one request-layer's prefill. keys, values: [H_kv, N, D] post-RoPE, device."""
         h, _, d = keys.shape
-        store = self.manager.store(f"req{request}", h, d, self.dtype, self.device)
+        store = self.manager.store(f"req{request}", h, d, self.dtype, self.device,
+                                   layer=f"L{layer}")
         self.indexes[layer][request] = WaveIndex.build(keys, values, self.cfg, store=store)
 
     def bound_queue(self, depth: int = 2) -> None:

@@ -14,9 +14,9 @@ from vllm_retro.index import WaveIndex
 
 def _ingest(mgr, rid, layers, h, m, c, d, g):
     stores = []
-    for _ in range(layers):
+    for layer in range(layers):
         k, v = torch.randn(h, m, d, generator=g), torch.randn(h, m, d, generator=g)
-        st = mgr.store(rid, h, d, torch.float32, "cpu")
+        st = mgr.store(rid, h, d, torch.float32, "cpu", layer=f"L{layer}")
         st.stage(k, v)
         st.append(k, v, torch.arange(m), random_clusters(h, m, c, g))
         stores.append(st)
@@ -24,7 +24,8 @@ def _ingest(mgr, rid, layers, h, m, c, d, g):
 
 
 def _run(async_updates: bool, steps: int, seed: int):
-    """Interleave steps of several requests and layers; record every execution buffer."""
+    """Interleave steps of several requests and layers (each layer's stores in one pool);
+    record every execution buffer."""
     g = torch.Generator().manual_seed(seed)
     cfg = RetroConfig(cache_pages=10, async_updates=async_updates)
     mgr = WaveBufferManager(cfg)
@@ -39,8 +40,8 @@ def _run(async_updates: bool, steps: int, seed: int):
     tables = []
     for st in stores:
         st.check_invariants()
-        tables.append((st.table.cached.copy(), st.table.page_block.copy(),
-                       [list(f) for f in st.cache.free_blocks]))
+        tables.append((st.table.cached.copy(), st._mapped_blocks(),
+                       list(st.blocks.free_blocks)))
     stats = mgr.stats.snapshot()
     mgr.close()
     return seen, tables, stats

@@ -79,7 +79,7 @@ def test_lru_matches_reference_model(seed, cache_pages, steps):
             refs[i].step(ids[i].tolist())
             assert set(np.nonzero(buf.table.cached[i])[0].tolist()) == set(refs[i].order)
             used = int(buf.table.n_pages[i][buf.table.cached[i]].sum())
-            assert used <= cache_pages == buf.cache.capacity[i]
+            assert used <= cache_pages == buf.capacity[i]
     mgr.close()
 
 
@@ -146,5 +146,5 @@ def test_cache_size_follows_the_fraction(rng):
     mgr, buf, _, _ = _stores(cfg, 2, 800, 50, 32, rng)
     buf.check_invariants()
     for i in range(2):
-        assert buf.cache.capacity[i] == int(np.ceil(0.1 * buf.table.n_pages[i].sum()))
+        assert buf.capacity[i] == int(np.ceil(0.1 * buf.table.n_pages[i].sum()))
     mgr.close()

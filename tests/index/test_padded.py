@@ -46,7 +46,7 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
     for step in range(70):
         if step == 30:  # a request finishes; another joins
             indexes.pop(2).free()
-            indexes += random_indexes([900], cfg, h, d, dtype, g, mgr)
+            indexes += random_indexes([900], cfg, h, d, dtype, g, mgr, first=4)
         q = torch.randn(len(indexes), h * group, d, generator=g).to(dtype)
         for index in indexes:
             updates += index.append(torch.randn(h, 1, d, generator=g).to(dtype),
@@ -61,6 +61,59 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
         for index in indexes:
             index.store.check_invariants()
         mgr.close()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
+    """The batched path on its own over one layer's pools (one gather and one admission
+    copy per call, admissions joined a call later) against identical indexes decoded row by
+    row over pools of their own: the same outputs over 80 steps crossing update blocks,
+    with a request leaving and another joining in its freed pages and blocks; the pools
+    stay consistent and are released with the last request."""
+    cfg = _cfg(cache_fraction=0.3)
+    h, d, group = 2, 64, 4
+    mgr, own_mgr = WaveBufferManager(cfg), WaveBufferManager(cfg)
+    g = torch.Generator().manual_seed(11)
+
+    def twins(lengths, first=0):
+        state = g.get_state()
+        pooled = random_indexes(lengths, cfg, h, d, dtype, g, mgr, first=first)
+        g.set_state(state)
+        return pooled, random_indexes(lengths, cfg, h, d, dtype, g, own_mgr, layer=None,
+                                      first=first)
+
+    pooled, alone = twins([40, 700, 1300, 333])
+    cache = MetaViewCache()
+    scale = d ** -0.5
+    for step in range(80):
+        if step == 30:
+            pooled.pop(1).free()
+            alone.pop(1).free()
+            more = twins([900], first=4)
+            pooled += more[0]
+            alone += more[1]
+        q = torch.randn(len(pooled), h * group, d, generator=g).to(dtype)
+        for a, b in zip(pooled, alone, strict=True):
+            k = torch.randn(h, 1, d, generator=g).to(dtype)
+            v = torch.randn(h, 1, d, generator=g).to(dtype)
+            a.append(k, v)
+            b.append(k, v)
+        out = decode_batch(pooled, q, scale, cache=cache)
+        ref = torch.stack([i.decode(q[j], scale).output for j, i in enumerate(alone)])
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
+                                   msg=f"step {step}")
+    stats = mgr.stats.snapshot()
+    assert stats["hit_tokens"] > 0 and stats["pages_evicted"] > 0
+    assert len({id(i.store.pool) for i in pooled}) == 1
+    cache.join()
+    for index in pooled:
+        index.store.check_invariants()
+    for index in pooled + alone:
+        index.free()
+    assert mgr.live_bytes() == (0, 0) == own_mgr.live_bytes()
+    mgr.close()
+    own_mgr.close()
 
 
 def test_all_dense_batch_is_exact_attention():

@@ -140,10 +140,10 @@ def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, 
 
     real = RetroRuntime._build
 
-    def failing(self, request_id, keys, values):
+    def failing(self, request_id, layer, keys, values):
         if threading.current_thread().name == "retro-index-builder":
             raise MemoryError("injected")
-        return real(self, request_id, keys, values)
+        return real(self, request_id, layer, keys, values)
 
     monkeypatch.setattr(RetroRuntime, "_build", failing)
     retro = {**TINY_RETRO, **FULL_BUDGET}

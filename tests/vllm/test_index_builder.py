@@ -28,7 +28,8 @@ class Recorder:
         self.started = threading.Event()
         self.calls = 0
 
-    def __call__(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> WaveIndex:
+    def __call__(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor
+                 ) -> WaveIndex:
         self.calls += 1
         self.started.set()
         if self.gate is not None:

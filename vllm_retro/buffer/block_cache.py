@@ -1,32 +1,41 @@
-"""The device block cache of one (request, layer): page-sized blocks, per-head budgets.
+"""The device block cache of one layer: page-sized blocks shared by every request and head.
 
-Blocks of all KV heads share one pool (``k``/``v`` [num_blocks, page_size, D]); each head
-owns a budget of blocks and a free list. A cluster is cached whole or not at all; which
-clusters stay is the policy's decision (see :mod:`vllm_retro.buffer.policy`).
+One pool per layer (``k``/``v`` [num_blocks, page_size, D]) with one free list, so the
+batched decode path copies every request's admissions with one call. Each (request, KV
+head) has a budget of blocks (its store's ``capacity``); the pool holds at least the sum of
+the live budgets (:meth:`reserve`), so a head under its budget always finds a free block. A
+cluster is cached whole or not at all; which clusters stay is the policy's decision (see
+:mod:`vllm_retro.buffer.policy`).
+
+The free list is taken from and refilled by the update worker (admissions, evictions) and
+by the decode thread (growth, a finished request's blocks), under one lock. Growth appends
+blocks, so block ids stay valid.
 """
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 
 from vllm_retro.buffer.stats import BufferStats
 
 
-class DeviceBlockCache:
-    """Block pool plus per-head free lists. Block ids are rows of ``k``/``v``."""
+class DeviceBlockPool:
+    """Block pool plus one free list. Block ids are rows of ``k``/``v``."""
 
-    def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+    def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, stats: BufferStats):
         self.head_dim = head_dim
         self.page_size = page_size
         self.stats = stats
         self.k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.free_blocks: list[list[int]] = [[] for _ in range(num_heads)]
-        self.capacity: list[int] = [0] * num_heads
-        """Blocks owned by each head (free or holding a cached cluster)."""
-        self.owner: list[int] = []
-        """Head owning each block."""
+        self.free_blocks: list[int] = []
+        self.reserved = 0
+        """Sum of the live budgets, in blocks (at most :attr:`num_blocks`)."""
+        self._lock = threading.Lock()
 
     @property
     def num_blocks(self) -> int:
@@ -37,26 +46,60 @@ class DeviceBlockCache:
         """Device bytes of the pool."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def grow(self, head: int, blocks: int) -> None:
-        """Give ``head`` ``blocks`` more blocks (the pool is reallocated; contents kept)."""
+    def reserve(self, blocks: int) -> None:
+        """Add ``blocks`` to the budgets the pool must hold, growing it (by >= 1.25x,
+        reallocated, contents kept) when they exceed it. Decode thread only."""
         if blocks <= 0:
             return
-        first = self.num_blocks
-        before = self.nbytes()
-        extra = torch.zeros(blocks, self.page_size, self.head_dim, dtype=self.k.dtype,
-                            device=self.k.device)
-        self.k = torch.cat([self.k, extra])
-        self.v = torch.cat([self.v, extra])
-        self.free_blocks[head].extend(range(first, first + blocks))
-        self.owner.extend([head] * blocks)
-        self.capacity[head] += blocks
+        with self._lock:
+            self.reserved += blocks
+            short = self.reserved - self.num_blocks
+            if short <= 0:
+                return
+            grow = max(short, self.num_blocks // 4)
+            first = self.num_blocks
+            before = self.nbytes()
+            extra = torch.zeros(grow, self.page_size, self.head_dim, dtype=self.k.dtype,
+                                device=self.k.device)
+            self.k = torch.cat([self.k, extra])
+            self.v = torch.cat([self.v, extra])
+            self.free_blocks.extend(range(first, first + grow))
         self.stats.add(device_bytes=self.nbytes() - before)
+
+    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy token rows in: rows [n] int64 flat rows (block * page_size + slot) on the
+        pool's device; keys/values [n, D]. Under the lock, so a growth on another thread (a
+        background index build) cannot copy the pool while the rows land in the old one."""
+        d = self.head_dim
+        with self._lock:
+            self.k.view(-1, d).index_copy_(0, rows, keys)
+            self.v.view(-1, d).index_copy_(0, rows, values)
+
+    def unreserve(self, blocks: int) -> None:
+        """A budget of ``blocks`` is gone (its blocks were given back first)."""
+        with self._lock:
+            self.reserved -= blocks
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free blocks ([n] int64), off the free list."""
+        with self._lock:
+            if n > len(self.free_blocks):
+                raise RuntimeError(f"device block pool: {n} blocks asked, "
+                                   f"{len(self.free_blocks)} free (budgets overcommitted)")
+            out = np.array(self.free_blocks[len(self.free_blocks) - n:], dtype=np.int64)
+            del self.free_blocks[len(self.free_blocks) - n:]
+            return out
+
+    def give(self, blocks: np.ndarray) -> None:
+        """Put ``blocks`` ([n] ids) back on the free list."""
+        with self._lock:
+            self.free_blocks.extend(blocks.tolist())
 
     def free(self) -> None:
         """Release the pool."""
-        self.stats.add(device_bytes=-self.nbytes())
-        self.k = self.k[:0].clone()
-        self.v = self.v[:0].clone()
-        self.free_blocks = [[] for _ in self.free_blocks]
-        self.owner = []
-        self.capacity = [0] * len(self.capacity)
+        with self._lock:
+            self.stats.add(device_bytes=-self.nbytes())
+            self.k = self.k[:0].clone()
+            self.v = self.v[:0].clone()
+            self.free_blocks = []
+            self.reserved = 0

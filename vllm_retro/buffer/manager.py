@@ -1,17 +1,21 @@
 """The wave buffer manager: one per worker process and device.
 
-Owns the update worker, the execution buffers (one per dtype and device, shared by every
-layer and request: each step's admissions are copied out of it before the next step
-reuses it), the counters, and the registry of live per-request stores, so that everything a
-request held can be freed at once when it finishes or is aborted.
+Owns the update worker, the layers' pools (:class:`~vllm_retro.buffer.layer_pool.LayerPool`,
+one per layer name: every request's store of a layer lives in it), the execution buffers of
+the per-row path (one per dtype and device, shared by every layer and request: each step's
+admissions are copied out of it before the next step reuses it), the counters, and the
+registry of live per-request stores, so that everything a request held can be freed at
+once when it finishes or is aborted.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
 
+from vllm_retro.buffer.layer_pool import LayerPool
 from vllm_retro.buffer.stats import BufferStats
 from vllm_retro.buffer.store import WaveBufferStore
 from vllm_retro.buffer.worker import UpdateWorker
@@ -27,15 +31,32 @@ class WaveBufferManager:
         self.worker = UpdateWorker(self.stats, enabled=self.config.async_updates)
         self._stores: dict[str, list[WaveBufferStore]] = {}
         self._exec: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pools: dict[tuple, LayerPool] = {}
+        self._private = itertools.count()
         self._lock = threading.Lock()
 
     def store(self, request_id: str, num_heads: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str) -> WaveBufferStore:
-        """A new store for one layer of ``request_id`` (registered for :meth:`free_request`)."""
-        st = WaveBufferStore(self, num_heads, head_dim, dtype, torch.device(device), self.config)
+              device: torch.device | str, layer: str | None = None) -> WaveBufferStore:
+        """A new store for one layer of ``request_id`` (registered for :meth:`free_request`),
+        in the pools of ``layer`` (a layer name: the stores decoded together in one batch
+        share it); None: pools of its own."""
+        device = torch.device(device)
+        name = ("private", next(self._private)) if layer is None else ("layer", layer)
+        key = (name, num_heads, head_dim, dtype, device)
         with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = LayerPool(
+                    num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
+                    on_empty=lambda p, key=key: self._drop_pool(key, p))
+            st = WaveBufferStore(self, pool, self.config)
             self._stores.setdefault(request_id, []).append(st)
         return st
+
+    def _drop_pool(self, key: tuple, pool: LayerPool) -> None:
+        with self._lock:
+            if self._pools.get(key) is pool:
+                del self._pools[key]
 
     def free_request(self, request_id: str) -> bool:
         """Free every store of ``request_id`` (finished or aborted); False if unknown."""
@@ -51,10 +72,11 @@ class WaveBufferManager:
             return list(self._stores)
 
     def live_bytes(self) -> tuple[int, int]:
-        """(host bytes, device block-cache bytes) held by live stores."""
+        """(host bytes, device block-cache bytes) of the layers' pools (allocated: live
+        requests' pages and blocks plus the pools' free room)."""
         with self._lock:
-            stores = [s for group in self._stores.values() for s in group]
-        return sum(s.nbytes() for s in stores), sum(s.device_nbytes() for s in stores)
+            sizes = [p.nbytes() for p in self._pools.values()]
+        return sum(h for h, _ in sizes), sum(d for _, d in sizes)
 
     def exec_buffer(self, num_heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,14 @@
 """The cluster mapping table of one (request, layer): where every cluster's pages are.
 
-An array per field, indexed by (KV head, cluster id): the cluster's first host page and page
-count, its size in tokens, whether it is cached on the device, when it was last read (the LRU
-position) and how often it was read while cached (the LFU count). These arrays are the one
+An array per field, indexed by (KV head, cluster id): the cluster's first page in the
+layer's host pool and page count, its size in tokens, whether it is cached on the device,
+when it was last read (the LRU position) and how often it was read while cached (the LFU
+count). These arrays and the host pool's page-indexed ``page_block`` (each page's device
+block, -1 when not cached; :class:`~vllm_retro.buffer.host_tier.HostTier`) are the one
 record of cache state; the replacement policies only order them
-(:mod:`vllm_retro.buffer.policy`). A page-indexed array maps each host page to its device
-block (-1 when not cached); a cached cluster has all its pages mapped. Lookups only read;
-the update worker is the only writer, and the store never lets a lookup overlap its own
-pending update.
+(:mod:`vllm_retro.buffer.policy`). A cached cluster has all its pages mapped. Lookups only
+read; the update worker is the only writer, and the store never lets a lookup overlap its
+own pending update.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from vllm_retro.kernels.gather import HIT, MISS
 
@@ -31,13 +31,13 @@ def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 class Lookup:
     """Where the tokens of one step's retrieval clusters come from."""
 
-    kind: torch.Tensor
+    kind: np.ndarray
     """[H, T] int32 per token slot: 0 padding, 1 device cache, 2 host tier."""
-    src_row: torch.Tensor
+    src_row: np.ndarray
     """[H, T] int64 row in the device pool (hits) or the host pool (misses)."""
-    host_row: torch.Tensor
+    host_row: np.ndarray
     """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position."""
-    totals: torch.Tensor
+    totals: np.ndarray
     """[H] int64 tokens per head."""
     cached: np.ndarray
     """[H, R] bool: the cluster was a cache hit."""
@@ -46,7 +46,7 @@ class Lookup:
 
 
 class ClusterMappingTable:
-    """Cluster descriptors and the host-page -> device-block map."""
+    """Cluster descriptors of one request's layer."""
 
     def __init__(self, num_heads: int, page_size: int):
         self.page_size = page_size
@@ -56,16 +56,15 @@ class ClusterMappingTable:
         self.cached = np.zeros((num_heads, 0), dtype=bool)
         self.last_access = np.zeros((num_heads, 0), dtype=np.int64)
         self.reads = np.zeros((num_heads, 0), dtype=np.int64)
-        self.page_block = np.zeros(0, dtype=np.int64)
 
     @property
     def num_clusters(self) -> int:
         """Clusters per head."""
         return int(self.size.shape[1])
 
-    def add_clusters(self, page_start: np.ndarray, n_pages: np.ndarray, size: np.ndarray,
-                     total_pages: int) -> None:
-        """Append clusters ([H, c] arrays) whose pages end before host page ``total_pages``."""
+    def add_clusters(self, page_start: np.ndarray, n_pages: np.ndarray, size: np.ndarray
+                     ) -> None:
+        """Append clusters ([H, c] arrays: first host page, pages, tokens)."""
         h, c = size.shape
         self.page_start = np.concatenate([self.page_start, page_start], axis=1)
         self.n_pages = np.concatenate([self.n_pages, n_pages], axis=1)
@@ -73,9 +72,6 @@ class ClusterMappingTable:
         self.cached = np.concatenate([self.cached, np.zeros((h, c), dtype=bool)], axis=1)
         self.last_access = np.concatenate([self.last_access, np.zeros((h, c), np.int64)], axis=1)
         self.reads = np.concatenate([self.reads, np.zeros((h, c), np.int64)], axis=1)
-        grow = total_pages - self.page_block.size
-        if grow > 0:
-            self.page_block = np.concatenate([self.page_block, np.full(grow, -1, np.int64)])
 
     def pages_of_many(self, head: int, clusters: np.ndarray) -> np.ndarray:
         """The host pages of ``clusters`` ([n] ids of one head), concatenated in order."""
@@ -86,9 +82,10 @@ class ClusterMappingTable:
         start = int(self.page_start[head, cluster])
         return slice(start, start + int(self.n_pages[head, cluster]))
 
-    def lookup(self, cluster_ids: np.ndarray) -> Lookup:
-        """Locate every token of ``cluster_ids`` ([H, R] int64; read-only). Numpy only: the
-        table lives on the host, and this runs per request and layer step."""
+    def lookup(self, cluster_ids: np.ndarray, page_block: np.ndarray) -> Lookup:
+        """Locate every token of ``cluster_ids`` ([H, R] int64; read-only); ``page_block``:
+        the host pool's page -> device block map. Numpy only: the table lives on the host,
+        and this runs per request and layer step."""
         c = self.num_clusters
         if cluster_ids.size and (cluster_ids.min() < 0 or cluster_ids.max() >= c):
             bad = cluster_ids[(cluster_ids < 0) | (cluster_ids >= c)][0]
@@ -106,12 +103,11 @@ class ClusterMappingTable:
         host_row = np.full((h, t), -1, dtype=np.int64)
         host_row[head, slot] = flat
         block = np.full((h, t), -1, dtype=np.int64)
-        block[head, slot] = self.page_block[flat // self.page_size]
+        block[head, slot] = page_block[flat // self.page_size]
         hit = block >= 0
         kind = np.where(hit, HIT, np.where(host_row >= 0, MISS, 0)).astype(np.int32)
         src_row = np.where(hit, block * self.page_size + host_row % self.page_size,
                            np.maximum(host_row, 0))
         begins = np.cumsum(sizes, axis=1) - sizes
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
-        return Lookup(torch.from_numpy(kind), torch.from_numpy(src_row),
-                      torch.from_numpy(host_row), torch.from_numpy(totals), cached, begins)
+        return Lookup(kind, src_row, host_row, totals, cached, begins)

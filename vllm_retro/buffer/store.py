@@ -1,5 +1,9 @@
 """The wave buffer's :class:`~vllm_retro.index.store.ClusterStore` for one (request, layer).
 
+A store is small integer state — its mapping table, per-head block budgets, the extents of
+host pages it was given — over its layer's pools (:mod:`vllm_retro.buffer.layer_pool`),
+which hold the bytes for every request of the layer.
+
 Per decode step (RetroInfer §4.3):
 
 1. ``gather``: wait for this store's previous update (normally long finished), look the
@@ -27,8 +31,7 @@ import numpy as np
 import torch
 
 from vllm_retro import kernels
-from vllm_retro.buffer.block_cache import DeviceBlockCache
-from vllm_retro.buffer.host_tier import HostTier, bits
+from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, eviction_order
 from vllm_retro.config import RetroConfig
@@ -37,6 +40,7 @@ from vllm_retro.index.store import SteadyParts, fill_steady
 from vllm_retro.kernels.gather import HIT, MISS
 
 if TYPE_CHECKING:
+    from vllm_retro.buffer.layer_pool import LayerPool
     from vllm_retro.buffer.manager import WaveBufferManager
 
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -44,33 +48,46 @@ Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class WaveBufferStore:
-    """Host tier + device block cache + mapping table for one request-layer."""
+    """One request's layer in its layer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`:
+    its mapping table, per-head block budgets and host extents."""
 
-    def __init__(self, manager: WaveBufferManager, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, config: RetroConfig):
+    def __init__(self, manager: WaveBufferManager, pool: LayerPool, config: RetroConfig):
         self.manager = manager
+        self.pool = pool
         self.config = config
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.page_size = config.page_size
-        stats = manager.stats
-        self.host = HostTier(head_dim, self.page_size, dtype, stats,
-                             pin=self.device.type == "cuda" or None)
-        self.cache = DeviceBlockCache(num_heads, head_dim, self.page_size, dtype, self.device,
-                                      stats)
-        self.table = ClusterMappingTable(num_heads, self.page_size)
+        self.num_heads = pool.num_heads
+        self.head_dim = pool.head_dim
+        self.dtype = pool.dtype
+        self.device = pool.device
+        self.page_size = pool.page_size
+        self.host = pool.host
+        self.blocks = pool.blocks
+        self.table = ClusterMappingTable(self.num_heads, self.page_size)
+        self.capacity = np.zeros(self.num_heads, dtype=np.int64)
+        """Device blocks each KV head may hold (its budget in the layer's block pool)."""
+        self.held = np.zeros(self.num_heads, dtype=np.int64)
+        """Device blocks each KV head holds (written by the worker's updates)."""
+        self._extents: list[tuple[int, int]] = []
+        """(first page, pages) of the host extents laid out for this store (worker)."""
         self._pending: Future | None = None
         self._growing: Future | None = None
-        """The host tier's growth for the next block, queued after a layout (nothing waits
+        """The host pool's growth for the next block, queued after a layout (nothing waits
         for it but the next layout, behind it in the worker's queue, and :meth:`free`)."""
         self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
-        self._step: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        """(execution buffer K, V, first row) of the step whose update is not joined yet."""
         self._clock = 0
         """Reads recorded so far: the recency stamp of the next read."""
         self._freed = False
-        self._host_pages = np.zeros(num_heads, dtype=np.int64)
+        self._host_pages = np.zeros(self.num_heads, dtype=np.int64)
+        pool.attach(self)
+
+    @property
+    def batch_group(self) -> LayerPool:
+        """The stores decoded together share this: see
+        :meth:`~vllm_retro.buffer.layer_pool.LayerPool.gather_batch` (the batched path's
+        one gather per layer)."""
+        return self.pool
 
     # ------------------------------------------------------------------ ingest
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -100,7 +117,7 @@ class WaveBufferStore:
         order = clusters.order.cpu().numpy()
         sizes = clusters.sizes.cpu().numpy().astype(np.int64)
         n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]
-        self._sync()  # no update of this store may touch the free lists while they grow
+        self._sync()  # no update of this store may read the budgets while they grow
         self._grow_cache(n_pages.sum(axis=1))
         worker = self.manager.worker
         self._pending = worker.submit(
@@ -127,6 +144,7 @@ class WaveBufferStore:
         h, c = sizes.shape
         m = order.shape[1]
         first = self.host.reserve(int(n_pages.sum()), headroom=self._block_pages())
+        self._extents.append((first, int(n_pages.sum())))
         flat_pages = n_pages.reshape(-1)
         page_start = (first + np.cumsum(flat_pages) - flat_pages).reshape(h, c)
         # token t of head-major, cluster-contiguous order belongs to flat cluster f
@@ -138,7 +156,7 @@ class WaveBufferStore:
         tok = order.reshape(-1)
         kb, vb = bits(keys.detach().cpu()), bits(values.detach().cpu())
         self.host.write_rows(rows, kb[head, tok], vb[head, tok], positions[tok])
-        self.table.add_clusters(page_start, n_pages, sizes, self.host.used_pages)
+        self.table.add_clusters(page_start, n_pages, sizes)
 
     def _grow_cache(self, new_pages: np.ndarray) -> None:
         """Grow each head's block budget for ``new_pages`` ([H]) more host pages."""
@@ -149,7 +167,9 @@ class WaveBufferStore:
                 target = cfg.cache_pages
             else:
                 target = math.ceil(cfg.cache_fraction * int(self._host_pages[h]) - 1e-9)
-            self.cache.grow(h, target - self.cache.capacity[h])
+            grow = max(0, target - int(self.capacity[h]))
+            self.blocks.reserve(grow)
+            self.capacity[h] += grow
 
     # ------------------------------------------------------------------ decode
     def _sync(self) -> None:
@@ -170,9 +190,10 @@ class WaveBufferStore:
         exec_k, exec_v = self.manager.exec_buffer(self.num_heads, t, self.head_dim,
                                                   self.dtype, self.device)
         self._fill(ids, lk, steady, exec_k, exec_v)
-        positions = torch.where(lk.host_row >= 0, self.host.positions[lk.host_row.clamp_min(0)],
-                                -1).to(self.device)
-        totals = (lk.totals + n_steady).to(self.device)
+        pos = np.where(lk.host_row >= 0,
+                       self.host.positions.numpy()[np.maximum(lk.host_row, 0)], -1)
+        positions = torch.from_numpy(pos).to(self.device)
+        totals = torch.from_numpy(lk.totals + n_steady).to(self.device)
         return exec_k, exec_v, positions, totals
 
     def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
@@ -186,7 +207,7 @@ class WaveBufferStore:
         if self._freed:
             raise RuntimeError("this wave buffer store was freed")
         self._sync()
-        return self.table.lookup(ids)
+        return self.table.lookup(ids, self.host.page_block)
 
     def _fill(self, ids: np.ndarray, lk: Lookup, steady: SteadyParts, exec_k: torch.Tensor,
               exec_v: torch.Tensor) -> None:
@@ -196,12 +217,18 @@ class WaveBufferStore:
         n_steady = fill_steady(steady, exec_k, exec_v)
         d = self.head_dim
         kernels.gather_rows(
-            exec_k, exec_v, n_steady, self.cache.k.view(-1, d), self.cache.v.view(-1, d),
-            self.host.k.view(-1, d), self.host.v.view(-1, d), lk.kind, lk.src_row,
-            backend=self.config.kernel_backend,
+            exec_k, exec_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
+            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(lk.kind),
+            torch.from_numpy(lk.src_row), backend=self.config.kernel_backend,
         )
+        self._submit(ids, lk, n_steady, exec_k, exec_v, 0)
+
+    def _submit(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
+                exec_v: torch.Tensor, row0: int) -> None:
+        """Count the step's reads and submit its cache update; its admissions will be copied
+        out of ``exec_k``/``exec_v`` ([rows, T_cap, D], this store's heads from ``row0``)."""
         self._count(ids, lk, n_steady)
-        self._step = (exec_k, exec_v)
+        self._step = (exec_k, exec_v, row0)
         self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
 
     def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
@@ -234,27 +261,27 @@ class WaveBufferStore:
             pos = np.nonzero(~lk.cached[h])[0]  # positions of the misses in the read order
             cand = ids[h, pos]
             need = t.n_pages[h, cand]
-            ok = (need > 0) & (need <= self.cache.capacity[h])
+            ok = (need > 0) & (need <= self.capacity[h])
             pos, cand, need = pos[ok], cand[ok], need[ok]
-            free = self.cache.free_blocks[h]
-            if int(need.sum()) > len(free):
+            room = int(self.capacity[h] - self.held[h])
+            if int(need.sum()) > room:
                 protected = np.zeros(t.num_clusters, dtype=bool)
                 protected[ids[h]] = True
                 victims = eviction_order(self.config.cache_policy, t.last_access[h], t.reads[h],
                                          np.nonzero(t.cached[h] & ~protected)[0])
                 vpages = t.n_pages[h, victims]
-                take = admit_greedy(need, len(free) + int(vpages.sum()))
+                take = admit_greedy(need, room + int(vpages.sum()))
                 pos, cand, need = pos[take], cand[take], need[take]
-                deficit = int(need.sum()) - len(free)
+                deficit = int(need.sum()) - room
                 if deficit > 0:
                     k = int(np.searchsorted(np.cumsum(vpages), deficit)) + 1
                     evicted += self._evict(h, victims[:k])
             total = int(need.sum())
             if total == 0:
                 continue
-            blocks = np.array(free[len(free) - total:], dtype=np.int64)
-            del free[len(free) - total:]
-            t.page_block[t.pages_of_many(h, cand)] = blocks
+            blocks = self.blocks.take(total)
+            self.held[h] += total
+            self.host.page_block[t.pages_of_many(h, cand)] = blocks
             t.cached[h, cand] = True
             t.reads[h, cand] = 1
             admitted += total
@@ -275,11 +302,12 @@ class WaveBufferStore:
         """Drop ``clusters`` ([n] ids of head ``h``) from the cache; returns pages freed."""
         t = self.table
         pages = t.pages_of_many(h, clusters)
-        blocks = t.page_block[pages].copy()  # a view would read back the -1s
-        t.page_block[pages] = -1
+        blocks = self.host.page_block[pages].copy()  # a view would read back the -1s
+        self.host.page_block[pages] = -1
         t.cached[h, clusters] = False
         t.reads[h, clusters] = 0
-        self.cache.free_blocks[h].extend(blocks.tolist())
+        self.blocks.give(blocks)
+        self.held[h] -= blocks.size
         return int(blocks.size)
 
     def settle(self) -> None:
@@ -314,57 +342,63 @@ class WaveBufferStore:
 
     def step_done(self) -> None:
         """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""
+        plan = self._take_step()
+        if plan is not None:
+            self.pool._admit(*plan)
+
+    def _take_step(self) -> tuple[torch.Tensor, torch.Tensor, int, np.ndarray, np.ndarray,
+                                  np.ndarray] | None:
+        """Join the last step's update: (execution buffer K, V, this store's first row in
+        it, then the admission copies: heads, slots, device-pool rows); None when no step is
+        pending."""
         if self._step is None:
-            return
-        exec_k, exec_v = self._step
+            return None
+        exec_k, exec_v, row0 = self._step
         self._step = None
         heads, slots, rows = self.manager.worker.wait(self._pending)
         self._pending = None
-        if heads.size:
-            d = self.head_dim
-            src = torch.from_numpy(heads * exec_k.shape[1] + slots).to(self.device)
-            dst = torch.from_numpy(rows).to(self.device)
-            for pool, buf in ((self.cache.k, exec_k), (self.cache.v, exec_v)):
-                pool.view(-1, d).index_copy_(0, dst, buf.reshape(-1, d).index_select(0, src))
-            self.manager.stats.add(bytes_d2d=2 * heads.size * d * exec_k.element_size())
+        return exec_k, exec_v, row0, heads, slots, rows
+
+    def _mapped_blocks(self) -> np.ndarray:
+        """The device blocks this store's cached clusters hold ([n] int64)."""
+        t = self.table
+        h, c = np.nonzero(t.cached)
+        return self.host.page_block[runs(t.page_start[h, c], t.n_pages[h, c])]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless the table and the free lists agree: per head, free and
-        mapped blocks partition the head's blocks (none lost, none twice), a cluster is
-        cached iff all its pages are mapped, and exactly the cached clusters have a read
-        count. Waits for pending updates first. For tests and debugging."""
+        """Raise AssertionError unless the table, the budgets and the layer's pool agree:
+        per head, a cluster is cached iff all its pages are mapped, exactly the cached
+        clusters have a read count, and the blocks held are counted and within the
+        budget; then the pool's own check (free and mapped blocks partition it). Waits for
+        pending updates first. For tests and debugging."""
         self._sync()
-        t, cache = self.table, self.cache
+        t = self.table
         for h in range(self.num_heads):
-            mapped: list[int] = []
-            cached = set(np.nonzero(t.cached[h])[0].tolist())
+            held = 0
             for c in range(t.num_clusters):
-                blocks = t.page_block[t.pages_of(h, c)]
-                if c in cached:
+                blocks = self.host.page_block[t.pages_of(h, c)]
+                if t.cached[h, c]:
                     assert (blocks >= 0).all(), f"head {h} cluster {c}: cached, pages unmapped"
-                    mapped.extend(blocks.tolist())
+                    held += blocks.size
                 else:
                     assert (blocks < 0).all(), f"head {h} cluster {c}: not cached, pages mapped"
-            free = cache.free_blocks[h]
-            owned = [b for b, o in enumerate(cache.owner) if o == h]
-            assert len(set(mapped)) == len(mapped), f"head {h}: a block mapped twice"
-            assert len(set(free)) == len(free), f"head {h}: a block free twice"
-            assert not set(mapped) & set(free), f"head {h}: a block both free and mapped"
-            assert sorted(mapped + free) == owned, f"head {h}: blocks lost or foreign"
-            assert len(owned) == cache.capacity[h]
-            assert set(np.nonzero(t.reads[h])[0].tolist()) == cached, f"head {h}: reads"
+            assert held == self.held[h] <= self.capacity[h], f"head {h}: blocks held"
+            assert (t.reads[h] > 0).tolist() == t.cached[h].tolist(), f"head {h}: reads"
+        self.pool.check_invariants()
 
     # ------------------------------------------------------------------ lifecycle
     def nbytes(self) -> int:
-        """Host bytes of KV held (see :meth:`device_nbytes` for the device tier)."""
-        return self.host.nbytes()
+        """Host bytes of the pages this store holds in the layer's pool (see
+        :meth:`device_nbytes` for the device tier)."""
+        return sum(n for _, n in self._extents) * self.host.page_nbytes()
 
     def device_nbytes(self) -> int:
-        """Device bytes of the block cache."""
-        return self.cache.nbytes()
+        """Device bytes of this store's block budgets in the layer's pool."""
+        return int(self.capacity.sum()) * self.host.page_nbytes()
 
     def free(self) -> None:
-        """See :meth:`ClusterStore.free`: waits for pending work, releases both tiers."""
+        """See :meth:`ClusterStore.free`: waits for pending work, gives the store's blocks,
+        budgets and host extents back to the layer's pools (released with the last store)."""
         if self._freed:
             return
         # a step's admissions not joined yet have no cache left to fill (and may be joined
@@ -378,6 +412,12 @@ class WaveBufferStore:
             self._freed = True
             self._step = None
             self._staged = None
-            self.host.free()
-            self.cache.free()
+            self.blocks.give(self._mapped_blocks())
+            self.blocks.unreserve(int(self.capacity.sum()))
+            for first, pages in self._extents:
+                self.host.release(first, pages)
+            self._extents = []
+            self.capacity[:] = 0
+            self.held[:] = 0
             self.table = ClusterMappingTable(self.num_heads, self.page_size)
+            self.pool.detach(self)

@@ -8,23 +8,24 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
    centroids [R, C_max, D]; padding has size 0 and scores ``-inf``) and one top-k of the
    largest zone size among the rows;
 2. **one device->host transfer**: every row's retrieval ids and their sizes, together;
-3. per request, on the host, its mapping-table lookup (numpy, the table lives on the host)
-   and the fill of its slice of the layer's one execution buffer [R, T_max, D] (steady zone,
-   device-cache hits, host-tier misses: copies and one gather kernel, no synchronisation),
-   which submits its cache update to the wave buffer's worker;
+3. the fill of the layer's one execution buffer [R, T_max, D]: per request, its steady zone
+   (copies) and its mapping-table lookup (numpy, on the host), then, when the stores share
+   one layer pool (the wave buffer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as
+   in serving), **one gather call** for every row's cache hits and host misses (else one
+   per request); each request's cache update goes to the wave buffer's worker;
 4. the tilted estimator's query terms for all rows (three batched products);
 5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``;
-6. per request, joining its cache update (admissions copied out of the execution buffer)
-   at the start of this layer's next call, so the worker's decisions overlap the rest of
-   the step (the execution buffer is the layer's own; a store joins a pending update itself
-   before any other read of it).
+6. joining the cache updates at the start of this layer's next call, so the worker's
+   decisions overlap the rest of the step: **one copy** of every request's admissions out
+   of the execution buffer (the layer's own) into the layer's block pool (a store joins a
+   pending update itself before any other read of it).
 
 The padded view is a copy of the batch's meta indexes, built when the batch's set of indexes
 or any of their meta indexes (:attr:`WaveIndex.meta_generation`) changes — a request joining
 or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
-the caller holds per layer. Steps 3 and 6 are per request because each request's host pages,
-device blocks and mapping table are its own; they launch work, they never wait for the
-device.
+the caller holds per layer. What stays per request in steps 3 and 6 is host-side table work
+(lookups, the worker's update jobs) and the steady-zone copies (each index owns its window
+buffers); none of it waits for the device.
 
 What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (static
 shapes, given a padded T_max bucket); not step 3, whose shapes follow the host-side lookup.
@@ -42,6 +43,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.index.estimator import residual_query_terms
+from vllm_retro.index.store import shared_batch_group
 from vllm_retro.index.wave_index import PhaseClock, WaveIndex
 
 
@@ -100,8 +102,7 @@ class MetaViewCache:
         """Join the cache updates of this layer's previous call (their admissions are copied
         out of the execution buffer)."""
         unjoined, self._unjoined = self._unjoined, []
-        for index in unjoined:
-            index.store.step_done()
+        join_stores([i.store for i in unjoined])
 
     def exec_buffer(self, rows: int, tokens: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +147,18 @@ class MetaViewCache:
         self.join()
         self.view = None
         self._exec = None
+
+
+def join_stores(stores: list) -> None:
+    """Join the last step of every store: one call when they share a batch group."""
+    if not stores:
+        return
+    group = shared_batch_group(stores)
+    if group is not None:
+        group.join_batch(stores)
+    else:
+        for st in stores:
+            st.step_done()
 
 
 def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
@@ -246,11 +259,16 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     t = max(int(n_exact.max()), 1)
     buffers = cache if cache is not None else MetaViewCache()  # without one: a fresh buffer
     exec_k, exec_v = buffers.exec_buffer(b * h, t, d, dtype, dev)
-    for j, index in enumerate(indexes):
-        rows = slice(j * h, (j + 1) * h)
-        index.store.gather_into(np.ascontiguousarray(host[0, rows, :meta.n_retrieval[j]]),
-                                steady[j],
-                                exec_k[rows], exec_v[rows])
+    ids = [np.ascontiguousarray(host[0, j * h:(j + 1) * h, :meta.n_retrieval[j]])
+           for j in range(b)]
+    stores = [i.store for i in indexes]
+    group = shared_batch_group(stores)
+    if group is not None:  # one layer pool: one gather for all rows
+        group.gather_batch(stores, ids, steady, exec_k, exec_v)
+    else:
+        for j, st in enumerate(stores):
+            rows = slice(j * h, (j + 1) * h)
+            st.gather_into(ids[j], steady[j], exec_k[rows], exec_v[rows])
     mark("lookup+gather")
     tilt = None
     est = top.gather(1, meta.estimation_slots) if meta.estimation_slots.shape[1] else \
@@ -267,7 +285,6 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if cache is not None:  # joined at this layer's next call: the worker's decision overlaps
         cache.defer(indexes)  # the rest of this step
     else:
-        for index in indexes:
-            index.store.step_done()
+        join_stores(stores)
     out.copy_(res.reshape(out.shape))
     return out

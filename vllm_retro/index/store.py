@@ -21,6 +21,31 @@ SteadyParts = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """The steady zone as (keys, values) pieces, each [H, n_i, D], placed first in order."""
 
 
+class BatchGroup(Protocol):
+    """What the stores of one layer share when their pools are one (the wave buffer's
+    :class:`~vllm_retro.buffer.layer_pool.LayerPool`, a store's ``batch_group``): the
+    batched path fills and joins all of them with one call each."""
+
+    def gather_batch(self, stores: Sequence[ClusterStore], cluster_ids: Sequence[np.ndarray],
+                     steady: Sequence[SteadyParts], exec_k: torch.Tensor,
+                     exec_v: torch.Tensor) -> None:
+        """:meth:`ClusterStore.gather_into` for every store, store j into rows
+        ``j * H .. (j + 1) * H`` of exec_k/exec_v ([B * H, T_cap, D])."""
+        ...
+
+    def join_batch(self, stores: Sequence[ClusterStore]) -> None:
+        """:meth:`ClusterStore.step_done` for every store."""
+        ...
+
+
+def shared_batch_group(stores: Sequence[object]) -> BatchGroup | None:
+    """The batch group all ``stores`` share, or None (no group, or not one)."""
+    group = getattr(stores[0], "batch_group", None) if stores else None
+    if group is None or any(getattr(s, "batch_group", None) is not group for s in stores):
+        return None
+    return group
+
+
 @runtime_checkable
 class ClusterStore(Protocol):
     """Storage of the indexed tokens' KV, addressed by (KV head, cluster id).

@@ -38,9 +38,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BuildFn = Callable[[str, torch.Tensor, torch.Tensor], Any]
-"""Builds one (request, layer) index: (request id, keys [H_kv, N, D], values) -> index
-(anything with a ``free()`` method)."""
+BuildFn = Callable[[str, str, torch.Tensor, torch.Tensor], Any]
+"""Builds one (request, layer) index: (request id, layer name, keys [H_kv, N, D], values)
+-> index (anything with a ``free()`` method)."""
 
 
 @dataclass
@@ -107,7 +107,7 @@ class IndexBuilder:
                 req.queued += 1
         if not self.background:
             t0 = time.perf_counter()
-            index = self._build(request_id, keys, values)
+            index = self._build(request_id, layer, keys, values)
             with self._cond:
                 req.queued -= 1
                 req.indexes[layer] = index
@@ -238,11 +238,11 @@ class IndexBuilder:
 
     def _run(self, job: _Job) -> Any:
         if job.ready is None:
-            return self._build(job.request_id, job.keys, job.values)
+            return self._build(job.request_id, job.layer, job.keys, job.values)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=job.keys.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(job.ready)
-            index = self._build(job.request_id, job.keys, job.values)
+            index = self._build(job.request_id, job.layer, job.keys, job.values)
         self._stream.synchronize()
         return index

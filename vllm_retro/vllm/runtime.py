@@ -140,10 +140,11 @@ class RetroRuntime:
         return self._slot_to_req.get(slot)
 
     # ------------------------------------------------------------------ indexes
-    def _build(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> WaveIndex:
+    def _build(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor
+               ) -> WaveIndex:
         assert self.config is not None
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
-                                   keys.device)
+                                   keys.device, layer=layer)
         index = WaveIndex.build(keys, values, self.config, store=store)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it
         # is never waited for by the first decode step
@@ -164,7 +165,7 @@ class RetroRuntime:
                     values: torch.Tensor) -> WaveIndex:
         """Index a request's prefilled KV for one layer at once, in the caller's thread.
         keys, values: [H_kv, N, D]."""
-        index = self._build(request_id, keys, values)
+        index = self._build(request_id, layer, keys, values)
         self._register(request_id, layer, index)
         return index
 

@@ -1,0 +1,111 @@
+"""vllm_retro.buffer.layer_pool and its two pools: one host page pool and one device block
+pool per layer, shared by the layer's stores."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.buffer.conftest import random_clusters
+from vllm_retro.buffer import BufferStats, WaveBufferManager
+from vllm_retro.buffer.block_cache import DeviceBlockPool
+from vllm_retro.buffer.host_tier import HostTier
+from vllm_retro.config import RetroConfig
+
+
+def test_host_extents_are_reused_first_fit_and_merged():
+    host = HostTier(8, 4, torch.float32, BufferStats(), pin=False)
+    a = host.reserve(3)
+    b = host.reserve(5)
+    c = host.reserve(2)
+    assert (a, b, c) == (0, 3, 8) and host.used_pages == 10
+    host.page_block[b:b + 5] = 7
+    host.release(b, 5)
+    assert host.free_extents == [(3, 5)] and (host.page_block[3:8] == -1).all()
+    assert (host.positions.numpy()[3 * 4:8 * 4] == -1).all()
+    assert host.reserve(6) == 10  # does not fit in the hole: past the high-water mark
+    assert host.reserve(4) == 3 and host.free_extents == [(7, 1)]  # first fit
+    host.release(3, 4)
+    assert host.free_extents == [(3, 5)]  # merged with its free neighbour
+    host.release(10, 6)  # ends at the high-water mark: given back to it
+    assert host.used_pages == 10 and host.allocated_pages == 5
+    host.release(0, 3)
+    host.release(8, 2)
+    assert host.used_pages == 0 and host.free_extents == [] and host.allocated_pages == 0
+
+
+def test_host_growth_keeps_pages_and_their_block_map():
+    host = HostTier(2, 2, torch.float32, BufferStats(), pin=False)
+    first = host.reserve(3)
+    rows = np.arange(6)
+    host.write_rows(rows, np.arange(12, dtype=np.int32).reshape(6, 2),
+                    np.arange(12, dtype=np.int32).reshape(6, 2), rows + 100)
+    host.page_block[first:first + 3] = [5, -1, 9]
+    old_k = host.k
+    assert host.ensure_room(10) and host.generation == 2  # the first reserve made one
+    assert host.capacity_pages >= 13 and host.k is not old_k
+    assert torch.equal(host.k[:3], old_k[:3])
+    assert host.page_block[:3].tolist() == [5, -1, 9] and (host.page_block[3:] == -1).all()
+    assert host.positions[:6].tolist() == list(range(100, 106))
+
+
+def test_block_pool_holds_the_budgets_and_refuses_overcommit():
+    stats = BufferStats()
+    pool = DeviceBlockPool(4, 2, torch.float32, torch.device("cpu"), stats)
+    pool.reserve(5)
+    assert pool.num_blocks == 5 == len(pool.free_blocks) and pool.reserved == 5
+    got = pool.take(3)
+    pool.write_rows(torch.tensor([got[0] * 2]), torch.ones(1, 4), torch.full((1, 4), 2.0))
+    pool.reserve(1)  # grows, contents and block ids kept
+    assert pool.num_blocks >= 6
+    assert torch.equal(pool.k[got[0], 0], torch.ones(4))
+    assert torch.equal(pool.v[got[0], 0], torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="blocks asked"):
+        pool.take(len(pool.free_blocks) + 1)
+    pool.give(got)
+    pool.unreserve(6)
+    assert pool.reserved == 0 and len(pool.free_blocks) == pool.num_blocks
+    assert stats.device_bytes == pool.nbytes()
+    pool.free()
+    assert stats.device_bytes == 0
+
+
+def _store(mgr, rid, layer, g, m=300, c=30):
+    h, d = 2, 16
+    k, v = torch.randn(h, m, d, generator=g), torch.randn(h, m, d, generator=g)
+    st = mgr.store(rid, h, d, torch.float32, "cpu", layer=layer)
+    st.stage(k, v)
+    st.append(k, v, torch.arange(m), random_clusters(h, m, c, g))
+    st.settle()
+    return st
+
+
+def test_stores_of_a_layer_share_its_pools_and_free_into_them():
+    g = torch.Generator().manual_seed(0)
+    mgr = WaveBufferManager(RetroConfig(cache_fraction=0.5))
+    a = _store(mgr, "a", "L0", g)
+    b = _store(mgr, "b", "L0", g)
+    other = _store(mgr, "a", "L1", g)
+    assert a.pool is b.pool is not other.pool
+    for st in (a, b):  # fill both caches
+        for _ in range(3):
+            st.gather(torch.stack([torch.randperm(30, generator=g)[:8] for _ in range(2)]), [])
+            st.step_done()
+    a.check_invariants()
+    held_b = b._mapped_blocks().copy()
+    pages_a = a.nbytes() // a.host.page_nbytes()
+    blocks_before = a.blocks.num_blocks
+    mgr.free_request("a")
+    # b's cached blocks and pages are untouched; a's are free for the next request
+    assert np.array_equal(b._mapped_blocks(), held_b)
+    assert a.host.allocated_pages == b.nbytes() // b.host.page_nbytes()
+    c = _store(mgr, "c", "L0", g, m=200)
+    assert c.pool is b.pool and c.blocks.num_blocks == blocks_before  # reused, not grown
+    assert c.nbytes() // c.host.page_nbytes() <= pages_a
+    c.gather(torch.arange(8).repeat(2, 1), [])
+    c.step_done()
+    c.check_invariants()
+    mgr.free_request("b")
+    mgr.free_request("c")
+    assert mgr.live_bytes() == (0, 0) and mgr.stats.host_bytes == 0
+    mgr.close()
+    assert mgr.stats.device_bytes == 0

@@ -1,0 +1,154 @@
+"""The wave buffer's state of one attention layer: every request's store of that layer
+shares one host page pool, one device block pool and (through them) one gather.
+
+Layout (as vLLM's paged KV, one pool per layer, and nano-vllm's block manager):
+
+- :class:`~vllm_retro.buffer.host_tier.HostTier`: the layer's host pages, extents per
+  update block, plus the page -> device block map;
+- :class:`~vllm_retro.buffer.block_cache.DeviceBlockPool`: the layer's device blocks, one
+  free list, a budget per (request, KV head);
+- per request, a :class:`~vllm_retro.buffer.store.WaveBufferStore` holding only small
+  integer tables (its cluster descriptors, budgets, extents).
+
+So the batched decode path (:func:`vllm_retro.index.padded.decode_padded`) fills the
+execution buffer of all the layer's rows with one gather call over the two pools
+(:meth:`gather_batch`) and copies all their admissions into the block pool with one call
+(:meth:`join_batch`), whatever the number of requests. The per-request work left is host
+side: each request's mapping-table lookup (numpy) and its cache-update job on the worker.
+
+The pools live while the layer has a store; the last store's ``free`` releases them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm_retro import kernels
+from vllm_retro.buffer.block_cache import DeviceBlockPool
+from vllm_retro.buffer.host_tier import HostTier
+from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.index.store import SteadyParts, fill_steady
+
+if TYPE_CHECKING:
+    from vllm_retro.buffer.store import WaveBufferStore
+
+
+class LayerPool:
+    """The host and device pools of one layer (one head layout, dtype and device)."""
+
+    def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device, stats: BufferStats,
+                 on_empty: Callable[[LayerPool], None] | None = None):
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.host = HostTier(head_dim, page_size, dtype, stats,
+                             pin=self.device.type == "cuda" or None)
+        self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
+        self.stores: set[WaveBufferStore] = set()
+        self._on_empty = on_empty
+        self._lock = threading.Lock()
+
+    def attach(self, store: WaveBufferStore) -> None:
+        """Register a new store of this layer."""
+        with self._lock:
+            self.stores.add(store)
+
+    def detach(self, store: WaveBufferStore) -> None:
+        """A store was freed; with the last one the pools are released."""
+        with self._lock:
+            self.stores.discard(store)
+            empty = not self.stores
+        if empty:
+            self.host.free()
+            self.blocks.free()
+            if self._on_empty is not None:
+                self._on_empty(self)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(host bytes, device bytes) of the pools."""
+        return self.host.nbytes(), self.blocks.nbytes()
+
+    def gather_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
+                     steady: Sequence[SteadyParts], exec_k: torch.Tensor,
+                     exec_v: torch.Tensor) -> None:
+        """Fill the execution buffer of all ``stores`` (this layer's, in row order: store j
+        owns rows ``j * H .. (j + 1) * H``) and submit their cache updates (see
+        :meth:`WaveBufferStore.gather_into`). cluster_ids[j]: [H, R_j] int64 numpy;
+        steady[j]: store j's steady zone; exec_k/exec_v: [B * H, T_cap, D] contiguous.
+        Per store: the steady copies and the host-side lookup; then one gather call."""
+        h, t_cap = self.num_heads, exec_k.shape[1]
+        kind = np.zeros((len(stores) * h, t_cap), dtype=np.int32)
+        src = np.zeros((len(stores) * h, t_cap), dtype=np.int64)
+        for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
+            rows = slice(j * h, (j + 1) * h)
+            n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
+            lk = st._lookup(ids)
+            w = lk.kind.shape[1]
+            kind[rows, n_steady:n_steady + w] = lk.kind
+            src[rows, n_steady:n_steady + w] = lk.src_row
+            st._submit(ids, lk, n_steady, exec_k, exec_v, j * h)
+        d = self.head_dim
+        kernels.gather_rows(
+            exec_k, exec_v, 0, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
+            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(kind),
+            torch.from_numpy(src), backend=stores[0].config.kernel_backend,
+        )
+
+    def join_batch(self, stores: Sequence[WaveBufferStore]) -> None:
+        """Join the cache updates of ``stores``' last steps (see
+        :meth:`WaveBufferStore.step_done`): their admissions, copied out of the execution
+        buffer they were gathered into, with one call per pool."""
+        plans = [p for p in (st._take_step() for st in stores) if p is not None]
+        if not plans:
+            return
+        exec_k, exec_v = plans[0][0], plans[0][1]
+        if any(p[0] is not exec_k for p in plans):  # not one buffer: one copy each
+            for p in plans:
+                self._admit(*p)
+            return
+        t_cap = exec_k.shape[1]
+        src = np.concatenate([(row0 + heads) * t_cap + slots
+                              for _, _, row0, heads, slots, _ in plans])
+        dst = np.concatenate([rows for *_, rows in plans])
+        self._copy_in(exec_k, exec_v, src, dst)
+
+    def _admit(self, exec_k: torch.Tensor, exec_v: torch.Tensor, row0: int,
+               heads: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Copy one step's admissions (heads, slots: execution-buffer places of rows from
+        ``row0``; rows: device-pool rows) into the block pool."""
+        self._copy_in(exec_k, exec_v, (row0 + heads) * exec_k.shape[1] + slots, rows)
+
+    def _copy_in(self, exec_k: torch.Tensor, exec_v: torch.Tensor, src: np.ndarray,
+                 dst: np.ndarray) -> None:
+        if src.size == 0:
+            return
+        d = self.head_dim
+        src_t = torch.from_numpy(src).to(self.device)
+        dst_t = torch.from_numpy(dst).to(self.device)
+        self.blocks.write_rows(dst_t, exec_k.reshape(-1, d).index_select(0, src_t),
+                               exec_v.reshape(-1, d).index_select(0, src_t))
+        self.blocks.stats.add(bytes_d2d=2 * src.size * d * exec_k.element_size())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the free list and every store's mapped blocks
+        partition the pool's blocks (none lost, none twice) and the budgets fit in it.
+        Every store's pending work is joined first. For tests and debugging."""
+        stores = list(self.stores)
+        for st in stores:
+            st._sync()
+        mapped = [b for st in stores for b in st._mapped_blocks().tolist()]
+        free = list(self.blocks.free_blocks)
+        assert len(set(mapped)) == len(mapped), "a block mapped twice"
+        assert len(set(free)) == len(free), "a block free twice"
+        assert not set(mapped) & set(free), "a block both free and mapped"
+        assert sorted(mapped + free) == list(range(self.blocks.num_blocks)), "blocks lost"
+        budgets = sum(int(st.capacity.sum()) for st in stores)
+        assert budgets == self.blocks.reserved <= self.blocks.num_blocks, "budgets"
