@@ -62,15 +62,21 @@ class LayerPool:
             self.stores.add(store)
 
     def detach(self, store: WaveBufferStore) -> None:
-        """A store was freed; with the last one the pools are released."""
+        """A store was freed. Without stores the pools are released: by the owner's
+        ``on_empty`` (which checks again under its own lock, so a store being created for
+        the layer meanwhile keeps them), else here."""
         with self._lock:
             self.stores.discard(store)
             empty = not self.stores
-        if empty:
-            self.host.free()
-            self.blocks.free()
-            if self._on_empty is not None:
-                self._on_empty(self)
+        if self._on_empty is not None:
+            self._on_empty(self)
+        elif empty:
+            self.release()
+
+    def release(self) -> None:
+        """Free both pools' memory (no store is left)."""
+        self.host.free()
+        self.blocks.free()
 
     def nbytes(self) -> tuple[int, int]:
         """(host bytes, device bytes) of the pools."""

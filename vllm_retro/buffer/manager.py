@@ -54,9 +54,14 @@ class WaveBufferManager:
         return st
 
     def _drop_pool(self, key: tuple, pool: LayerPool) -> None:
+        """Release ``pool`` if it has no store left (checked under the lock that
+        :meth:`store` creates stores under)."""
         with self._lock:
+            if pool.stores:
+                return
             if self._pools.get(key) is pool:
                 del self._pools[key]
+            pool.release()
 
     def free_request(self, request_id: str) -> bool:
         """Free every store of ``request_id`` (finished or aborted); False if unknown."""
