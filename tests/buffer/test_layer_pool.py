@@ -109,3 +109,38 @@ def test_stores_of_a_layer_share_its_pools_and_free_into_them():
     assert mgr.live_bytes() == (0, 0) and mgr.stats.host_bytes == 0
     mgr.close()
     assert mgr.stats.device_bytes == 0
+
+
+@pytest.mark.parametrize("async_updates", [True, False])
+def test_batch_gather_is_one_gather_and_one_update_job_per_layer_step(async_updates):
+    """gather_batch fills every store's rows as each store's own gather does, with one
+    worker job for all their cache updates; join_batch lands every admission."""
+    g = torch.Generator().manual_seed(1)
+    cfg = RetroConfig(cache_fraction=0.3, async_updates=async_updates)
+    mgr = WaveBufferManager(cfg)
+    stores = [_store(mgr, f"r{i}", "L0", g, m=200 + 100 * i) for i in range(3)]
+    h, d, r = 2, 16, 6
+    for _ in range(12):
+        ids = [torch.stack([torch.randperm(30, generator=g)[:r] for _ in range(h)]).numpy()
+               for _ in stores]
+        steady = [[(torch.randn(h, 3 + j, d, generator=g),) * 2] for j in range(3)]
+        lengths = [3 + j + int(s.table.size[np.arange(h)[:, None], i].sum(1).max())
+                   for j, (s, i) in enumerate(zip(stores, ids, strict=True))]
+        exec_k = torch.zeros(3 * h, max(lengths), d)
+        exec_v = torch.zeros_like(exec_k)
+        jobs = mgr.stats.updates_submitted
+        stores[0].pool.gather_batch(stores, ids, steady, exec_k, exec_v)
+        assert mgr.stats.updates_submitted == jobs + 1
+        for j, st in enumerate(stores):
+            k, v, _, n = st.gather(torch.from_numpy(ids[j]), steady[j])  # its own path
+            st.step_done()
+            for hh in range(h):
+                assert torch.equal(exec_k[j * h + hh, :n[hh]], k[hh, :n[hh]])
+                assert torch.equal(exec_v[j * h + hh, :n[hh]], v[hh, :n[hh]])
+        stores[0].pool.join_batch(stores)  # joined by their own reads already: no-op
+        stores[0].pool.gather_batch(stores, ids, steady, exec_k, exec_v)
+        stores[0].pool.join_batch(stores)
+    assert mgr.stats.hit_tokens > 0 and mgr.stats.pages_admitted > 0
+    stores[0].check_invariants()
+    mgr.close()
+    assert mgr.live_bytes() == (0, 0)

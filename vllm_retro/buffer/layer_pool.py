@@ -13,8 +13,9 @@ Layout (as vLLM's paged KV, one pool per layer, and nano-vllm's block manager):
 So the batched decode path (:func:`vllm_retro.index.padded.decode_padded`) fills the
 execution buffer of all the layer's rows with one gather call over the two pools
 (:meth:`gather_batch`) and copies all their admissions into the block pool with one call
-(:meth:`join_batch`), whatever the number of requests. The per-request work left is host
-side: each request's mapping-table lookup (numpy) and its cache-update job on the worker.
+(:meth:`join_batch`), whatever the number of requests, and hands the worker one job for all
+their cache updates. The per-request work left is the steady-zone copies and host-side table
+work: each request's mapping-table lookup and its update within that job (numpy).
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +38,16 @@ from vllm_retro.index.store import SteadyParts, fill_steady
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.store import WaveBufferStore
+
+
+def _run_updates(updates: list[tuple]) -> None:
+    """Run each ``(store, ids, lookup, n_steady, future)``'s cache update in order, setting
+    its future to the plan (or the exception)."""
+    for st, ids, lk, n_steady, fut in updates:
+        try:
+            fut.set_result(st._update(ids, lk, n_steady))
+        except BaseException as exc:  # delivered to the store's join, as a job's would be
+            fut.set_exception(exc)
 
 
 class LayerPool:
@@ -89,10 +101,12 @@ class LayerPool:
         owns rows ``j * H .. (j + 1) * H``) and submit their cache updates (see
         :meth:`WaveBufferStore.gather_into`). cluster_ids[j]: [H, R_j] int64 numpy;
         steady[j]: store j's steady zone; exec_k/exec_v: [B * H, T_cap, D] contiguous.
-        Per store: the steady copies and the host-side lookup; then one gather call."""
+        Per store: the steady copies and the host-side lookup; then one gather call and one
+        worker job for every store's cache update."""
         h, t_cap = self.num_heads, exec_k.shape[1]
         kind = np.zeros((len(stores) * h, t_cap), dtype=np.int32)
         src = np.zeros((len(stores) * h, t_cap), dtype=np.int64)
+        updates = []
         for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
             rows = slice(j * h, (j + 1) * h)
             n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
@@ -100,7 +114,13 @@ class LayerPool:
             w = lk.kind.shape[1]
             kind[rows, n_steady:n_steady + w] = lk.kind
             src[rows, n_steady:n_steady + w] = lk.src_row
-            st._submit(ids, lk, n_steady, exec_k, exec_v, j * h)
+            st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
+            updates.append((st, ids, lk, n_steady, Future()))
+        for st, *_, fut in updates:
+            st._pending = fut
+        # one worker job for the layer's step: every store's update in turn, each delivered
+        # to that store's own future (a store waits only for its part)
+        stores[0].manager.worker.submit(lambda: _run_updates(updates))
         d = self.head_dim
         kernels.gather_rows(
             exec_k, exec_v, 0, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),

@@ -227,9 +227,15 @@ class WaveBufferStore:
                 exec_v: torch.Tensor, row0: int) -> None:
         """Count the step's reads and submit its cache update; its admissions will be copied
         out of ``exec_k``/``exec_v`` ([rows, T_cap, D], this store's heads from ``row0``)."""
+        self._begin_step(ids, lk, n_steady, exec_k, exec_v, row0)
+        self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
+
+    def _begin_step(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
+                    exec_v: torch.Tensor, row0: int) -> None:
+        """Count the step's reads and note where its admissions will come from; the caller
+        submits the update (:meth:`_update`) and sets :attr:`_pending` to its future."""
         self._count(ids, lk, n_steady)
         self._step = (exec_k, exec_v, row0)
-        self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
 
     def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
         row_bytes = 2 * self.head_dim * self.host.k.element_size()

@@ -12,7 +12,8 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
    (copies) and its mapping-table lookup (numpy, on the host), then, when the stores share
    one layer pool (the wave buffer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as
    in serving), **one gather call** for every row's cache hits and host misses (else one
-   per request); each request's cache update goes to the wave buffer's worker;
+   per request); the cache updates go to the wave buffer's worker (one job for the layer
+   when the stores share a pool);
 4. the tilted estimator's query terms for all rows (three batched products);
 5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``;
 6. joining the cache updates at the start of this layer's next call, so the worker's
@@ -24,7 +25,7 @@ The padded view is a copy of the batch's meta indexes, built when the batch's se
 or any of their meta indexes (:attr:`WaveIndex.meta_generation`) changes — a request joining
 or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
 the caller holds per layer. What stays per request in steps 3 and 6 is host-side table work
-(lookups, the worker's update jobs) and the steady-zone copies (each index owns its window
+(lookups and updates, numpy) and the steady-zone copies (each index owns its window
 buffers); none of it waits for the device.
 
 What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (static
