@@ -32,6 +32,13 @@ _ROW_ADDRESSED: dict[type, bool] = {}
 slow, and it is asked for every row of every layer at every step)."""
 
 
+def fused_path(backend: str, device: torch.device) -> bool:
+    """True when indexes with kernel ``backend`` on ``device`` decode through the fused CPU
+    kernel (the CPU, the 'auto' backend, the kernel built)."""
+    return (device.type == "cpu" and backend == "auto"
+            and resolve_backend("auto", device) == "torch" and cpu_decode.available())
+
+
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when ``index`` can decode ``query`` through the fused CPU kernel: a plain
     :class:`WaveIndex` (not a baseline subclass) on the CPU with the 'auto' kernel backend,
@@ -44,7 +51,7 @@ def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     if addressed is None:
         addressed = _ROW_ADDRESSED[kind] = isinstance(index.store, RowAddressedStore)
     return (addressed and query.dtype == index.centroids.dtype
-            and resolve_backend("auto", query.device) == "torch" and cpu_decode.available())
+            and fused_path(index.backend, query.device))
 
 
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:

@@ -1,0 +1,95 @@
+"""Index builds of several requests into one layer: the wave buffer's layer pool (what
+serving uses) against a pool per request, in the same run.
+
+A layer's host pages are one pool, so a request whose pages do not fit makes the pool grow
+(by 1.5x, copying every request's pages); a pool per request never copies at prefill. This
+prints each mode's build seconds per request (wave index build + host layout, as the serving
+runtime waits for it) and the host bytes held at the end, and their ratios.
+
+One Llama-3-8B-shaped layer (8 KV heads, head_dim 128, bf16), ``--requests`` random contexts
+of ``--context`` tokens; the modes alternate ``--repeat`` times after one warm-up build.
+
+    .venv/bin/python bench/layer_pool_build.py --context 32768 --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_retro.buffer import WaveBufferManager  # noqa: E402
+from vllm_retro.config import RetroConfig  # noqa: E402
+from vllm_retro.index import WaveIndex  # noqa: E402
+
+HKV, D = 8, 128
+
+
+def build_all(kv: list[tuple[torch.Tensor, torch.Tensor]], cfg: RetroConfig, shared: bool
+              ) -> tuple[list[float], int]:
+    """Build every request's index into a fresh manager; (seconds per request, host bytes)."""
+    mgr = WaveBufferManager(cfg)
+    seconds = []
+    for b, (k, v) in enumerate(kv):
+        t = time.perf_counter()
+        store = mgr.store(f"r{b}", HKV, D, k.dtype, "cpu", layer="L0" if shared else None)
+        WaveIndex.build(k, v, cfg, store=store)
+        store.settle()
+        seconds.append(time.perf_counter() - t)
+    host = mgr.live_bytes()[0]
+    mgr.close()
+    return seconds, host
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    for name, value, low in (("context", args.context, 1024), ("requests", args.requests, 1),
+                             ("repeat", args.repeat, 1)):
+        if value < low:
+            sys.exit(f"--{name}={value}: accepted: an integer >= {low}")
+    cfg = RetroConfig(kmeans_iters=2)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(HKV, args.context, D, generator=g).bfloat16(),
+           torch.randn(HKV, args.context, D, generator=g).bfloat16())
+          for _ in range(args.requests)]
+    build_all(kv[:1], cfg, shared=False)  # warm-up: kernels loaded, allocator primed
+    runs: dict[str, list[float]] = {"layer pool": [], "pool per request": []}
+    host: dict[str, int] = {}
+    for _ in range(args.repeat):
+        for name, shared in (("pool per request", False), ("layer pool", True)):
+            seconds, host[name] = build_all(kv, cfg, shared)
+            runs[name] += seconds
+            print(f"{name:>16}: build s/request " + " ".join(f"{s:.2f}" for s in seconds)
+                  + f"  total {sum(seconds):.2f}  host {host[name] / 2**20:.0f} MiB", flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    total = {k: sum(v) / args.repeat for k, v in runs.items()}
+    pool, own = "layer pool", "pool per request"
+
+    def compare(what: str, a: float, b: float, unit: str) -> str:
+        return f"{what}: {pool} {a:.2f}{unit}, {own} {b:.2f}{unit} (ratio {a / b:.3f})"
+
+    lines = [
+        f"context {args.context} x {args.requests} requests, one Llama-shaped layer, "
+        f"{args.repeat} alternating runs",
+        compare("build seconds per request, median", med[pool], med[own], " s"),
+        compare("build seconds, all requests", total[pool], total[own], " s"),
+        compare("host memory held", host[pool] / 2**20, host[own] / 2**20, " MiB"),
+    ]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
