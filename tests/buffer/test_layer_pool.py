@@ -144,3 +144,23 @@ def test_batch_gather_is_one_gather_and_one_update_job_per_layer_step(async_upda
     stores[0].check_invariants()
     mgr.close()
     assert mgr.live_bytes() == (0, 0)
+
+
+def test_a_failing_store_leaves_the_others_without_a_half_begun_step():
+    """A store that cannot be read (freed) fails the batch gather with its error; the stores
+    before it keep no step to join (their rows were never filled) and stay usable."""
+    g = torch.Generator().manual_seed(2)
+    mgr = WaveBufferManager(RetroConfig(cache_fraction=0.5))
+    a, b = _store(mgr, "a", "L0", g), _store(mgr, "b", "L0", g)
+    c = _store(mgr, "c", "L0", g)
+    mgr.free_request("b")
+    ids = [torch.arange(4).repeat(2, 1).numpy()] * 3
+    exec_k = torch.zeros(6, 200, 16)
+    with pytest.raises(RuntimeError, match="freed"):
+        a.pool.gather_batch([a, b, c], ids, [[]] * 3, exec_k, torch.zeros_like(exec_k))
+    assert a._step is None and a._pending is None and c._step is None
+    a.pool.join_batch([a, c])
+    a.gather(torch.arange(4).repeat(2, 1), [])
+    a.step_done()
+    a.check_invariants()
+    mgr.close()

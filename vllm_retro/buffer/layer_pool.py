@@ -114,18 +114,23 @@ class LayerPool:
         h, t_cap = self.num_heads, exec_k.shape[1]
         kind = np.zeros((len(stores) * h, t_cap), dtype=np.int32)
         src = np.zeros((len(stores) * h, t_cap), dtype=np.int64)
-        updates = []
-        for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
-            rows = slice(j * h, (j + 1) * h)
-            n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
-            lk = st._lookup(ids)
-            w = lk.kind.shape[1]
-            kind[rows, n_steady:n_steady + w] = lk.kind
-            src[rows, n_steady:n_steady + w] = lk.src_row
-            st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
-            updates.append((st, ids, lk, n_steady, Future()))
-        for st, *_, fut in updates:
-            st._pending = fut
+        updates: list[tuple] = []
+        try:
+            for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
+                rows = slice(j * h, (j + 1) * h)
+                n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
+                lk = st._lookup(ids)
+                w = lk.kind.shape[1]
+                kind[rows, n_steady:n_steady + w] = lk.kind
+                src[rows, n_steady:n_steady + w] = lk.src_row
+                st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
+                st._pending = Future()
+                updates.append((st, ids, lk, n_steady, st._pending))
+        except BaseException:
+            # no gather happens: the steps begun must not admit rows that were never filled
+            for st, *_ in updates:
+                st._step = st._pending = None
+            raise
         # one worker job for the layer's step: every store's update in turn, each delivered
         # to that store's own future (a store waits only for its part)
         stores[0].manager.worker.submit(lambda: _run_updates(updates))
