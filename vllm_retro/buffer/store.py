@@ -65,8 +65,6 @@ class WaveBufferStore:
         self.table = ClusterMappingTable(self.num_heads, self.page_size)
         self.capacity = np.zeros(self.num_heads, dtype=np.int64)
         """Device blocks each KV head may hold (its budget in the layer's block pool)."""
-        self.held = np.zeros(self.num_heads, dtype=np.int64)
-        """Device blocks each KV head holds (written by the worker's updates)."""
         self._extents: list[tuple[int, int]] = []
         """(first page, pages) of the host extents laid out for this store (worker)."""
         self._pending: Future | None = None
@@ -269,7 +267,7 @@ class WaveBufferStore:
             need = t.n_pages[h, cand]
             ok = (need > 0) & (need <= self.capacity[h])
             pos, cand, need = pos[ok], cand[ok], need[ok]
-            room = int(self.capacity[h] - self.held[h])
+            room = int(self.capacity[h] - t.n_pages[h][t.cached[h]].sum())  # blocks free
             if int(need.sum()) > room:
                 protected = np.zeros(t.num_clusters, dtype=bool)
                 protected[ids[h]] = True
@@ -286,7 +284,6 @@ class WaveBufferStore:
             if total == 0:
                 continue
             blocks = self.blocks.take(total)
-            self.held[h] += total
             self.host.page_block[t.pages_of_many(h, cand)] = blocks
             t.cached[h, cand] = True
             t.reads[h, cand] = 1
@@ -313,7 +310,6 @@ class WaveBufferStore:
         t.cached[h, clusters] = False
         t.reads[h, clusters] = 0
         self.blocks.give(blocks)
-        self.held[h] -= blocks.size
         return int(blocks.size)
 
     def settle(self) -> None:
@@ -374,7 +370,7 @@ class WaveBufferStore:
     def check_invariants(self) -> None:
         """Raise AssertionError unless the table, the budgets and the layer's pool agree:
         per head, a cluster is cached iff all its pages are mapped, exactly the cached
-        clusters have a read count, and the blocks held are counted and within the
+        clusters have a read count, and the blocks held (its cached clusters' pages) fit in the
         budget; then the pool's own check (free and mapped blocks partition it). Waits for
         pending updates first. For tests and debugging."""
         self._sync()
@@ -388,7 +384,7 @@ class WaveBufferStore:
                     held += blocks.size
                 else:
                     assert (blocks < 0).all(), f"head {h} cluster {c}: not cached, pages mapped"
-            assert held == self.held[h] <= self.capacity[h], f"head {h}: blocks held"
+            assert held <= self.capacity[h], f"head {h}: blocks held"
             assert (t.reads[h] > 0).tolist() == t.cached[h].tolist(), f"head {h}: reads"
         self.pool.check_invariants()
 
@@ -424,6 +420,5 @@ class WaveBufferStore:
                 self.host.release(first, pages)
             self._extents = []
             self.capacity[:] = 0
-            self.held[:] = 0
             self.table = ClusterMappingTable(self.num_heads, self.page_size)
             self.pool.detach(self)
