@@ -7,10 +7,16 @@ import dataclasses
 import typing
 from typing import Any
 
-from vllm_retro.config import CACHE_POLICIES, ESTIMATORS, KERNEL_BACKENDS, RetroConfig
+from vllm_retro.config import (
+    CACHE_POLICIES,
+    ESTIMATORS,
+    INDEXES,
+    KERNEL_BACKENDS,
+    RetroConfig,
+)
 
 _CHOICES = {"cache_policy": CACHE_POLICIES, "kernel_backend": KERNEL_BACKENDS,
-            "estimator": ESTIMATORS}
+            "estimator": ESTIMATORS, "index": INDEXES}
 _DEST = "retro__"
 
 

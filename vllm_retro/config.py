@@ -16,6 +16,7 @@ from typing import Any
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 ESTIMATORS = ("tilted", "centroid")
 CACHE_POLICIES = ("lru", "lfu")
+INDEXES = ("wave", "pqcache")
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,11 @@ class RetroConfig:
 
     enabled: bool = True
     """Serve decode through the wave index; ``False`` gives stock dense attention."""
+
+    index: str = "wave"
+    """Which index chooses the tokens a decode step reads: 'wave' (RetroInfer: clusters,
+    retrieval and estimation zones) or 'pqcache' (PQCache: product-quantised keys, the top
+    tokens read exactly; see ``pq_*``). The steady zone, wave buffer and metrics are shared."""
 
     # --- wave index: clustering -------------------------------------------------------------
     cluster_size: int = 16
@@ -98,6 +104,18 @@ class RetroConfig:
     None: 16 on CUDA, 0 on CPU, where the engine's threads already use every core and a
     background build slows the steps it overlaps (see :meth:`build_steps_on`)."""
 
+    # --- pqcache index (index='pqcache'; defaults from the PQCache paper, LongBench) ----------
+    pq_subspaces: int = 2
+    """PQCache: sub-spaces the head dimension is cut into (m; must divide head_dim)."""
+    pq_bits: int = 6
+    """PQCache: bits per code (b): 2**b k-means codewords per sub-space, fitted at prefill."""
+    pq_token_ratio: float = 0.2
+    """PQCache: tokens attended per decode step as a fraction of the context, steady zone
+    included (the paper's 1/5); the rest of the budget is the top indexed tokens by
+    product-quantised score. 1.0 attends every token (full attention)."""
+    pq_block_tokens: int = 128
+    """PQCache: tokens per block of the device cache (consecutive positions; the paper's 128)."""
+
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
     """Tokens per page of the host tier and of the device block cache."""
@@ -118,6 +136,11 @@ class RetroConfig:
         for name in ("enabled", "async_updates"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        _check_choice("index", self.index, INDEXES)
+        _check_int("pq_subspaces", self.pq_subspaces, 1, 256)
+        _check_int("pq_bits", self.pq_bits, 1, 8)
+        _check_float("pq_token_ratio", self.pq_token_ratio, 0.0, 1.0, lo_open=True)
+        _check_int("pq_block_tokens", self.pq_block_tokens, 1, 1 << 16)
         _check_int("cluster_size", self.cluster_size, 1, 4096)
         _check_int("segment_size", self.segment_size, 16, 1 << 20)
         if self.segment_size < self.cluster_size:
@@ -147,6 +170,13 @@ class RetroConfig:
             _check_int("cache_pages", self.cache_pages, 0, 1 << 40)
         _check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise :class:`ConfigError` unless the settings fit a model of ``head_dim``
+        (``pq_subspaces`` must divide it when ``index`` is 'pqcache')."""
+        if self.index == "pqcache" and head_dim % self.pq_subspaces:
+            _fail("pq_subspaces", self.pq_subspaces,
+                  f"a divisor of the model's head_dim {head_dim}")
 
     def build_steps_on(self, device_type: str) -> int:
         """``build_steps`` on a device type ('cuda', 'cpu', ...), the default resolved:

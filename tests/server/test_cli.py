@@ -139,6 +139,7 @@ def test_out_of_range_value_names_field_value_and_range(parser: argparse.Argumen
     (["--retro-retrieval-budget", "x"], ["--retro-retrieval-budget", "'x'"]),
     (["--retro-cluster-size", "1.5"], ["--retro-cluster-size", "'1.5'"]),
     (["--retro-cache-policy", "fifo"], ["--retro-cache-policy", "'fifo'", "'lru'", "'lfu'"]),
+    (["--retro-index", "graph"], ["--retro-index", "'graph'", "'wave'", "'pqcache'"]),
 ])
 def test_unparsable_value_is_an_argparse_error(parser: argparse.ArgumentParser,
                                                capsys: pytest.CaptureFixture[str],

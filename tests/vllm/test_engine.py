@@ -256,3 +256,58 @@ def test_retro_switched_off_is_stock_vllm(tiny_model_dir):
         rt = get_runtime()
         assert rt.config is None
         assert rt.counters.indexes_built == 0 and rt.counters.retro_decode_tokens == 0
+
+
+PQCACHE = {**TINY_RETRO, "index": "pqcache", "pq_block_tokens": 16}
+
+
+def test_pqcache_with_every_token_matches_stock_token_for_token(tiny_model_dir):
+    # --retro-index pqcache reading every indexed token is full attention: same greedy
+    # tokens as stock under chunked prefill, mixed lengths and update blocks (64 tokens)
+    with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
+        stock = _generate(llm, LENGTHS, MAX_TOKENS)
+    with engine(tiny_model_dir, retro={**PQCACHE, "pq_token_ratio": 1.0, "build_steps": 4},
+                max_num_batched_tokens=512) as llm:
+        pq = _generate(llm, LENGTHS, MAX_TOKENS)
+        rt = get_runtime()
+        c = rt.counters
+        assert c.requests_indexed == 5 and c.index_updates > 0
+        assert c.retro_decode_tokens > 2 * 4 * 90
+        finish_step(llm)
+        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert pq == stock
+
+
+def test_pqcache_default_budget_decodes_sparse_and_frees_aborted_requests(tiny_model_dir):
+    with engine(tiny_model_dir, retro={**PQCACHE, "build_steps": 0}) as llm:
+        rt = get_runtime()
+        eng = llm.llm_engine
+        a, b = random_prompts([2000, 2500], seed=5)
+        eng.add_request("a", a, greedy(150))
+        eng.add_request("b", b, greedy(100))
+        for _ in range(300):
+            eng.step()
+            if rt.counters.retro_decode_tokens >= 2 * 2 * 20:
+                break
+        live = rt.live_requests()
+        assert len(live) == 2
+        for rid in live:
+            layer = next(iter(rt._indexes[rid]))
+            idx = rt.index(rid, layer)
+            assert type(idx).__name__ == "PQIndex" and 0 < idx.token_budget() < idx.num_indexed
+        eng.abort_request(["a"])  # mid-decoding
+        while eng.has_unfinished_requests():
+            eng.step()
+        c = rt.counters
+        assert c.sparse_decode_tokens > 100 and c.index_updates > 0
+        stats = rt.manager.stats
+        assert stats.hit_tokens + stats.miss_tokens > 0
+        finish_step(llm)
+        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+
+
+def test_pq_subspaces_not_dividing_head_dim_fails_at_startup(tiny_model_dir):
+    with pytest.raises(Exception, match=r"pq_subspaces=3 is invalid; accepted: a divisor of "
+                                        r"the model's head_dim 32"), \
+            engine(tiny_model_dir, retro={"index": "pqcache", "pq_subspaces": 3}):
+        pass

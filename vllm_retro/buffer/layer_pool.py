@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,12 +49,12 @@ if TYPE_CHECKING:
     from vllm_retro.buffer.store import WaveBufferStore
 
 
-def _run_updates(updates: list[tuple]) -> None:
-    """Run each ``(store, ids, lookup, n_steady, future)``'s cache update in order, setting
-    its future to the plan (or the exception)."""
-    for st, ids, lk, n_steady, fut in updates:
+def _run_updates(updates: list[tuple[Callable[[], object], Future]]) -> None:
+    """Run each ``(update, future)``'s cache update in order, setting its future to the
+    plan (or the exception)."""
+    for update, fut in updates:
         try:
-            fut.set_result(st._update(ids, lk, n_steady))
+            fut.set_result(update())
         except BaseException as exc:  # delivered to the store's join, as a job's would be
             fut.set_exception(exc)
 
@@ -104,11 +105,15 @@ class LayerPool:
 
     def gather_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
                      steady: Sequence[SteadyParts], exec_k: torch.Tensor,
-                     exec_v: torch.Tensor) -> None:
+                     exec_v: torch.Tensor, offsets: Sequence[np.ndarray] | None = None
+                     ) -> None:
         """Fill the execution buffer of all ``stores`` (this layer's, in row order: store j
         owns rows ``j * H .. (j + 1) * H``) and submit their cache updates (see
         :meth:`WaveBufferStore.gather_into`). cluster_ids[j]: [H, R_j] int64 numpy;
         steady[j]: store j's steady zone; exec_k/exec_v: [B * H, T_cap, D] contiguous.
+        ``offsets`` given: single tokens instead of whole clusters, token i of head h being
+        token ``offsets[j][h, i]`` of cluster ``cluster_ids[j][h, i]`` (see
+        :meth:`WaveBufferStore.gather_tokens_into`).
         Per store: the steady copies and the host-side lookup; then one gather call and one
         worker job for every store's cache update."""
         h, t_cap = self.num_heads, exec_k.shape[1]
@@ -119,16 +124,22 @@ class LayerPool:
             for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
                 rows = slice(j * h, (j + 1) * h)
                 n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
-                lk = st._lookup(ids)
+                if offsets is None:
+                    lk = st._lookup(ids)
+                    st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
+                    update = partial(st._update, ids, lk, n_steady)
+                else:
+                    lk = st._lookup_tokens(ids, offsets[j])
+                    st._begin_step(ids, lk, n_steady, None, None, 0)
+                    update = partial(st._update_tokens, ids, lk)
                 w = lk.kind.shape[1]
                 kind[rows, n_steady:n_steady + w] = lk.kind
                 src[rows, n_steady:n_steady + w] = lk.src_row
-                st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
                 st._pending = Future()
-                updates.append((st, ids, lk, n_steady, st._pending))
+                updates.append((update, st._pending))
         except BaseException:
             # no gather happens: the steps begun must not admit rows that were never filled
-            for st, *_ in updates:
+            for st in stores[:len(updates)]:
                 st._step = st._pending = None
             raise
         # one worker job for the layer's step: every store's update in turn, each delivered
@@ -146,6 +157,9 @@ class LayerPool:
         :meth:`WaveBufferStore.step_done`): their admissions, copied out of the execution
         buffer they were gathered into, with one call per pool."""
         plans = [p for p in (st._take_step() for st in stores) if p is not None]
+        for p in [p for p in plans if p[0] is None]:  # token reads: from the host tier
+            self._admit(*p)
+        plans = [p for p in plans if p[0] is not None]
         if not plans:
             return
         exec_k, exec_v = plans[0][0], plans[0][1]
@@ -159,22 +173,32 @@ class LayerPool:
         dst = np.concatenate([rows for *_, rows in plans])
         self._copy_in(exec_k, exec_v, src, dst)
 
-    def _admit(self, exec_k: torch.Tensor, exec_v: torch.Tensor, row0: int,
+    def _admit(self, exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int,
                heads: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
         """Copy one step's admissions (heads, slots: execution-buffer places of rows from
-        ``row0``; rows: device-pool rows) into the block pool."""
+        ``row0``; rows: device-pool rows) into the block pool; with ``exec_k`` None (token
+        reads) ``slots`` are host-pool rows."""
+        if exec_k is None or exec_v is None:
+            d = self.head_dim
+            self._copy_in(self.host.k.view(-1, d), self.host.v.view(-1, d), slots, rows,
+                          host=True)
+            return
         self._copy_in(exec_k, exec_v, (row0 + heads) * exec_k.shape[1] + slots, rows)
 
-    def _copy_in(self, exec_k: torch.Tensor, exec_v: torch.Tensor, src: np.ndarray,
-                 dst: np.ndarray) -> None:
+    def _copy_in(self, src_k: torch.Tensor, src_v: torch.Tensor, src: np.ndarray,
+                 dst: np.ndarray, host: bool = False) -> None:
+        """blocks[dst] = src_*[src] (rows); ``host``: the source is the host pool."""
         if src.size == 0:
             return
         d = self.head_dim
-        src_t = torch.from_numpy(src).to(self.device)
+        src_t = torch.from_numpy(src).to(src_k.device)
         dst_t = torch.from_numpy(dst).to(self.device)
-        self.blocks.write_rows(dst_t, exec_k.reshape(-1, d).index_select(0, src_t),
-                               exec_v.reshape(-1, d).index_select(0, src_t))
-        self.blocks.stats.add(bytes_d2d=2 * src.size * d * exec_k.element_size())
+        k = src_k.reshape(-1, d).index_select(0, src_t)
+        v = src_v.reshape(-1, d).index_select(0, src_t)
+        self.blocks.write_rows(dst_t, k.to(self.device, non_blocking=True),
+                               v.to(self.device, non_blocking=True))
+        moved = 2 * src.size * d * src_k.element_size()
+        self.blocks.stats.add(**({"bytes_h2d": moved} if host else {"bytes_d2d": moved}))
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the free list and every store's mapped blocks

@@ -111,3 +111,28 @@ class ClusterMappingTable:
         begins = np.cumsum(sizes, axis=1) - sizes
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
         return Lookup(kind, src_row, host_row, totals, cached, begins)
+
+    def lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray,
+                      page_block: np.ndarray) -> Lookup:
+        """Locate single tokens: token i of head h is token ``offsets[h, i]`` of cluster
+        ``cluster_ids[h, i]`` ([H, k] int64 each; clusters stored in token order, as
+        position blocks are). Read-only, numpy only. The Lookup's ``cached`` is per token
+        (its cluster is cached) and ``begins`` is each token's slot."""
+        c = self.num_clusters
+        if cluster_ids.size and (cluster_ids.min() < 0 or cluster_ids.max() >= c):
+            bad = cluster_ids[(cluster_ids < 0) | (cluster_ids >= c)][0]
+            raise ValueError(f"cluster id {int(bad)} is out of range; accepted: 0 to {c - 1}")
+        h, k = cluster_ids.shape
+        rows = np.arange(h)[:, None]
+        sizes = self.size[rows, cluster_ids]
+        if offsets.size and ((offsets < 0) | (offsets >= sizes)).any():
+            raise ValueError("a token offset is outside its cluster")
+        host_row = self.page_start[rows, cluster_ids] * self.page_size + offsets
+        block = page_block[host_row // self.page_size]
+        hit = block >= 0
+        kind = np.where(hit, HIT, MISS).astype(np.int32)
+        src_row = np.where(hit, block * self.page_size + host_row % self.page_size, host_row)
+        totals = np.full(h, k, dtype=np.int64)
+        cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
+        begins = np.broadcast_to(np.arange(k, dtype=np.int64), (h, k))
+        return Lookup(kind, src_row, host_row, totals, cached, begins)

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
     from vllm_retro.buffer.manager import WaveBufferManager
 
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""Admission copies: (head, execution-buffer slot, device-pool row), one entry per token."""
+"""Admission copies, one entry per token: (head, execution-buffer slot, device-pool row);
+after token reads (:meth:`WaveBufferStore.gather_tokens_into`), (empty, host-pool row,
+device-pool row)."""
 
 
 class WaveBufferStore:
@@ -228,23 +230,30 @@ class WaveBufferStore:
         self._begin_step(ids, lk, n_steady, exec_k, exec_v, row0)
         self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
 
-    def _begin_step(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
-                    exec_v: torch.Tensor, row0: int) -> None:
-        """Count the step's reads and note where its admissions will come from; the caller
-        submits the update (:meth:`_update`) and sets :attr:`_pending` to its future."""
-        self._count(ids, lk, n_steady)
+    def _begin_step(self, ids: np.ndarray, lk: Lookup, n_steady: int,
+                    exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int) -> None:
+        """Count the step's reads and note where its admissions will come from (the
+        execution buffer; None: the host tier, for token reads); the caller submits the
+        update (:meth:`_update` or :meth:`_update_tokens`) and sets :attr:`_pending` to its
+        future."""
+        self._count(ids, lk, n_steady, tokens=exec_k is None)
         self._step = (exec_k, exec_v, row0)
 
-    def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
+    def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int, tokens: bool) -> None:
+        """Count the step's reads (``tokens``: single-token reads, whose clusters the update
+        counts, and whose missed pages are read in part)."""
         row_bytes = 2 * self.head_dim * self.host.k.element_size()
         hit_tok = int((lk.kind == HIT).sum())
         miss_tok = int((lk.kind == MISS).sum())
-        miss_pages = int(np.take_along_axis(self.table.n_pages, ids, 1)[~lk.cached].sum())
+        clusters = {}
+        if not tokens:
+            clusters = dict(cluster_hits=int(lk.cached.sum()),
+                            cluster_misses=int((~lk.cached).sum()),
+                            pages_h2d=int(np.take_along_axis(self.table.n_pages, ids, 1)[
+                                ~lk.cached].sum()))
         self.manager.stats.add(
-            cluster_hits=int(lk.cached.sum()), cluster_misses=int((~lk.cached).sum()),
-            hit_tokens=hit_tok, miss_tokens=miss_tok, pages_h2d=miss_pages,
-            bytes_h2d=miss_tok * row_bytes,
-            bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes,
+            hit_tokens=hit_tok, miss_tokens=miss_tok, bytes_h2d=miss_tok * row_bytes,
+            bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes, **clusters,
         )
 
     def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
@@ -263,32 +272,13 @@ class WaveBufferStore:
         admitted = evicted = 0
         for h in range(h_n):
             pos = np.nonzero(~lk.cached[h])[0]  # positions of the misses in the read order
-            cand = ids[h, pos]
-            need = t.n_pages[h, cand]
-            ok = (need > 0) & (need <= self.capacity[h])
-            pos, cand, need = pos[ok], cand[ok], need[ok]
-            room = int(self.capacity[h] - t.n_pages[h][t.cached[h]].sum())  # blocks free
-            if int(need.sum()) > room:
-                protected = np.zeros(t.num_clusters, dtype=bool)
-                protected[ids[h]] = True
-                victims = eviction_order(self.config.cache_policy, t.last_access[h], t.reads[h],
-                                         np.nonzero(t.cached[h] & ~protected)[0])
-                vpages = t.n_pages[h, victims]
-                take = admit_greedy(need, room + int(vpages.sum()))
-                pos, cand, need = pos[take], cand[take], need[take]
-                deficit = int(need.sum()) - room
-                if deficit > 0:
-                    k = int(np.searchsorted(np.cumsum(vpages), deficit)) + 1
-                    evicted += self._evict(h, victims[:k])
-            total = int(need.sum())
-            if total == 0:
+            pos, cand, blocks, freed = self._admit_head(h, ids[h], pos, ids[h, pos])
+            evicted += freed
+            if blocks.size == 0:
                 continue
-            blocks = self.blocks.take(total)
-            self.host.page_block[t.pages_of_many(h, cand)] = blocks
-            t.cached[h, cand] = True
-            t.reads[h, cand] = 1
-            admitted += total
+            admitted += blocks.size
             sizes = t.size[h, cand]
+            need = t.n_pages[h, cand]
             tok = runs(np.zeros_like(sizes), sizes)  # 0 .. size - 1 per admitted cluster
             which = np.repeat(np.arange(cand.size), sizes)
             first_block = np.cumsum(need) - need
@@ -300,6 +290,111 @@ class WaveBufferStore:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
         return np.concatenate(heads), np.concatenate(slots), np.concatenate(dest)
+
+    def _admit_head(self, h: int, read: np.ndarray, pos: np.ndarray, cand: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Admit head ``h``'s candidate clusters ``cand`` ([n], in priority order; ``pos``
+        travels with them) within its block budget, evicting by the policy's order among
+        its cached clusters not in ``read`` (this step's, protected). Returns (pos, cand
+        admitted, their device blocks in order, blocks evicted)."""
+        t = self.table
+        need = t.n_pages[h, cand]
+        ok = (need > 0) & (need <= self.capacity[h])
+        pos, cand, need = pos[ok], cand[ok], need[ok]
+        room = int(self.capacity[h] - t.n_pages[h][t.cached[h]].sum())  # blocks free
+        evicted = 0
+        if int(need.sum()) > room:
+            protected = np.zeros(t.num_clusters, dtype=bool)
+            protected[read] = True
+            victims = eviction_order(self.config.cache_policy, t.last_access[h], t.reads[h],
+                                     np.nonzero(t.cached[h] & ~protected)[0])
+            vpages = t.n_pages[h, victims]
+            take = admit_greedy(need, room + int(vpages.sum()))
+            pos, cand, need = pos[take], cand[take], need[take]
+            deficit = int(need.sum()) - room
+            if deficit > 0:
+                k = int(np.searchsorted(np.cumsum(vpages), deficit)) + 1
+                evicted = self._evict(h, victims[:k])
+        total = int(need.sum())
+        if total == 0:
+            return pos[:0], cand[:0], np.zeros(0, dtype=np.int64), evicted
+        blocks = self.blocks.take(total)
+        self.host.page_block[t.pages_of_many(h, cand)] = blocks
+        t.cached[h, cand] = True
+        t.reads[h, cand] = 1
+        return pos, cand, blocks, evicted
+
+    # ------------------------------------------------------------------ token reads
+    ADMIT_BLOCKS = 32
+    """Token reads (:meth:`gather_tokens_into`): clusters admitted per step and KV head at
+    most, those holding the most of the step's tokens first (PQCache §3.4: the top
+    k_cache = 32 blocks)."""
+
+    def gather_tokens_into(self, cluster_ids: np.ndarray, offsets: np.ndarray,
+                           steady: SteadyParts, dst_k: torch.Tensor, dst_v: torch.Tensor
+                           ) -> None:
+        """Fill ``dst_k``/``dst_v`` ([H, T_cap, D]) with the steady zone and then single
+        tokens: token i of head h is token ``offsets[h, i]`` of cluster ``cluster_ids[h, i]``
+        ([H, k] int64 numpy; clusters in token order). Hits come from the device cache,
+        misses from the host tier; the cache update (whole clusters, from the host tier) is
+        submitted to the worker and joined by :meth:`step_done`."""
+        lk = self._lookup_tokens(cluster_ids, offsets)
+        n_steady = fill_steady(steady, dst_k, dst_v)
+        d = self.head_dim
+        kernels.gather_rows(
+            dst_k, dst_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
+            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(lk.kind),
+            torch.from_numpy(lk.src_row), backend=self.config.kernel_backend,
+        )
+        self._begin_step(cluster_ids, lk, n_steady, None, None, 0)
+        self._pending = self.manager.worker.submit(
+            lambda: self._update_tokens(cluster_ids, lk))
+
+    def _lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray) -> Lookup:
+        """Wait for this store's previous update, then look the tokens up."""
+        if self._freed:
+            raise RuntimeError("this wave buffer store was freed")
+        self._sync()
+        return self.table.lookup_tokens(cluster_ids, offsets, self.host.page_block)
+
+    def _update_tokens(self, cluster_ids: np.ndarray, lk: Lookup) -> Plan:
+        """The cache update of a token-read step (worker thread). Per head, the clusters
+        read are stamped, those holding more of the step's tokens as more recent, and
+        cached ones count a read; then up to :attr:`ADMIT_BLOCKS` missed clusters, most
+        tokens first, are admitted. Plan: (empty, host-pool rows, device-pool rows): whole
+        clusters are copied from the host tier, since only some of their tokens were read."""
+        t, page = self.table, self.page_size
+        src: list[np.ndarray] = []
+        dest: list[np.ndarray] = []
+        admitted = evicted = hits = misses = 0
+        for h in range(self.num_heads):
+            read, count = np.unique(cluster_ids[h], return_counts=True)
+            rank = np.argsort(count, kind="stable")  # fewest tokens first: oldest stamp
+            t.last_access[h, read[rank]] = self._clock + 1 + np.arange(read.size)
+            self._clock += read.size
+            cached = t.cached[h, read]
+            hits += int(cached.sum())
+            misses += int((~cached).sum())
+            t.reads[h, read] += cached
+            miss = np.nonzero(~cached)[0]
+            miss = miss[np.argsort(-count[miss], kind="stable")][:self.ADMIT_BLOCKS]
+            _, cand, blocks, freed = self._admit_head(h, read, miss, read[miss])
+            evicted += freed
+            if blocks.size == 0:
+                continue
+            admitted += blocks.size
+            sizes = t.size[h, cand]
+            first_page = np.cumsum(t.n_pages[h, cand]) - t.n_pages[h, cand]
+            tok = runs(np.zeros_like(sizes), sizes)
+            which = np.repeat(np.arange(cand.size), sizes)
+            src.append(t.page_start[h, cand][which] * page + tok)
+            dest.append(blocks[first_page[which] + tok // page] * page + tok % page)
+        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted,
+                               cluster_hits=hits, cluster_misses=misses)
+        empty = np.zeros(0, dtype=np.int64)
+        if not src:
+            return empty, empty, empty
+        return empty, np.concatenate(src), np.concatenate(dest)
 
     def _evict(self, h: int, clusters: np.ndarray) -> int:
         """Drop ``clusters`` ([n] ids of head ``h``) from the cache; returns pages freed."""

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from vllm_retro.index.padded import MetaViewCache, decode_padded, padded_supported
+from vllm_retro.index.pq_index import PQIndex, decode_pq
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode, resolve_backend
@@ -96,7 +97,9 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     (:func:`fused_supported`), else all rows through one padded sequence of kernel calls
     (:func:`vllm_retro.index.padded.decode_padded`; ``cache``, held per layer by the caller,
     keeps its meta view across steps) when every index is a plain wave index, else row by
-    row through :meth:`WaveIndex.decode` (baselines).
+    row through :meth:`WaveIndex.decode` (baselines). PQCache indexes
+    (:class:`~vllm_retro.index.pq_index.PQIndex`) decode through their own batched path,
+    :func:`~vllm_retro.index.pq_index.decode_pq`.
 
     All indexes share one config and head layout (one layer of one model). Returns
     ``out`` ([B, Hq, D], query dtype; allocated when None).
@@ -104,6 +107,9 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if out is None:
         out = torch.empty_like(query)
     if not indexes:
+        return out
+    if all(type(i) is PQIndex for i in indexes):
+        decode_pq(indexes, query, scale, out, cache)
         return out
     if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
         tilted = indexes[0].config.estimator == "tilted"

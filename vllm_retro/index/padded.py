@@ -37,7 +37,9 @@ cluster choice is the same up to exact ties of scores).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +95,8 @@ class MetaViewCache:
     (until the batch changes) and its execution buffer."""
 
     def __init__(self) -> None:
-        self.view: PaddedMeta | None = None
+        self.view: Any = None
+        """The last batch's view (a :class:`PaddedMeta`, or another index kind's)."""
         self._exec: tuple[torch.Tensor, torch.Tensor] | None = None
         self._unjoined: list[WaveIndex] = []
         """Indexes whose last step's cache update is still to be joined (at this layer's next
@@ -121,12 +124,13 @@ class MetaViewCache:
         shape = (rows, tokens, head_dim)
         return held[0][:need].view(shape), held[1][:need].view(shape)
 
-    def get(self, indexes: list[WaveIndex]) -> PaddedMeta:
-        """The view of ``indexes`` (rebuilt when the batch or a meta index changed)."""
+    def get(self, indexes: list, build: Callable[[list, tuple], Any] | None = None) -> Any:
+        """The view of ``indexes`` (rebuilt when the batch or a meta index changed):
+        ``build(indexes, key)``, by default :func:`padded_meta` (a :class:`PaddedMeta`)."""
         key = _view_key(indexes)
         if self.view is None or self.view.key != key:
             self.view = None  # release the old copy before building the new one
-            self.view = padded_meta(indexes, key)
+            self.view = (build or padded_meta)(indexes, key)
         return self.view
 
     def defer(self, indexes: list[WaveIndex]) -> None:

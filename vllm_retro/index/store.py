@@ -174,6 +174,20 @@ class DenseClusterStore:
             dst_k[:, n_steady:n_steady + t] = take_rows(self.keys, safe)
             dst_v[:, n_steady:n_steady + t] = take_rows(self.values, safe)
 
+    def gather_tokens_into(self, cluster_ids: np.ndarray, offsets: np.ndarray,
+                           steady: SteadyParts, dst_k: torch.Tensor, dst_v: torch.Tensor
+                           ) -> None:
+        """The steady zone, then single tokens: token i of head h is token
+        ``offsets[h, i]`` of cluster ``cluster_ids[h, i]`` ([H, k] int64 numpy; clusters
+        stored in token order, as position blocks are). dst_k, dst_v: [H, T_cap, D]."""
+        n_steady = fill_steady(steady, dst_k, dst_v)
+        k = cluster_ids.shape[1]
+        if k:
+            starts = np.take_along_axis(self._offsets_host.numpy(), cluster_ids, axis=1)
+            rows = torch.from_numpy(starts + offsets).to(self.keys.device)
+            dst_k[:, n_steady:n_steady + k] = take_rows(self.keys, rows)
+            dst_v[:, n_steady:n_steady + k] = take_rows(self.values, rows)
+
     def step_done(self) -> None:
         """Nothing to finish."""
 

@@ -146,6 +146,7 @@ class RouteImplMixin:
         path off the fused CPU kernel, :mod:`vllm_retro.index.padded`)."""
         if not self.retro:
             return
+        cfg.check_head_dim(head_size)
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
             "logits soft-capping": bool(logits_soft_cap),

@@ -17,6 +17,7 @@ import torch
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import fused_path
+from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
@@ -148,10 +149,11 @@ class RetroRuntime:
         # rows through one pool per layer. The fused CPU kernel reads each request's pages
         # directly, so there a pool per request saves the layer pool's growth copies and
         # slack (bench/layer_pool_build.py: +13% build time, +22% host memory at 8 x 32K).
-        pooled = not fused_path(self.config.kernel_backend, keys.device)
+        pq = self.config.index == "pqcache"  # batched like the padded path, on any device
+        pooled = pq or not fused_path(self.config.kernel_backend, keys.device)
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer if pooled else None)
-        index = WaveIndex.build(keys, values, self.config, store=store)
+        index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it
         # is never waited for by the first decode step
         store.settle()

@@ -1,0 +1,293 @@
+"""PQCache as a serving index (Zhang et al., 2025; ``../shared/seeds/004``).
+
+At prefill the indexed keys (between the sinks and the local window) of every KV head are
+product-quantised: the head dimension is cut into ``pq_subspaces`` sub-spaces, each gets
+``2 ** pq_bits`` k-means codewords, and every key one code per sub-space. Decoded tokens
+leaving the window are encoded with the same codebooks (as PQCache does). At each decode
+step a query's approximate logits ``q . k_hat`` are sums of per-sub-space lookup tables
+indexed by the codes; the GQA group's summed softmax of them ranks the indexed tokens, and
+the top ``pq_token_ratio`` of them are attended exactly, with the steady zone. There is no
+estimation zone.
+
+Layout: the device holds the codes ([H, N, m] uint8, ``m`` bytes per token and head) and the
+codebooks; the KV is in the wave buffer (host tier, device block cache), cut into blocks of
+``pq_block_tokens`` consecutive positions: each block is one "cluster" of the buffer's
+mapping table, so the cache works at block granularity, as PQCache's block-level GPU cache,
+while the reads are of single tokens (:meth:`WaveBufferStore.gather_tokens_into`): hits
+from the block cache, misses from the host tier. Per step the cache admits (from the host
+tier) the blocks holding the most of the step's tokens, at most 32 (the paper's k_cache).
+
+:func:`decode_pq` decodes all PQCache indexes of a layer with one sequence of calls whatever
+the batch: one lookup-table product and one code gather over the padded codes, one top-k,
+one device->host copy of the chosen tokens, one gather into one execution buffer and one
+attention call (the tripartite kernel with an empty estimation zone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_retro import kernels
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.clustering import Clusters
+from vllm_retro.index.padded import MetaViewCache, join_stores
+from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
+from vllm_retro.index.store import ClusterStore, shared_batch_group
+from vllm_retro.index.wave_index import (
+    DecodeResult,
+    GrowingRows,
+    PhaseClock,
+    Selection,
+    WaveIndex,
+)
+from vllm_retro.kernels.scoring import group_scores_from_logits
+
+
+def position_blocks(keys: torch.Tensor, block: int) -> Clusters:
+    """Cut a block of tokens ([H, M, D] keys) into runs of ``block`` consecutive positions
+    (the last one shorter), each a 'cluster' in token order, identical across heads. Only
+    the layout fields are filled (no centroids or moments: PQCache has no estimation)."""
+    h, m, d = keys.shape
+    dev = keys.device
+    c = math.ceil(m / block)
+    sizes = torch.full((h, c), block, dtype=torch.int32, device=dev)
+    sizes[:, -1] = m - (c - 1) * block
+    offsets = torch.zeros(h, c + 1, dtype=torch.int64, device=dev)
+    offsets[:, 1:] = sizes.long().cumsum(1)
+    empty = keys.new_empty(h, 0, d)
+    f32 = torch.zeros(h, 0, device=dev)
+    return Clusters(centroids=empty, value_sums=empty, sizes=sizes, spreads=f32,
+                    key_sq=torch.zeros(h, d, device=dev), cross=torch.zeros(h, d, d, device=dev),
+                    order=torch.arange(m, device=dev)[None].expand(h, m).contiguous(),
+                    offsets=offsets)
+
+
+def top_tokens(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """The top ``budgets[r]`` entries of each row of ``scores`` ([R, N]; budgets [R] int64,
+    each at most the row's count of finite scores), ties broken by the lower index, so the
+    choice does not depend on the batch a row is in (tokens with equal codes score exactly
+    alike). Returns their column indices, row after row, each row's ascending ([sum
+    budgets] int64, on the scores' device)."""
+    k_max = int(budgets.max()) if budgets.numel() else 0
+    if k_max == 0:
+        return torch.zeros(0, dtype=torch.int64, device=scores.device)
+    vals = torch.topk(scores, k_max, dim=1, sorted=True).values
+    thr = vals.gather(1, (budgets - 1).clamp_min(0)[:, None])  # each row's k-th score
+    above = scores > thr
+    tied = scores == thr
+    room = budgets[:, None] - above.sum(1, keepdim=True)
+    take = (above | (tied & (tied.cumsum(1) <= room))) & (budgets > 0)[:, None]
+    return take.nonzero()[:, 1]
+
+
+class PQIndex(WaveIndex):
+    """The PQCache index of one (request, layer); see the module docstring. Built and
+    appended to like :class:`WaveIndex`; decode through :func:`decode_pq` (or
+    :meth:`decode` for one request)."""
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
+        config.check_head_dim(head_dim)
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        self.pq: ProductQuantizer | None = None
+        """The codebooks, fitted on the prefill's indexed keys."""
+        self._codes = GrowingRows(torch.empty(num_kv_heads, 0, config.pq_subspaces,
+                                              dtype=torch.uint8, device=device))
+        self.codes = self._codes.buf
+        """[H, N, m] uint8 codes of the N indexed tokens (positions sink .. window start)."""
+        self.token_cluster = np.zeros(0, dtype=np.int64)
+        """[N] the block ('cluster' of the store) each indexed token is in."""
+        self.token_offset = np.zeros(0, dtype=np.int64)
+        """[N] each indexed token's place within its block."""
+
+    @property
+    def num_indexed(self) -> int:
+        """Indexed tokens per KV head (positions ``sink_tokens`` .. ``window_start``)."""
+        return int(self.codes.shape[1])
+
+    def token_budget(self) -> int:
+        """Indexed tokens read exactly per KV head and step: ``ceil(pq_token_ratio * N)``."""
+        n = self.num_indexed
+        return min(n, math.ceil(self.config.pq_token_ratio * n - 1e-9))
+
+    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
+        return position_blocks(keys, self.config.pq_block_tokens)
+
+    def _add_meta(self, clusters: Clusters) -> None:
+        # only the block sizes: no centroids, value sums or residual model to keep
+        self.fused_view = None
+        self.meta_generation += 1
+        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4)
+
+    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   clusters: Clusters) -> None:
+        first = self.num_clusters
+        super()._add_block(keys, values, start, clusters)
+        cfg = self.config
+        if self.pq is None:
+            self.pq = fit_pq(keys, cfg.pq_subspaces, cfg.pq_bits, cfg.kmeans_iters)
+        self.codes = self._codes.append(pq_encode(self.pq, keys).to(torch.uint8),
+                                        headroom=4 * cfg.update_segment)
+        sizes = clusters.sizes[0].cpu().numpy().astype(np.int64)
+        starts = np.cumsum(sizes) - sizes
+        which = np.repeat(np.arange(sizes.size), sizes)
+        self.token_cluster = np.concatenate([self.token_cluster, first + which])
+        self.token_offset = np.concatenate(
+            [self.token_offset, np.arange(int(sizes.sum())) - starts[which]])
+
+    def meta_nbytes(self) -> int:
+        """Bytes of the codes (with their room for later blocks), codebooks and block sizes."""
+        books = 0 if self.pq is None else self.pq.codebooks.numel() * 4
+        return self._codes.nbytes() + books + self._meta_rows["sizes"].nbytes()
+
+    def free(self) -> None:
+        super().free()
+        self.pq = None
+        self._codes = GrowingRows(self._codes.buf[:, :0].clone())
+        self.codes = self._codes.buf
+        self.token_cluster = self.token_cluster[:0]
+        self.token_offset = self.token_offset[:0]
+
+    def select(self, query: torch.Tensor, scale: float) -> Selection:
+        """The indexed tokens read exactly for a query [num_heads, D]: retrieval ids [H, k]
+        (token indices, position ``sink_tokens + index``) by the PQ lookup-table score, in
+        descending order; no estimation. (:func:`decode_pq` does the same for a batch.)"""
+        h, k = self.num_kv_heads, self.token_budget()
+        if k == 0 or self.pq is None:
+            none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
+            return Selection(none, none)
+        q = query.reshape(h, -1, self.head_dim)
+        logits = pq_logits(self.pq, self.codes.long(), q) * scale
+        valid = torch.ones(h, self.num_indexed, dtype=torch.bool, device=q.device)
+        budgets = torch.full((h,), k, dtype=torch.int64, device=q.device)
+        top = top_tokens(group_scores_from_logits(logits, valid), budgets).reshape(h, k)
+        return Selection(top, top[:, :0])
+
+    def decode(self, query: torch.Tensor, scale: float | None = None,
+               selection: Selection | None = None, return_positions: bool = False,
+               phases: dict[str, float] | None = None) -> DecodeResult:
+        """One request's step through :func:`decode_pq` (``selection`` is not supported:
+        the top tokens are chosen inside). Returns the output [num_heads, D] with the
+        chosen token indices as ``selection.retrieval_ids`` ([H, k])."""
+        if selection is not None:
+            raise ValueError("PQIndex.decode chooses its tokens itself; selection must be None")
+        scale = self.head_dim ** -0.5 if scale is None else scale
+        out = torch.empty_like(query)[None]
+        picked, lse = decode_pq([self], query[None], scale, out, phases=phases)
+        chosen = picked[0]
+        h = self.num_kv_heads
+        ids = torch.from_numpy(chosen).to(query.device)
+        n_exact = torch.full((h,), self.num_steady + ids.shape[1], dtype=torch.int64,
+                             device=query.device)
+        positions = None
+        if return_positions:
+            steady = torch.cat([torch.arange(self.sink_k.shape[1]),
+                                torch.arange(self.window_start, self.num_tokens)]).to(ids.device)
+            positions = torch.cat([steady[None].expand(h, -1), ids + self.sink_k.shape[1]], 1)
+        none = ids[:, :0]
+        return DecodeResult(out[0], lse, Selection(ids, none), n_exact, positions)
+
+
+@dataclass(frozen=True)
+class PQView:
+    """The codes of a batch's PQCache indexes, padded to the longest (R = B x H rows)."""
+
+    key: tuple[tuple[int, int], ...]
+    """(uid, meta generation) of each index: what the view was built from."""
+    codes: torch.Tensor
+    """[R, N_max, m] int64 codes (0 as padding)."""
+    valid: torch.Tensor
+    """[R, N_max] bool: an indexed token (not padding)."""
+    codebooks: torch.Tensor
+    """[R, m, K_max, D / m] fp32 codewords (zeros as padding, never indexed)."""
+    budgets: list[int]
+    """Tokens read per KV head, per request."""
+    row_budgets: torch.Tensor
+    """[R] int64 the same per row."""
+
+
+def pq_view(indexes: list[PQIndex], key: tuple[tuple[int, int], ...]) -> PQView:
+    """Build the padded view of ``indexes`` (one layer)."""
+    first = indexes[0]
+    h, m, dev = first.num_kv_heads, first.config.pq_subspaces, first.codes.device
+    ds = first.head_dim // m
+    width = max(i.num_indexed for i in indexes)
+    k_max = max((i.pq.num_codewords for i in indexes if i.pq is not None), default=1)
+    codes = torch.zeros(len(indexes), h, width, m, dtype=torch.int64, device=dev)
+    books = torch.zeros(len(indexes), h, m, k_max, ds, device=dev)
+    valid = torch.zeros(len(indexes), h, width, dtype=torch.bool, device=dev)
+    for b, i in enumerate(indexes):
+        n = i.num_indexed
+        codes[b, :, :n] = i.codes
+        valid[b, :, :n] = True
+        if i.pq is not None:
+            books[b, :, :, :i.pq.num_codewords] = i.pq.codebooks
+    budgets = [i.token_budget() for i in indexes]
+    return PQView(key, codes.flatten(0, 1), valid.flatten(0, 1), books.flatten(0, 1),
+                  budgets, torch.tensor(budgets, device=dev).repeat_interleave(h))
+
+
+def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: torch.Tensor,
+              cache: MetaViewCache | None = None, phases: dict[str, float] | None = None
+              ) -> tuple[list[np.ndarray], torch.Tensor]:
+    """PQCache decode of ``query[b]`` ([B, Hq, D]) over ``indexes[b]`` for all rows at once
+    (see the module docstring); ``out`` ([B, Hq, D]) is written. ``cache``: the layer's
+    :class:`~vllm_retro.index.padded.MetaViewCache` (keeps the padded codes and the
+    execution buffer across steps, and joins each step's cache updates at the next call);
+    None: built for this call, joined at once. ``phases``: seconds per phase (``view``,
+    ``select``, ``transfer``, ``lookup+gather``, ``attention``), for benchmarks. Returns
+    each request's chosen token indices ([H, k_b] int64 numpy) and the log softmax
+    denominators ([B * Hq] fp32)."""
+    first = indexes[0]
+    mark = PhaseClock(phases, query.device)
+    b, h, d = len(indexes), first.num_kv_heads, first.head_dim
+    dev, dtype = first.codes.device, first.sink_k.dtype
+    buffers = cache if cache is not None else MetaViewCache()
+    buffers.join()
+    view = buffers.get(indexes, build=pq_view)
+    mark("view")
+    q = query.reshape(b * h, -1, d)
+    if max(view.budgets):
+        pq = ProductQuantizer(view.codebooks)
+        logits = pq_logits(pq, view.codes, q) * scale  # [R, G, N_max]
+        scores = group_scores_from_logits(logits, view.valid)
+        top = top_tokens(scores, view.row_budgets)
+    else:
+        top = torch.zeros(0, dtype=torch.int64, device=dev)
+    mark("select")
+    host = top.cpu().numpy()  # the step's one device->host copy
+    mark("transfer")
+    ends = np.cumsum([h * k for k in view.budgets])
+    chosen = [host[e - h * k:e].reshape(h, k) for e, k in zip(ends, view.budgets, strict=True)]
+    steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
+    n_exact = torch.tensor([i.num_steady + k for i, k in zip(indexes, view.budgets, strict=True)]
+                           ).repeat_interleave(h)
+    exec_k, exec_v = buffers.exec_buffer(b * h, max(int(n_exact.max()), 1), d, dtype, dev)
+    clusters = [i.token_cluster[c] for i, c in zip(indexes, chosen, strict=True)]
+    offsets = [i.token_offset[c] for i, c in zip(indexes, chosen, strict=True)]
+    stores = [i.store for i in indexes]
+    group = shared_batch_group(stores)
+    if group is not None:
+        group.gather_batch(stores, clusters, steady, exec_k, exec_v, offsets=offsets)
+    else:
+        for j, st in enumerate(stores):
+            rows = slice(j * h, (j + 1) * h)
+            st.gather_tokens_into(clusters[j], offsets[j], steady[j], exec_k[rows],
+                                  exec_v[rows])
+    mark("lookup+gather")
+    none = torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
+    res, lse = kernels.tripartite_decode(
+        q, exec_k, exec_v, n_exact.to(dev, non_blocking=True), exec_k[:, :0], exec_v[:, :0],
+        none.int(), none, torch.zeros(b * h, dtype=torch.int64, device=dev), scale,
+        backend=first.backend)
+    mark("attention")
+    if cache is not None:
+        buffers.defer(indexes)
+    else:
+        join_stores(stores)
+    out.copy_(res.reshape(out.shape))
+    return chosen, lse.reshape(-1)
