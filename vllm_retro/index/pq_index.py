@@ -44,7 +44,9 @@ from vllm_retro.index.wave_index import (
     Selection,
     WaveIndex,
 )
-from vllm_retro.kernels.scoring import group_scores_from_logits
+
+JOINT_MAX = 1 << 16
+"""Largest joint lookup table (``K^m`` entries per query head) scored in one gather."""
 
 
 def position_blocks(keys: torch.Tensor, block: int) -> Clusters:
@@ -68,15 +70,19 @@ def position_blocks(keys: torch.Tensor, block: int) -> Clusters:
 
 def top_tokens(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     """The top ``budgets[r]`` entries of each row of ``scores`` ([R, N]; budgets [R] int64,
-    each at most the row's count of finite scores), ties broken by the lower index, so the
+    each at most the row's count of real entries, padding last in its row and scoring no
+    more than any real entry), ties broken by the lower index, so the
     choice does not depend on the batch a row is in (tokens with equal codes score exactly
     alike). Returns their column indices, row after row, each row's ascending ([sum
     budgets] int64, on the scores' device)."""
     k_max = int(budgets.max()) if budgets.numel() else 0
     if k_max == 0:
         return torch.zeros(0, dtype=torch.int64, device=scores.device)
-    vals = torch.topk(scores, k_max, dim=1, sorted=True).values
-    thr = vals.gather(1, (budgets - 1).clamp_min(0)[:, None])  # each row's k-th score
+    if int(budgets.min()) == k_max:  # one budget: the k-th largest directly
+        thr = -torch.kthvalue(-scores, k_max, dim=1, keepdim=True).values
+    else:
+        vals = torch.topk(scores, k_max, dim=1, sorted=True).values
+        thr = vals.gather(1, (budgets - 1).clamp_min(0)[:, None])  # each row's k-th score
     above = scores > thr
     tied = scores == thr
     room = budgets[:, None] - above.sum(1, keepdim=True)
@@ -160,11 +166,9 @@ class PQIndex(WaveIndex):
         if k == 0 or self.pq is None:
             none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
             return Selection(none, none)
-        q = query.reshape(h, -1, self.head_dim)
-        logits = pq_logits(self.pq, self.codes.long(), q) * scale
-        valid = torch.ones(h, self.num_indexed, dtype=torch.bool, device=q.device)
-        budgets = torch.full((h,), k, dtype=torch.int64, device=q.device)
-        top = top_tokens(group_scores_from_logits(logits, valid), budgets).reshape(h, k)
+        view = pq_view([self], ((self.uid, self.meta_generation),))
+        top = top_tokens(pq_scores(view, query.reshape(h, -1, self.head_dim), scale),
+                         view.row_budgets).reshape(h, k)
         return Selection(top, top[:, :0])
 
     def decode(self, query: torch.Tensor, scale: float | None = None,
@@ -199,9 +203,15 @@ class PQView:
     key: tuple[tuple[int, int], ...]
     """(uid, meta generation) of each index: what the view was built from."""
     codes: torch.Tensor
-    """[R, N_max, m] int64 codes (0 as padding)."""
+    """[R, N_max, m] int64 codes (0 as padding); [R, N_max] joint codes (``sum_s code_s *
+    K^(m-1-s)``) when :attr:`joint`."""
+    joint: bool
+    """Scored through one joint lookup table of ``K^m`` entries (small enough: at most
+    :data:`JOINT_MAX`), one gather per token instead of ``m``."""
     valid: torch.Tensor
     """[R, N_max] bool: an indexed token (not padding)."""
+    full: bool
+    """No padding: every row has N_max tokens."""
     codebooks: torch.Tensor
     """[R, m, K_max, D / m] fp32 codewords (zeros as padding, never indexed)."""
     budgets: list[int]
@@ -227,8 +237,35 @@ def pq_view(indexes: list[PQIndex], key: tuple[tuple[int, int], ...]) -> PQView:
         if i.pq is not None:
             books[b, :, :, :i.pq.num_codewords] = i.pq.codebooks
     budgets = [i.token_budget() for i in indexes]
-    return PQView(key, codes.flatten(0, 1), valid.flatten(0, 1), books.flatten(0, 1),
+    codes = codes.flatten(0, 1)
+    joint = k_max ** m <= JOINT_MAX
+    if joint:
+        weights = k_max ** torch.arange(m - 1, -1, -1, device=dev)
+        codes = (codes * weights).sum(-1)
+    return PQView(key, codes, joint, valid.flatten(0, 1),
+                  all(i.num_indexed == width for i in indexes), books.flatten(0, 1),
                   budgets, torch.tensor(budgets, device=dev).repeat_interleave(h))
+
+
+def pq_scores(view: PQView, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rank of every token of the view's rows for query [R, G, D]: the GQA group's summed
+    softmax of ``scale * q . k_hat`` ([R, N_max] fp32; 0 on padding, which
+    :func:`top_tokens` ranks after every token of its row)."""
+    r, g, d = query.shape
+    if not view.joint:
+        logits = pq_logits(ProductQuantizer(view.codebooks), view.codes, query)
+    else:
+        m = view.codebooks.shape[1]
+        lut = torch.einsum("rgmd,rmkd->rgmk", query.float().reshape(r, g, m, d // m),
+                           view.codebooks)
+        table = lut[:, :, 0]
+        for s in range(1, m):  # [R, G, K^(s+1)]: code tuples in row-major order
+            table = (table[..., None] + lut[:, :, s, None, :]).flatten(2)
+        n = view.codes.shape[1]
+        logits = torch.gather(table, 2, view.codes[:, None, :].expand(r, g, n))
+    if not view.full:
+        logits = logits.masked_fill(~view.valid[:, None, :], float("-inf"))
+    return torch.softmax(logits * scale, dim=-1).sum(1)
 
 
 def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: torch.Tensor,
@@ -252,10 +289,7 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     mark("view")
     q = query.reshape(b * h, -1, d)
     if max(view.budgets):
-        pq = ProductQuantizer(view.codebooks)
-        logits = pq_logits(pq, view.codes, q) * scale  # [R, G, N_max]
-        scores = group_scores_from_logits(logits, view.valid)
-        top = top_tokens(scores, view.row_budgets)
+        top = top_tokens(pq_scores(view, q, scale), view.row_budgets)
     else:
         top = torch.zeros(0, dtype=torch.int64, device=dev)
     mark("select")
