@@ -45,6 +45,7 @@ from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.batched import decode_batch, fused_supported, packed_row  # noqa: E402
 from vllm_retro.index.padded import MetaViewCache, decode_padded  # noqa: E402
+from vllm_retro.index.pq_index import PQIndex  # noqa: E402
 from vllm_retro.kernels import cpu_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -120,6 +121,15 @@ def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
     return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem + tilt
 
 
+def pq_bytes(index: PQIndex, elem: int) -> int:
+    """Bytes one PQCache step reads: every indexed token's codes (one byte per sub-space),
+    the fp32 codebooks, and the K/V rows of the steady zone and the chosen tokens."""
+    m = index.config.pq_subspaces
+    books = 0 if index.pq is None else index.pq.codebooks.numel() * 4
+    exact = HKV * (index.num_steady + index.token_budget()) * 2 * D * elem
+    return HKV * index.num_indexed * m + books + exact
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the tensor operations dispatched, views aside (on a GPU each is a kernel launch
     or a copy; here the torch reference kernels count as several)."""
@@ -193,15 +203,16 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return nbytes / best
 
 
-def fits(n: int, batch: int, device: torch.device) -> tuple[bool, str]:
-    """Whether one case's KV fits: the dense copy plus the host tier (plus slack) in RAM,
-    and on CUDA the dense KV on the device."""
+def fits(n: int, batch: int, device: torch.device, copies: float = 2.5) -> tuple[bool, str]:
+    """Whether one case's KV fits: the dense copy plus each index's host tier (plus slack:
+    ``copies`` KVs in all) in RAM, and on CUDA the dense KV on the device."""
     kv = 2 * batch * HKV * n * D * 2
     import psutil
 
     avail = psutil.virtual_memory().available
-    if 2.5 * kv > avail:
-        return False, f"KV {kv / 2**30:.1f} GiB x2.5 > {avail / 2**30:.1f} GiB available RAM"
+    if copies * kv > avail:
+        return False, (f"KV {kv / 2**30:.1f} GiB x{copies:g} > {avail / 2**30:.1f} GiB "
+                       "available RAM")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if 1.5 * kv > free:
@@ -224,6 +235,19 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         for b in range(batch)
     ]
     build_s = (time.perf_counter() - build_s) / batch
+    pq_cfg = cfg.replace(index="pqcache")
+    pq_mgr = WaveBufferManager(pq_cfg)
+    pq_indexes, pq_build_s = [], 0.0
+    if "pqcache" in args.policies:
+        t1 = time.perf_counter()
+        for b in range(batch):
+            st = pq_mgr.store(f"req{b}", HKV, D, dtype, device, layer="L0")
+            pq_indexes.append(PQIndex.build(keys[b].to(device), values[b].to(device), pq_cfg,
+                                            store=st))
+            st.settle()
+        pq_build_s = (time.perf_counter() - t1) / batch
+    pq_views = MetaViewCache()
+    pq_t: list[float] = []
     del keys, values
     walk = QueryWalk(batch, centers, seed=n)
     full_t, retro_t, row_t, pad_t, rbytes = [], [], [], [], []
@@ -240,6 +264,12 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         decode_batch(indexes, qb := q.to(device, dtype), SCALE, cache=views)  # serving path
         sync(device)
         c = time.perf_counter()
+        if pq_indexes:  # PQCache's serving path on the same queries
+            decode_batch(pq_indexes, qb, SCALE, cache=pq_views)
+            sync(device)
+            if step >= args.warmup:
+                pq_t.append(time.perf_counter() - c)
+        c1 = time.perf_counter()
         if fused_ok:  # the padded batched path (CUDA's) on this CPU, for comparison
             decode_padded(indexes, qb, SCALE, torch.empty_like(qb), views)
         sync(device)
@@ -254,7 +284,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             full_t.append(b - a)
             retro_t.append(c - b)
             row_t.append(e - c2)
-            pad_t.append(c2 - c)
+            pad_t.append(c2 - c1)
             rbytes.append(step_bytes)
     phases: dict[str, float] = {}
     fused = {"row views (python)": 0.0}
@@ -276,8 +306,17 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     ops = {"padded batched": count_ops(
         lambda: decode_padded(indexes, q, SCALE, torch.empty_like(q), views)),
         "per-row": count_ops(lambda: [idx.decode(q[i], SCALE) for i, idx in enumerate(indexes)])}
+    pq_phases: dict[str, float] = {}
+    if pq_indexes:
+        from vllm_retro.index.pq_index import decode_pq
+
+        for _ in range(args.phase_steps):
+            q = walk.step().to(device, dtype)
+            decode_pq(pq_indexes, q, SCALE, torch.empty_like(q), pq_views, phases=pq_phases)
+    pq_step_bytes = sum(pq_bytes(i, 2) for i in pq_indexes)
     snap = mgr.stats.snapshot()
     mgr.close()
+    pq_mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
     row = {
         "context": n, "batch": batch, "full_kernel": full_name,
@@ -298,6 +337,18 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         "padded_phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
                                      for k, v in padded.items()},
     }
+    if pq_t:
+        pq_ms = statistics.median(pq_t) * 1e3
+        row["pqcache"] = {
+            "ms": pq_ms, "speedup": full_ms / pq_ms, "bytes_per_step": pq_step_bytes,
+            "bytes_ratio": full_bytes / pq_step_bytes,
+            "bw_efficiency": pq_step_bytes / args.read_bw * 1e3 / pq_ms,
+            "index_build_s_per_request": pq_build_s,
+            "path": "fused CPU kernel (attend_rows)" if device.type == "cpu"
+            and pq_indexes[0].backend == "auto" else "batched kernels",
+            "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
+                                  for k, v in pq_phases.items()},
+        }
     bw = args.read_bw
     row["full_lower_bound_ms"] = full_bytes / bw * 1e3
     row["retro_lower_bound_ms"] = row["retro_bytes_per_step"] / bw * 1e3
@@ -318,6 +369,13 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         f"{k} {v}" for k, v in ops.items()), flush=True)
     print("    padded phases (ms/step, all requests): " + "  ".join(
         f"{k} {v:.2f}" for k, v in row["padded_phase_ms_per_step"].items()), flush=True)
+    if "pqcache" in row:
+        pq = row["pqcache"]
+        print(f"    pqcache {pq['ms']:8.2f} ms  speedup {pq['speedup']:5.2f}x  bytes "
+              f"{pq['bytes_ratio']:5.1f}x fewer  at {pq['bw_efficiency']:.0%} of its bound  "
+              f"(build {pq['index_build_s_per_request']:.1f} s/request)", flush=True)
+        print("    pqcache phases (ms/step, all requests): " + "  ".join(
+            f"{k} {v:.2f}" for k, v in pq["phase_ms_per_step"].items()), flush=True)
     if row["fused_phase_ms_per_step"]:
         print("    fused phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["fused_phase_ms_per_step"].items()), flush=True)
@@ -336,6 +394,9 @@ def main() -> None:
     ap.add_argument("--kmeans-iters", type=int, default=2,
                     help="k-means iterations at index build (build time is not what is timed)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--policies", nargs="+", default=["wave"], choices=["wave", "pqcache"],
+                    help="indexes timed in the same run (the wave index always is; "
+                         "'pqcache' adds PQCache's serving path and build, and a host copy)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -352,7 +413,7 @@ def main() -> None:
     print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     for n in args.contexts:
         for b in args.batches:
-            ok, why = fits(n, b, device)
+            ok, why = fits(n, b, device, 2.5 + ("pqcache" in args.policies))
             if not ok:
                 print(f"ctx {n:>6} batch {b}: skipped ({why})", flush=True)
                 result["skipped"].append({"context": n, "batch": b, "reason": why})

@@ -149,6 +149,15 @@ def available() -> bool:
     return load() is not None
 
 
+def fused_path(backend: str, device: torch.device) -> bool:
+    """True when indexes with kernel ``backend`` on ``device`` decode through the fused CPU
+    kernels (the CPU, the 'auto' backend, the extension built)."""
+    from vllm_retro.kernels import resolve_backend  # the package imports this module
+
+    return (device.type == "cpu" and backend == "auto"
+            and resolve_backend("auto", device) == "torch" and available())
+
+
 @dataclass(slots=True)
 class PackedRow:
     """One row's argument lists for the extension, in :func:`decode_packed`'s order. Built
@@ -249,6 +258,48 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
         for name, f in zip(PHASES, share.tolist(), strict=True):
             phases["kernel " + name] = phases.get("kernel " + name, 0.0) + wall * f
     return out, lse, sel
+
+
+def attend_rows(query: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]],
+                rows: list[torch.Tensor], steady: list[tuple[torch.Tensor, ...]],
+                n_win: list[int], scale: float, out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of ``query[b]`` ([B, Hq, D]) over row b's steady zone and the given
+    tokens, in one call (threads over rows x KV heads); the PQCache index's CPU step.
+
+    pools[b]: (keys, values) [P, D] row pools (a host tier's pages, flattened); rows[b]:
+    [H, k_b] int64 the pool rows each KV head attends; steady[b]: (sink keys, sink values,
+    window keys, window values), each [H, n, D], of which the window's first ``n_win[b]``
+    rows are attended. Returns (out [B, Hq, D] query dtype, lse [B, Hq] fp32)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
+    if out is None:
+        out = torch.empty_like(query)
+    lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32)
+    mod.attend_rows(query, out, lse, float(scale), [t for p in pools for t in p],
+                    [r.contiguous() for r in rows], [t for st in steady for t in st],
+                    list(n_win))
+    return out, lse
+
+
+def attend_rows_ref(query: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]],
+                    rows: list[torch.Tensor], steady: list[tuple[torch.Tensor, ...]],
+                    n_win: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`attend_rows` (same arguments, fp32 math)."""
+    outs, lses = [], []
+    for b, (pk, pv) in enumerate(pools):
+        sk, sv, wk, wv = steady[b]
+        h, d = rows[b].shape[0], query.shape[2]
+        q = query[b].reshape(h, -1, d).float()
+        keys = torch.cat([sk, wk[:, :n_win[b]], pk[rows[b]]], dim=1).float()
+        values = torch.cat([sv, wv[:, :n_win[b]], pv[rows[b]]], dim=1).float()
+        logits = torch.einsum("hgd,hnd->hgn", q, keys) * scale
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.einsum("hgn,hnd->hgd", torch.softmax(logits, -1), values)
+                    .reshape(-1, d).to(query.dtype))
+        lses.append(lse.reshape(-1))
+    return torch.stack(outs), torch.stack(lses)
 
 
 def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool

@@ -304,6 +304,48 @@ void fold_block(Softmax& sm, float* logits, int64_t ld, int64_t n, const float* 
   for (int64_t i = 0; i < n; ++i) value_of(i, logits, ld);
 }
 
+// Fold n exact tokens (keys kp[i], values vp[i], D contiguous elements each) into the
+// online softmax of the G query heads q [G, D], in tiles of kTile rows (the next tile's
+// values prefetched while its keys are scored).
+template <typename T>
+void attend_exact(Softmax& sm, const float* q, int G, int D, float scale, const T* const* kp,
+                  const T* const* vp, int64_t n) {
+  float tile[16 * kTile];
+  std::vector<float> tile_big;
+  float* tl = tile;
+  if (G > 16) {
+    tile_big.resize(size_t(G) * kTile);
+    tl = tile_big.data();
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int nt = int(std::min<int64_t>(kTile, n - t0));
+    for (int t = 0; t < nt; ++t)
+      for (int d = 0; d < D * int(sizeof(T)); d += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(vp[t0 + t]) + d);
+    dots(q, G, D, kp + t0, nt, scale, nullptr, tl, kTile);
+    fold_block(sm, tl, kTile, nt, nullptr, [&](int64_t t, const float* p, int64_t ld) {
+      add_weighted(sm.acc.data(), G, D, p + t, ld, 1.0f, vp[t0 + t]);
+    });
+  }
+}
+
+// out[g * out_stride] = acc[g] / l[g] (zeros when nothing was attended), lse[g] = m + log l.
+template <typename T>
+void write_output(const Softmax& sm, int G, int D, T* out, int64_t out_stride, float* lse) {
+  for (int g = 0; g < G; ++g) {
+    T* o = out + g * out_stride;
+    const float* acc = sm.acc.data() + size_t(g) * D;
+    if (sm.l[g] > 0) {
+      const float inv = 1.0f / sm.l[g];
+      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv);
+      lse[g] = sm.m[g] + std::log(sm.l[g]);
+    } else {
+      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
+      lse[g] = kNegInf;
+    }
+  }
+}
+
 template <typename T>
 void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stride, int G,
               int D, float scale, bool tilted, T* out, int64_t out_head_stride, float* lse,
@@ -437,23 +479,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   const T* const* vp = reinterpret_cast<const T* const*>(vp_raw.data());
   const int64_t n_exact = int64_t(kp_raw.size());
   mark(2);
-  float tile[16 * kTile];
-  std::vector<float> tile_big;
-  float* tl = tile;
-  if (G > 16) {
-    tile_big.resize(size_t(G) * kTile);
-    tl = tile_big.data();
-  }
-  for (int64_t t0 = 0; t0 < n_exact; t0 += kTile) {
-    const int nt = int(std::min<int64_t>(kTile, n_exact - t0));
-    for (int t = 0; t < nt; ++t)
-      for (int d = 0; d < D * int(sizeof(T)); d += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(vp[t0 + t]) + d);
-    dots(q.data(), G, D, kp + t0, nt, scale, nullptr, tl, kTile);
-    fold_block(sm, tl, kTile, nt, nullptr, [&](int64_t t, const float* p, int64_t ld) {
-      add_weighted(sm.acc.data(), G, D, p + t, ld, 1.0f, vp[t0 + t]);
-    });
-  }
+  attend_exact(sm, q.data(), G, D, scale, kp, vp, n_exact);
 
   mark(3);
   // estimation zone: one block of pseudo-tokens (centroid key, log(size) bias, mean value;
@@ -539,18 +565,7 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    T* o = out + g * out_head_stride;
-    const float* acc = sm.acc.data() + size_t(g) * D;
-    if (sm.l[g] > 0) {
-      const float inv = 1.0f / sm.l[g];
-      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv);
-      lse[g] = sm.m[g] + std::log(sm.l[g]);
-    } else {
-      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
-      lse[g] = kNegInf;
-    }
-  }
+  write_output(sm, G, D, out, out_head_stride, lse);
   mark(4);
 }
 
@@ -617,7 +632,106 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
   });
 }
 
+template <typename T>
+void attend_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tensor& lse,
+                      double scale, const std::vector<torch::Tensor>& pools,
+                      const std::vector<torch::Tensor>& rows,
+                      const std::vector<torch::Tensor>& steady,
+                      const std::vector<int64_t>& n_win) {
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t H = rows[0].size(0);
+  TORCH_CHECK(Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
+  const int G = int(Hq / H);
+  struct Row {
+    const T* k; const T* v; int64_t ld;  // pool rows
+    const int64_t* idx; int64_t n, idx_h;
+    Rows<T> sink_k, sink_v, win_k, win_v;
+    int64_t n_sink, n_win;
+  };
+  std::vector<Row> rs(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const torch::Tensor &pk = pools[2 * b], &pv = pools[2 * b + 1], &ix = rows[b];
+    TORCH_CHECK(pk.dim() == 2 && pk.size(1) == D && pk.stride(1) == 1 && pv.stride(0) == pk.stride(0),
+                "retro_cpu: pools must be [rows, D] with D contiguous");
+    TORCH_CHECK(ix.scalar_type() == torch::kInt64 && ix.dim() == 2 && ix.size(0) == H &&
+                    ix.stride(1) == 1, "retro_cpu: token rows must be int64 [H, k]");
+    Row& r = rs[b];
+    r.k = pk.data_ptr<T>(); r.v = pv.data_ptr<T>(); r.ld = pk.stride(0);
+    r.idx = ix.data_ptr<int64_t>(); r.n = ix.size(1); r.idx_h = ix.stride(0);
+    r.sink_k = rows3<T>(steady[4 * b]); r.sink_v = rows3<T>(steady[4 * b + 1]);
+    r.win_k = rows3<T>(steady[4 * b + 2]); r.win_v = rows3<T>(steady[4 * b + 3]);
+    r.n_sink = steady[4 * b].size(1); r.n_win = n_win[b];
+  }
+  const T* qp = query.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const float sc = float(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const void*> kp, vp;
+    std::vector<float> q(size_t(G) * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const Row& r = rs[b];
+      const T* qb = qp + b * query.stride(0) + h * G * query.stride(1);
+      for (int g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) q[size_t(g) * D + d] = to_f(qb[g * query.stride(1) + d]);
+      kp.clear();
+      vp.clear();
+      for (int64_t t = 0; t < r.n_sink; ++t) {
+        kp.push_back(r.sink_k.row(h, t));
+        vp.push_back(r.sink_v.row(h, t));
+      }
+      for (int64_t t = 0; t < r.n_win; ++t) {
+        kp.push_back(r.win_k.row(h, t));
+        vp.push_back(r.win_v.row(h, t));
+      }
+      const int64_t* ix = r.idx + h * r.idx_h;
+      for (int64_t t = 0; t < r.n; ++t) {
+        kp.push_back(r.k + ix[t] * r.ld);
+        vp.push_back(r.v + ix[t] * r.ld);
+      }
+      Softmax sm(G, int(D));
+      attend_exact(sm, q.data(), G, int(D), sc, reinterpret_cast<const T* const*>(kp.data()),
+                   reinterpret_cast<const T* const*>(vp.data()), int64_t(kp.size()));
+      write_output(sm, G, int(D), op + b * out.stride(0) + h * G * out.stride(1),
+                   out.stride(1), lp + b * lse.stride(0) + h * G);
+    }
+  });
+}
+
 }  // namespace
+
+// Exact attention of each row's queries over given tokens (the PQCache index's step on the
+// CPU): per row b (lists in row order) pools[2b..2b+1] keys, values [rows, D] (the host
+// pool), rows[b] [H, k_b] int64 the pool rows of the tokens each KV head attends,
+// steady[4b..4b+3] sink keys, values, window keys, values [H, n, D] (the window's first
+// n_win[b] rows). query [B, Hq, D]; out like it; lse [B, Hq] fp32.
+void attend_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, double scale,
+                 std::vector<torch::Tensor> pools, std::vector<torch::Tensor> rows,
+                 std::vector<torch::Tensor> steady, std::vector<int64_t> n_win) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+                  out.stride(2) == 1, "retro_cpu: out must match query");
+  const int64_t B = query.size(0);
+  TORCH_CHECK(int64_t(pools.size()) == 2 * B && int64_t(rows.size()) == B &&
+                  int64_t(steady.size()) == 4 * B && int64_t(n_win.size()) == B,
+              "retro_cpu: per-row argument lists do not match the batch");
+  if (B == 0) return;
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      attend_rows_impl<float>(query, out, lse, scale, pools, rows, steady, n_win);
+      break;
+    case torch::kBFloat16:
+      attend_rows_impl<c10::BFloat16>(query, out, lse, scale, pools, rows, steady, n_win);
+      break;
+    case torch::kHalf:
+      attend_rows_impl<c10::Half>(query, out, lse, scale, pools, rows, steady, n_win);
+      break;
+    default:
+      TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
+                  " is not supported; accepted: float32, bfloat16, float16");
+  }
+}
 
 // See the header comment. Per row b (all lists in row order):
 //   meta[5b..5b+4]   centroids [H, C, D], value sums [H, C, D], sizes [H, C] int32,
@@ -672,5 +786,6 @@ void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_val
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
+  m.def("attend_rows", &attend_rows, "Exact attention over given token rows (CPU)");
   m.def("kmeans_assign", &kmeans_assign, "Fused nearest-centroid assignment (CPU)");
 }

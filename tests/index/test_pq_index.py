@@ -63,13 +63,17 @@ def _run(index: PQIndex, steps: int, seed: int, keys: torch.Tensor, values: torc
     return keys, values
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("backed", ["dense", "buffer"])
-def test_decode_is_the_papers_selection_and_exact_attention(backed):
+def test_decode_is_the_papers_selection_and_exact_attention(backed, backend):
+    # 'torch': the batched path through the execution buffer and the block cache (CUDA's,
+    # on torch kernels); 'auto' on the CPU: the fused kernel reading host pages in place
+    cfg = CFG.replace(kernel_backend=backend)
     torch.manual_seed(0)
     keys, values = torch.randn(H, 1500, D), torch.randn(H, 1500, D)
-    mgr = WaveBufferManager(CFG)
+    mgr = WaveBufferManager(cfg)
     store = mgr.store("r", H, D, torch.float32, "cpu", layer="L") if backed == "buffer" else None
-    index = PQIndex.build(keys, values, CFG, store=store)
+    index = PQIndex.build(keys, values, cfg, store=store)
     assert index.num_indexed == 1500 - 4 - 32 and index.pq.codebooks.shape == (H, 2, 64, 32)
     seen = {"steps": 0}
 
@@ -93,7 +97,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed):
     # 300 steps: two update blocks (128 tokens) join the index, encoded with the codebooks
     _run(index, 300, 1, keys, values, check)
     assert seen["steps"] == 300 and index.num_updates >= 2
-    if backed == "buffer":
+    if backed == "buffer" and backend == "torch":
         st = index.store
         st.check_invariants()
         s = mgr.stats
@@ -104,8 +108,9 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed):
     assert mgr.live_bytes() == (0, 0)
 
 
-def test_full_ratio_is_full_attention():
-    cfg = CFG.replace(pq_token_ratio=1.0)
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_full_ratio_is_full_attention(backend):
+    cfg = CFG.replace(pq_token_ratio=1.0, kernel_backend=backend)
     torch.manual_seed(1)
     keys, values = torch.randn(H, 900, D), torch.randn(H, 900, D)
     mgr = WaveBufferManager(cfg)
@@ -123,12 +128,14 @@ def test_full_ratio_is_full_attention():
     mgr.close()
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_decode_equals_each_request_alone(dtype):
+def test_batched_decode_equals_each_request_alone(dtype, backend):
     # three requests of different lengths in one layer pool, one leaving and one joining
     # mid-way, against twins decoded one by one with pools of their own
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    mgr = WaveBufferManager(CFG)
+    cfg = CFG.replace(kernel_backend=backend)
+    mgr = WaveBufferManager(cfg)
     gen = torch.Generator().manual_seed(3)
 
     def make(n, layer):
@@ -137,7 +144,7 @@ def test_batched_decode_equals_each_request_alone(dtype):
         pair = []
         for lay in (layer, None):
             st = mgr.store(f"r{n}{lay}", H, D, dtype, "cpu", layer=lay)
-            pair.append(PQIndex.build(k, v, CFG, store=st))
+            pair.append(PQIndex.build(k, v, cfg, store=st))
         return pair
 
     live = [make(n, "L") for n in (400, 1100, 2000)]

@@ -130,3 +130,81 @@ def test_real_attention_data(qwen_capture):
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- attend_rows
+
+def _attend_case(b, h, group, d, dtype, rng, ks=None):
+    """Random rows for attend_rows: a pool of 300 rows per request, k_b tokens per head
+    (0 included), sinks and a window view of a longer buffer."""
+    ks = ks or [int(torch.randint(0, 60, (1,), generator=rng)) for _ in range(b)]
+    pools = [(torch.randn(300, d, generator=rng).to(dtype),
+              torch.randn(300, d, generator=rng).to(dtype)) for _ in range(b)]
+    rows = [torch.randint(0, 300, (h, k), generator=rng) for k in ks]
+    steady, n_win = [], []
+    for _ in range(b):
+        buf = torch.randn(2, h, 40, d, generator=rng).to(dtype)
+        sink = torch.randn(2, h, 4, d, generator=rng).to(dtype)
+        steady.append((sink[0], sink[1], buf[0], buf[1]))
+        n_win.append(int(torch.randint(0, 41, (1,), generator=rng)))
+    q = torch.randn(b, h * group, d, generator=rng).to(dtype)
+    return q, pools, rows, steady, n_win
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64)])
+def test_attend_rows_matches_reference(dtype, tol, group, d):
+    rng = torch.Generator().manual_seed(group * d)
+    args = _attend_case(4, 2, group, d, dtype, rng, ks=[0, 1, 33, 59])
+    out, lse = cpu_decode.attend_rows(*args, scale=d ** -0.5)
+    ref, ref_lse = cpu_decode.attend_rows_ref(*args, scale=d ** -0.5)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_rows_with_nothing_gives_zeros_and_minus_inf():
+    rng = torch.Generator().manual_seed(9)
+    q, pools, rows, steady, _ = _attend_case(1, 2, 4, 64, torch.float32, rng, ks=[0])
+    steady = [(s[:, :0], v[:, :0], w, x) for s, v, w, x in steady]
+    out, lse = cpu_decode.attend_rows(q, pools, rows, steady, [0], 0.125)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.real_model
+def test_attend_rows_on_real_attention_data(qwen_capture):
+    """PQCache's picks over a real model's keys and values (Qwen2.5-Coder-0.5B, prose),
+    read from a wave buffer's host pool, give the reference's outputs in fp32 and bf16."""
+    from vllm_retro.buffer.manager import WaveBufferManager
+    from vllm_retro.config import RetroConfig
+    from vllm_retro.index.pq_index import PQIndex
+
+    d = qwen_capture["layers"][15]
+    cfg = RetroConfig(index="pqcache", kmeans_iters=4)
+    scale = qwen_capture["scale"]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        mgr = WaveBufferManager(cfg)
+        q, pools, rows, steady, n_win = [], [], [], [], []
+        for b, n in enumerate((1500, 3000, 4000)):
+            k, v = d["k"][:, :n].to(dtype), d["v"][:, :n].to(dtype)
+            st = mgr.store(f"r{b}", k.shape[0], k.shape[2], dtype, "cpu", layer="L")
+            idx = PQIndex.build(k, v, cfg, store=st)
+            qb = d["q"][:, -1 - b].to(dtype)
+            picked = idx.select(qb, scale).retrieval_ids.numpy()
+            pk, pv, starts, head_rows, mult = st.cluster_rows()
+            h = k.shape[0]
+            heads = torch.arange(h)[:, None]
+            c = torch.from_numpy(idx.token_cluster[picked])
+            rows.append(head_rows * heads + starts[heads, c] * mult
+                        + torch.from_numpy(idx.token_offset[picked]))
+            pools.append((pk, pv))
+            steady.append((idx.sink_k, idx.sink_v, idx.win_k, idx.win_v))
+            n_win.append(idx.win_k.shape[1])
+            q.append(qb)
+        qs = torch.stack(q)
+        out, lse = cpu_decode.attend_rows(qs, pools, rows, steady, n_win, scale)
+        ref, ref_lse = cpu_decode.attend_rows_ref(qs, pools, rows, steady, n_win, scale)
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        mgr.close()

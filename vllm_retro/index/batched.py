@@ -26,18 +26,12 @@ from vllm_retro.index.padded import MetaViewCache, decode_padded, padded_support
 from vllm_retro.index.pq_index import PQIndex, decode_pq
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
-from vllm_retro.kernels import cpu_decode, resolve_backend
+from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels.cpu_decode import fused_path
 
 _ROW_ADDRESSED: dict[type, bool] = {}
 """Store class -> whether it is a :class:`RowAddressedStore` (a runtime protocol check is
 slow, and it is asked for every row of every layer at every step)."""
-
-
-def fused_path(backend: str, device: torch.device) -> bool:
-    """True when indexes with kernel ``backend`` on ``device`` decode through the fused CPU
-    kernel (the CPU, the 'auto' backend, the kernel built)."""
-    return (device.type == "cpu" and backend == "auto"
-            and resolve_backend("auto", device) == "torch" and cpu_decode.available())
 
 
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:

@@ -19,8 +19,17 @@ tier) the blocks holding the most of the step's tokens, at most 32 (the paper's 
 
 :func:`decode_pq` decodes all PQCache indexes of a layer with one sequence of calls whatever
 the batch: one lookup-table product and one code gather over the padded codes, one top-k,
-one device->host copy of the chosen tokens, one gather into one execution buffer and one
-attention call (the tripartite kernel with an empty estimation zone).
+one device->host copy of the chosen tokens, then
+
+- on CUDA (and on the CPU with the 'torch'/'triton' kernel backends): one gather into one
+  execution buffer (cache hits and host misses) and one attention call (the tripartite
+  kernel with an empty estimation zone), the cache update joined at the layer's next call;
+- on the CPU with the default backend: one call of the fused kernel
+  (:func:`vllm_retro.kernels.cpu_decode.attend_rows`) reading the chosen tokens in place
+  from the host pages, as the wave index's fused path does (no block cache on a CPU).
+
+What a CUDA graph could capture: the scoring and top-k at a fixed batch composition; not the
+gather, whose shapes follow the host-side lookup.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from vllm_retro.index.wave_index import (
     Selection,
     WaveIndex,
 )
+from vllm_retro.kernels import cpu_decode
 
 JOINT_MAX = 1 << 16
 """Largest joint lookup table (``K^m`` entries per query head) scored in one gather."""
@@ -297,12 +307,27 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     mark("transfer")
     ends = np.cumsum([h * k for k in view.budgets])
     chosen = [host[e - h * k:e].reshape(h, k) for e, k in zip(ends, view.budgets, strict=True)]
+    clusters = [i.token_cluster[c] for i, c in zip(indexes, chosen, strict=True)]
+    offsets = [i.token_offset[c] for i, c in zip(indexes, chosen, strict=True)]
+    if cpu_decode.fused_path(first.backend, dev) and query.dtype == dtype:
+        # the CPU: one kernel call reads the chosen tokens in place from the host pages
+        # (there the host tier is the memory attention runs from: no cache to consult)
+        pools, rows = [], []
+        heads = np.arange(h)[:, None]
+        for i, c, o in zip(indexes, clusters, offsets, strict=True):
+            pk, pv, starts, head_rows, mult = i.store.cluster_rows()
+            pools.append((pk, pv))
+            rows.append(torch.from_numpy(head_rows * heads + starts.numpy()[heads, c] * mult + o))
+        steady4 = [(i.sink_k, i.sink_v, i._win_buf_k, i._win_buf_v) for i in indexes]
+        mark("lookup+gather")
+        _, lse = cpu_decode.attend_rows(query, pools, rows, steady4,
+                                        [i.window_rows()[2] for i in indexes], scale, out=out)
+        mark("attention")
+        return chosen, lse.reshape(-1)
     steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
     n_exact = torch.tensor([i.num_steady + k for i, k in zip(indexes, view.budgets, strict=True)]
                            ).repeat_interleave(h)
     exec_k, exec_v = buffers.exec_buffer(b * h, max(int(n_exact.max()), 1), d, dtype, dev)
-    clusters = [i.token_cluster[c] for i, c in zip(indexes, chosen, strict=True)]
-    offsets = [i.token_offset[c] for i, c in zip(indexes, chosen, strict=True)]
     stores = [i.store for i in indexes]
     group = shared_batch_group(stores)
     if group is not None:

@@ -149,8 +149,8 @@ class RetroRuntime:
         # rows through one pool per layer. The fused CPU kernel reads each request's pages
         # directly, so there a pool per request saves the layer pool's growth copies and
         # slack (bench/layer_pool_build.py: +13% build time, +22% host memory at 8 x 32K).
-        pq = self.config.index == "pqcache"  # batched like the padded path, on any device
-        pooled = pq or not fused_path(self.config.kernel_backend, keys.device)
+        pq = self.config.index == "pqcache"
+        pooled = not fused_path(self.config.kernel_backend, keys.device)
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer if pooled else None)
         index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
