@@ -344,7 +344,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             "bytes_ratio": full_bytes / pq_step_bytes,
             "bw_efficiency": pq_step_bytes / args.read_bw * 1e3 / pq_ms,
             "index_build_s_per_request": pq_build_s,
-            "path": "fused CPU kernel (attend_rows)" if device.type == "cpu"
+            "path": "fused CPU kernel (pq_decode)" if device.type == "cpu"
             and pq_indexes[0].backend == "auto" else "batched kernels",
             "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
                                   for k, v in pq_phases.items()},
@@ -408,6 +408,8 @@ def main() -> None:
         "dtype": "bfloat16", "config": RetroConfig(kmeans_iters=args.kmeans_iters).to_dict(),
         "steps": args.steps, "cases": [], "skipped": [],
     }
+    out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     args.read_bw = read_bandwidth(device)
     result["read_bandwidth_GBps"] = args.read_bw / 1e9
     print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
@@ -419,11 +421,10 @@ def main() -> None:
                 result["skipped"].append({"context": n, "batch": b, "reason": why})
                 continue
             result["cases"].append(bench_case(n, b, args, device))
+            out.write_text(json.dumps(result, indent=2))  # kept if a later case dies
     if device.type == "cuda":
         result["h2d"] = h2d_bandwidth(device)
         print("host->device:", result["h2d"])
-    out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

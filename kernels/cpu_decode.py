@@ -260,46 +260,101 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
     return out, lse, sel
 
 
-def attend_rows(query: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]],
-                rows: list[torch.Tensor], steady: list[tuple[torch.Tensor, ...]],
-                n_win: list[int], scale: float, out: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of ``query[b]`` ([B, Hq, D]) over row b's steady zone and the given
-    tokens, in one call (threads over rows x KV heads); the PQCache index's CPU step.
+@dataclass(slots=True)
+class PQRow:
+    """One request's PQCache state for :func:`pq_decode` (tensors referenced, not copied)."""
 
-    pools[b]: (keys, values) [P, D] row pools (a host tier's pages, flattened); rows[b]:
-    [H, k_b] int64 the pool rows each KV head attends; steady[b]: (sink keys, sink values,
-    window keys, window values), each [H, n, D], of which the window's first ``n_win[b]``
-    rows are attended. Returns (out [B, Hq, D] query dtype, lse [B, Hq] fp32)."""
+    codes: torch.Tensor
+    """[H, N, m] uint8 codes of the N indexed tokens (rows contiguous)."""
+    codebooks: torch.Tensor
+    """[H, m, K, D / m] fp32 codewords (contiguous)."""
+    token_cluster: torch.Tensor
+    """[>= N] int64 the cluster (block) of each indexed token."""
+    token_offset: torch.Tensor
+    """[>= N] int64 each indexed token's place in its cluster."""
+    cluster_starts: torch.Tensor
+    """[H, >= C] int64: token i of head h is pool row ``head_rows * h +
+    cluster_starts[h, token_cluster[i]] * start_mult + token_offset[i]``."""
+    head_rows: int
+    start_mult: int
+    keys: torch.Tensor
+    """[rows, D] the pool's keys (a host tier's pages flattened, or a dense store's)."""
+    values: torch.Tensor
+    """[rows, D] the pool's values."""
+    sink_k: torch.Tensor
+    """[H, n_sink, D]; likewise sink_v, and win_k / win_v of which ``n_win`` rows count."""
+    sink_v: torch.Tensor
+    win_k: torch.Tensor
+    win_v: torch.Tensor
+    n_win: int
+    budget: int
+    """Indexed tokens read exactly per KV head (k)."""
+
+
+def pq_decode(query: torch.Tensor, rows: list[PQRow], scale: float,
+              out: torch.Tensor | None = None, selection_width: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PQCache's decode step of ``query[b]`` ([B, Hq, D]) over ``rows[b]``, all rows in one
+    call (threads over rows x KV heads): lookup-table scores of every indexed token (the
+    GQA group's summed softmax of ``scale * q . k_hat``), the top ``budget`` by (score desc,
+    index asc), exact attention over the steady zone and those tokens read in place.
+    Returns (out [B, Hq, D] query dtype, lse [B, Hq] fp32, selection [B, H, width] int64:
+    each head's chosen token indices, ascending, when ``selection_width`` > 0)."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
     if out is None:
         out = torch.empty_like(query)
-    lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32)
-    mod.attend_rows(query, out, lse, float(scale), [t for p in pools for t in p],
-                    [r.contiguous() for r in rows], [t for st in steady for t in st],
-                    list(n_win))
-    return out, lse
+    b, hq, _ = query.shape
+    h = rows[0].codes.shape[0] if rows else 1
+    lse = torch.empty(b, hq, dtype=torch.float32)
+    sel = torch.full((b, h, selection_width), -1, dtype=torch.int64)
+    pq, pools, steady, ints = [], [], [], []
+    for r in rows:
+        pq += [r.codes, r.codebooks, r.token_cluster, r.token_offset, r.cluster_starts]
+        pools += [r.keys, r.values]
+        steady += [r.sink_k, r.sink_v, r.win_k, r.win_v]
+        ints += [r.budget, r.head_rows, r.start_mult, r.n_win]
+    mod.pq_decode(query, out, lse, sel, float(scale), pq, pools, steady, ints)
+    return out, lse, sel
 
 
-def attend_rows_ref(query: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]],
-                    rows: list[torch.Tensor], steady: list[tuple[torch.Tensor, ...]],
-                    n_win: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of :func:`attend_rows` (same arguments, fp32 math)."""
-    outs, lses = [], []
-    for b, (pk, pv) in enumerate(pools):
-        sk, sv, wk, wv = steady[b]
-        h, d = rows[b].shape[0], query.shape[2]
+def pq_decode_ref(query: torch.Tensor, rows: list[PQRow], scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Plain-torch reference of :func:`pq_decode` (fp32 math): (out, lse, per-row chosen
+    token indices [H, k] ascending)."""
+    outs, lses, chosen = [], [], []
+    for b, r in enumerate(rows):
+        h, n, m = r.codes.shape
+        d = query.shape[2]
         q = query[b].reshape(h, -1, d).float()
-        keys = torch.cat([sk, wk[:, :n_win[b]], pk[rows[b]]], dim=1).float()
-        values = torch.cat([sv, wv[:, :n_win[b]], pv[rows[b]]], dim=1).float()
-        logits = torch.einsum("hgd,hnd->hgn", q, keys) * scale
-        lse = torch.logsumexp(logits, dim=-1)
-        outs.append(torch.einsum("hgn,hnd->hgd", torch.softmax(logits, -1), values)
+        sub = q.reshape(h, q.shape[1], m, d // m)
+        lut = torch.einsum("hgmd,hmkd->hgmk", sub, r.codebooks) * scale
+        idx = r.codes.long().permute(0, 2, 1)[:, None].expand(h, q.shape[1], m, n)
+        logits = torch.gather(lut, 3, idx).sum(2)  # [H, G, N]
+        score = torch.softmax(logits, dim=-1).sum(1)  # [H, N]
+        # tokens with equal codes score exactly alike (a vectorised softmax may differ in
+        # the last bit between lanes): each takes its code's first token's score
+        joint = (r.codes.long() * (256 ** torch.arange(m))).sum(-1)  # [H, N]
+        for hh in range(h):
+            _, inverse = torch.unique(joint[hh], return_inverse=True)
+            first = torch.full((int(inverse.max()) + 1 if n else 0,), n, dtype=torch.int64)
+            first = first.scatter_reduce(0, inverse, torch.arange(n), "amin")
+            score[hh] = score[hh, first[inverse]]
+        k = min(r.budget, n)
+        # (score desc, index asc): a stable sort of the negated scores
+        top = torch.sort(-score, dim=1, stable=True).indices[:, :k].sort(dim=1).values
+        heads = torch.arange(h)[:, None]
+        prow = (r.head_rows * heads + r.cluster_starts[heads, r.token_cluster[top]]
+                * r.start_mult + r.token_offset[top])
+        keys = torch.cat([r.sink_k, r.win_k[:, :r.n_win], r.keys[prow]], dim=1).float()
+        values = torch.cat([r.sink_v, r.win_v[:, :r.n_win], r.values[prow]], dim=1).float()
+        lx = torch.einsum("hgd,hnd->hgn", q, keys) * scale
+        lses.append(torch.logsumexp(lx, -1).reshape(-1))
+        outs.append(torch.einsum("hgn,hnd->hgd", torch.softmax(lx, -1), values)
                     .reshape(-1, d).to(query.dtype))
-        lses.append(lse.reshape(-1))
-    return torch.stack(outs), torch.stack(lses)
+        chosen.append(top)
+    return torch.stack(outs), torch.stack(lses), chosen
 
 
 def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool

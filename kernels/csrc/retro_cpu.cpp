@@ -632,100 +632,181 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
   });
 }
 
+// PQCache's step for one (row, KV head), see pq_decode below.
 template <typename T>
-void attend_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tensor& lse,
-                      double scale, const std::vector<torch::Tensor>& pools,
-                      const std::vector<torch::Tensor>& rows,
-                      const std::vector<torch::Tensor>& steady,
-                      const std::vector<int64_t>& n_win) {
+void pq_head(const float* q, int G, int D, float scale, const uint8_t* codes, int64_t n, int m,
+             const float* books, int64_t K, int64_t k, const int64_t* tok_cluster,
+             const int64_t* tok_offset, const int64_t* starts, int64_t head_base,
+             int64_t mult, const T* pk, const T* pv, int64_t ld, const Rows<T>& sink_k,
+             const Rows<T>& sink_v, int64_t n_sink, const Rows<T>& win_k,
+             const Rows<T>& win_v, int64_t n_win, int64_t h, T* out, int64_t out_stride,
+             float* lse, int64_t* sel) {
+  const int ds = D / m;
+  // lookup tables lut[g][s][c] = scale * q_g,s . codeword_s,c
+  thread_local std::vector<float> lut, logit, score, vals;
+  lut.resize(size_t(G) * m * K);
+  for (int g = 0; g < G; ++g)
+    for (int sub = 0; sub < m; ++sub)
+      for (int64_t c = 0; c < K; ++c) {
+        const float* w = books + (size_t(sub) * K + c) * ds;
+        const float* qs = q + size_t(g) * D + size_t(sub) * ds;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < ds; ++d) dot += qs[d] * w[d];
+        lut[(size_t(g) * m + sub) * K + c] = dot * scale;
+      }
+  // score[i] = sum_g softmax_i(logit[g])[i]
+  score.assign(n, 0.f);
+  logit.resize(n);
+  for (int g = 0; g < G; ++g) {
+    const float* lg = lut.data() + size_t(g) * m * K;
+    float mx = kNegInf;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* ci = codes + i * m;
+      float l = 0.f;
+      for (int sub = 0; sub < m; ++sub) l += lg[sub * K + ci[sub]];
+      logit[i] = l;
+      mx = std::max(mx, l);
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      logit[i] = fast_exp(logit[i] - mx);
+      sum += logit[i];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) score[i] += logit[i] * inv;
+  }
+  // the top k by (score desc, index asc), listed in index order
+  thread_local std::vector<const void*> kp, vp;
+  kp.clear();
+  vp.clear();
+  for (int64_t t = 0; t < n_sink; ++t) {
+    kp.push_back(sink_k.row(h, t));
+    vp.push_back(sink_v.row(h, t));
+  }
+  for (int64_t t = 0; t < n_win; ++t) {
+    kp.push_back(win_k.row(h, t));
+    vp.push_back(win_v.row(h, t));
+  }
+  if (k > 0) {
+    vals.assign(score.begin(), score.end());
+    std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
+    const float thr = vals[k - 1];
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; ++i) above += score[i] > thr;
+    int64_t ties = k - above, taken = 0;
+    for (int64_t i = 0; i < n && taken < k; ++i) {
+      const bool tie = score[i] == thr;
+      if (!(score[i] > thr || (tie && ties > 0))) continue;
+      ties -= tie;
+      const int64_t row = head_base + starts[tok_cluster[i]] * mult + tok_offset[i];
+      kp.push_back(pk + row * ld);
+      vp.push_back(pv + row * ld);
+      if (sel != nullptr) sel[taken] = i;
+      ++taken;
+    }
+  }
+  Softmax sm(G, D);
+  attend_exact(sm, q, G, D, scale, reinterpret_cast<const T* const*>(kp.data()),
+               reinterpret_cast<const T* const*>(vp.data()), int64_t(kp.size()));
+  write_output(sm, G, D, out, out_stride, lse);
+}
+
+template <typename T>
+void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tensor& lse,
+                    torch::Tensor& sel, double scale, const std::vector<torch::Tensor>& pq,
+                    const std::vector<torch::Tensor>& pools,
+                    const std::vector<torch::Tensor>& steady,
+                    const std::vector<int64_t>& ints) {
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t H = rows[0].size(0);
+  const int64_t H = pq[0].size(0);
   TORCH_CHECK(Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
   const int G = int(Hq / H);
-  struct Row {
-    const T* k; const T* v; int64_t ld;  // pool rows
-    const int64_t* idx; int64_t n, idx_h;
-    Rows<T> sink_k, sink_v, win_k, win_v;
-    int64_t n_sink, n_win;
-  };
-  std::vector<Row> rs(B);
   for (int64_t b = 0; b < B; ++b) {
-    const torch::Tensor &pk = pools[2 * b], &pv = pools[2 * b + 1], &ix = rows[b];
-    TORCH_CHECK(pk.dim() == 2 && pk.size(1) == D && pk.stride(1) == 1 && pv.stride(0) == pk.stride(0),
+    const torch::Tensor &codes = pq[5 * b], &books = pq[5 * b + 1], &tc = pq[5 * b + 2],
+                        &to = pq[5 * b + 3], &st = pq[5 * b + 4];
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(0) == H &&
+                    codes.stride(2) == 1 && codes.stride(1) == codes.size(2),
+                "retro_cpu: codes must be uint8 [H, N, m], rows contiguous");
+    TORCH_CHECK(books.scalar_type() == torch::kFloat && books.is_contiguous() &&
+                    books.dim() == 4 && books.size(1) == codes.size(2) &&
+                    books.size(1) * books.size(3) == D,
+                "retro_cpu: codebooks must be contiguous fp32 [H, m, K, D / m]");
+    TORCH_CHECK(tc.scalar_type() == torch::kInt64 && to.scalar_type() == torch::kInt64 &&
+                    tc.numel() >= codes.size(1) && to.numel() >= codes.size(1) &&
+                    st.scalar_type() == torch::kInt64 && st.is_contiguous(),
+                "retro_cpu: token maps and cluster starts must be int64");
+    TORCH_CHECK(pools[2 * b].stride(1) == 1 && pools[2 * b].size(1) == D,
                 "retro_cpu: pools must be [rows, D] with D contiguous");
-    TORCH_CHECK(ix.scalar_type() == torch::kInt64 && ix.dim() == 2 && ix.size(0) == H &&
-                    ix.stride(1) == 1, "retro_cpu: token rows must be int64 [H, k]");
-    Row& r = rs[b];
-    r.k = pk.data_ptr<T>(); r.v = pv.data_ptr<T>(); r.ld = pk.stride(0);
-    r.idx = ix.data_ptr<int64_t>(); r.n = ix.size(1); r.idx_h = ix.stride(0);
-    r.sink_k = rows3<T>(steady[4 * b]); r.sink_v = rows3<T>(steady[4 * b + 1]);
-    r.win_k = rows3<T>(steady[4 * b + 2]); r.win_v = rows3<T>(steady[4 * b + 3]);
-    r.n_sink = steady[4 * b].size(1); r.n_win = n_win[b];
   }
   const T* qp = query.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
+  int64_t* sp = sel.numel() ? sel.data_ptr<int64_t>() : nullptr;
   const float sc = float(scale);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const void*> kp, vp;
     std::vector<float> q(size_t(G) * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H;
-      const Row& r = rs[b];
+      const torch::Tensor &codes = pq[5 * b], &books = pq[5 * b + 1], &st = pq[5 * b + 4];
+      const torch::Tensor &pk = pools[2 * b], &pv = pools[2 * b + 1];
       const T* qb = qp + b * query.stride(0) + h * G * query.stride(1);
       for (int g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) q[size_t(g) * D + d] = to_f(qb[g * query.stride(1) + d]);
-      kp.clear();
-      vp.clear();
-      for (int64_t t = 0; t < r.n_sink; ++t) {
-        kp.push_back(r.sink_k.row(h, t));
-        vp.push_back(r.sink_v.row(h, t));
-      }
-      for (int64_t t = 0; t < r.n_win; ++t) {
-        kp.push_back(r.win_k.row(h, t));
-        vp.push_back(r.win_v.row(h, t));
-      }
-      const int64_t* ix = r.idx + h * r.idx_h;
-      for (int64_t t = 0; t < r.n; ++t) {
-        kp.push_back(r.k + ix[t] * r.ld);
-        vp.push_back(r.v + ix[t] * r.ld);
-      }
-      Softmax sm(G, int(D));
-      attend_exact(sm, q.data(), G, int(D), sc, reinterpret_cast<const T* const*>(kp.data()),
-                   reinterpret_cast<const T* const*>(vp.data()), int64_t(kp.size()));
-      write_output(sm, G, int(D), op + b * out.stride(0) + h * G * out.stride(1),
-                   out.stride(1), lp + b * lse.stride(0) + h * G);
+      const int64_t n = codes.size(1), m = codes.size(2), K = books.size(2);
+      const int64_t k = std::min<int64_t>(ints[4 * b], n);
+      pq_head<T>(q.data(), G, int(D), sc, codes.data_ptr<uint8_t>() + h * codes.stride(0), n,
+                 int(m), books.data_ptr<float>() + h * books.stride(0), K, k,
+                 pq[5 * b + 2].data_ptr<int64_t>(), pq[5 * b + 3].data_ptr<int64_t>(),
+                 st.data_ptr<int64_t>() + h * st.stride(0), ints[4 * b + 1] * h,
+                 ints[4 * b + 2], pk.data_ptr<T>(), pv.data_ptr<T>(), pk.stride(0),
+                 rows3<T>(steady[4 * b]), rows3<T>(steady[4 * b + 1]), steady[4 * b].size(1),
+                 rows3<T>(steady[4 * b + 2]), rows3<T>(steady[4 * b + 3]), ints[4 * b + 3], h,
+                 op + b * out.stride(0) + h * G * out.stride(1), out.stride(1),
+                 lp + b * lse.stride(0) + h * G,
+                 sp ? sp + b * sel.stride(0) + h * sel.stride(1) : nullptr);
     }
   });
 }
 
 }  // namespace
 
-// Exact attention of each row's queries over given tokens (the PQCache index's step on the
-// CPU): per row b (lists in row order) pools[2b..2b+1] keys, values [rows, D] (the host
-// pool), rows[b] [H, k_b] int64 the pool rows of the tokens each KV head attends,
-// steady[4b..4b+3] sink keys, values, window keys, values [H, n, D] (the window's first
-// n_win[b] rows). query [B, Hq, D]; out like it; lse [B, Hq] fp32.
-void attend_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, double scale,
-                 std::vector<torch::Tensor> pools, std::vector<torch::Tensor> rows,
-                 std::vector<torch::Tensor> steady, std::vector<int64_t> n_win) {
+// PQCache's decode step for a batch of rows, on the CPU, one call per layer: per (row b,
+// KV head h), in parallel, the lookup tables of the G query heads, every indexed token's
+// score (the group's summed softmax of its lookup-table logits), the top k_b tokens by
+// (score desc, index asc), and exact attention over the steady zone and those tokens, read
+// in place from the row's pool. Per row b (lists in row order):
+//   pq[5b..5b+4]     codes [H, N, m] uint8, codebooks [H, m, K, D / m] f32, token ->
+//                    cluster [N] int64, token -> offset in its cluster [N] int64, cluster
+//                    starts [H, >=C] int64
+//   pools[2b..2b+1]  keys, values [rows, D]: token i of head h is row head_rows * h +
+//                    starts[h, cluster[i]] * start_mult + offset[i]
+//   steady[4b..4b+3] sink keys, values, window keys, values [H, n, D]
+//   ints[4b..4b+3]   k, head_rows, start_mult, n_win (the window's rows attended)
+// sel: empty, or int64 [B, H, >= max k] receiving each (row, head)'s chosen token indices
+// in ascending order. The plain-torch reference is vllm_retro.index.pq_index (torch path).
+void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch::Tensor sel,
+               double scale, std::vector<torch::Tensor> pq, std::vector<torch::Tensor> pools,
+               std::vector<torch::Tensor> steady, std::vector<int64_t> ints) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
                   out.stride(2) == 1, "retro_cpu: out must match query");
   const int64_t B = query.size(0);
-  TORCH_CHECK(int64_t(pools.size()) == 2 * B && int64_t(rows.size()) == B &&
-                  int64_t(steady.size()) == 4 * B && int64_t(n_win.size()) == B,
+  TORCH_CHECK(int64_t(pq.size()) == 5 * B && int64_t(pools.size()) == 2 * B &&
+                  int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 4 * B,
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;
   switch (query.scalar_type()) {
     case torch::kFloat:
-      attend_rows_impl<float>(query, out, lse, scale, pools, rows, steady, n_win);
+      pq_decode_impl<float>(query, out, lse, sel, scale, pq, pools, steady, ints);
       break;
     case torch::kBFloat16:
-      attend_rows_impl<c10::BFloat16>(query, out, lse, scale, pools, rows, steady, n_win);
+      pq_decode_impl<c10::BFloat16>(query, out, lse, sel, scale, pq, pools, steady, ints);
       break;
     case torch::kHalf:
-      attend_rows_impl<c10::Half>(query, out, lse, scale, pools, rows, steady, n_win);
+      pq_decode_impl<c10::Half>(query, out, lse, sel, scale, pq, pools, steady, ints);
       break;
     default:
       TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
@@ -786,6 +867,6 @@ void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_val
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
-  m.def("attend_rows", &attend_rows, "Exact attention over given token rows (CPU)");
+  m.def("pq_decode", &pq_decode, "PQCache decode step of a batch of rows (CPU)");
   m.def("kmeans_assign", &kmeans_assign, "Fused nearest-centroid assignment (CPU)");
 }

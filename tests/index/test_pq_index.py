@@ -158,7 +158,7 @@ def test_batched_decode_equals_each_request_alone(dtype, backend):
         batch = [p[0] for p in live]
         q = torch.randn(len(batch), H * G, D, generator=gen).to(dtype)
         out = torch.empty_like(q)
-        chosen, _ = decode_pq(batch, q, D ** -0.5, out, cache)
+        chosen, _ = decode_pq(batch, q, D ** -0.5, out, cache, want_chosen=True)
         for b, (_, twin) in enumerate(live):
             alone = twin.decode(q[b], D ** -0.5)
             if dtype == torch.float32:  # 16-bit scores may order near-ties differently

@@ -132,78 +132,90 @@ def test_real_attention_data(qwen_capture):
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------------- attend_rows
+# ---------------------------------------------------------------------- pq_decode
 
-def _attend_case(b, h, group, d, dtype, rng, ks=None):
-    """Random rows for attend_rows: a pool of 300 rows per request, k_b tokens per head
-    (0 included), sinks and a window view of a longer buffer."""
-    ks = ks or [int(torch.randint(0, 60, (1,), generator=rng)) for _ in range(b)]
-    pools = [(torch.randn(300, d, generator=rng).to(dtype),
-              torch.randn(300, d, generator=rng).to(dtype)) for _ in range(b)]
-    rows = [torch.randint(0, 300, (h, k), generator=rng) for k in ks]
-    steady, n_win = [], []
-    for _ in range(b):
-        buf = torch.randn(2, h, 40, d, generator=rng).to(dtype)
-        sink = torch.randn(2, h, 4, d, generator=rng).to(dtype)
-        steady.append((sink[0], sink[1], buf[0], buf[1]))
-        n_win.append(int(torch.randint(0, 41, (1,), generator=rng)))
-    q = torch.randn(b, h * group, d, generator=rng).to(dtype)
-    return q, pools, rows, steady, n_win
+def _pq_row(h, d, m, n, k, dtype, rng, paged, n_sink=4, n_win=20):
+    """A random PQCache row: n indexed tokens in blocks of 1..40 (clusters in token order),
+    laid out per head (dense store) or in pages of 8 rows (host tier)."""
+    kwords = 16
+    codes = torch.randint(0, kwords, (h, n, m), generator=rng).to(torch.uint8)
+    books = torch.randn(h, m, kwords, d // m, generator=rng)
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(min(int(torch.randint(1, 41, (1,), generator=rng)), n - sum(sizes)))
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    cluster = torch.repeat_interleave(torch.arange(len(sizes)), sizes_t)
+    offset = torch.arange(n) - (torch.cumsum(sizes_t, 0) - sizes_t)[cluster]
+    if paged:
+        page = 8
+        pages = (sizes_t + page - 1) // page
+        per_head = torch.stack([torch.randperm(len(sizes), generator=rng) for _ in range(h)])
+        # each head's clusters in its own order of extents: starts differ across heads
+        starts = torch.zeros(h, len(sizes), dtype=torch.int64)
+        for hh in range(h):
+            first = 2 + hh * int(pages.sum())
+            for c in per_head[hh].tolist():
+                starts[hh, c] = first
+                first += int(pages[c])
+        rows = (2 + h * int(pages.sum())) * page
+        head_rows, mult = 0, page
+    else:
+        starts = (torch.cumsum(sizes_t, 0) - sizes_t)[None].expand(h, -1).contiguous()
+        rows, head_rows, mult = h * n, n, 1
+    win = torch.randn(2, h, n_win + 6, d, generator=rng).to(dtype)
+    sink = torch.randn(2, h, n_sink, d, generator=rng).to(dtype)
+    pool = torch.randn(2, rows, d, generator=rng).to(dtype)
+    return cpu_decode.PQRow(codes, books, cluster, offset, starts, head_rows, mult, pool[0],
+                            pool[1], sink[0], sink[1], win[0], win[1], n_win, k)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64)])
-def test_attend_rows_matches_reference(dtype, tol, group, d):
-    rng = torch.Generator().manual_seed(group * d)
-    args = _attend_case(4, 2, group, d, dtype, rng, ks=[0, 1, 33, 59])
-    out, lse = cpu_decode.attend_rows(*args, scale=d ** -0.5)
-    ref, ref_lse = cpu_decode.attend_rows_ref(*args, scale=d ** -0.5)
+@pytest.mark.parametrize("group,d,m", [(1, 64, 2), (4, 128, 2), (8, 256, 4), (7, 64, 1)])
+def test_pq_decode_matches_reference(dtype, tol, group, d, m):
+    rng = torch.Generator().manual_seed(group * d + m)
+    rows = [_pq_row(2, d, m, n, k, dtype, rng, paged)
+            for n, k, paged in ((300, 0, False), (500, 1, True), (800, 160, True),
+                                (120, 120, False))]
+    q = torch.randn(len(rows), 2 * group, d, generator=rng).to(dtype)
+    out, lse, sel = cpu_decode.pq_decode(q, rows, d ** -0.5, selection_width=160)
+    ref, ref_lse, chosen = cpu_decode.pq_decode_ref(q, rows, d ** -0.5)
     assert not torch.isnan(out).any()
+    for b, c in enumerate(chosen):  # the same tokens (ties by index: codes repeat)
+        assert torch.equal(sel[b, :, :c.shape[1]], c) and (sel[b, :, c.shape[1]:] == -1).all()
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_attend_rows_with_nothing_gives_zeros_and_minus_inf():
+def test_pq_decode_with_nothing_to_attend_gives_zeros_and_minus_inf():
     rng = torch.Generator().manual_seed(9)
-    q, pools, rows, steady, _ = _attend_case(1, 2, 4, 64, torch.float32, rng, ks=[0])
-    steady = [(s[:, :0], v[:, :0], w, x) for s, v, w, x in steady]
-    out, lse = cpu_decode.attend_rows(q, pools, rows, steady, [0], 0.125)
+    r = _pq_row(2, 64, 2, 50, 0, torch.float32, rng, False, n_sink=0, n_win=0)
+    out, lse, _ = cpu_decode.pq_decode(torch.randn(1, 4, 64), [r], 0.125)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 @pytest.mark.real_model
-def test_attend_rows_on_real_attention_data(qwen_capture):
-    """PQCache's picks over a real model's keys and values (Qwen2.5-Coder-0.5B, prose),
-    read from a wave buffer's host pool, give the reference's outputs in fp32 and bf16."""
+def test_pq_decode_on_real_attention_data(qwen_capture):
+    """PQCache rows built from a real model's keys and values (Qwen2.5-Coder-0.5B, prose),
+    read from a wave buffer's host pool, give the reference's outputs and choices in fp32
+    and bf16."""
     from vllm_retro.buffer.manager import WaveBufferManager
     from vllm_retro.config import RetroConfig
-    from vllm_retro.index.pq_index import PQIndex
+    from vllm_retro.index.pq_index import PQIndex, pq_row
 
     d = qwen_capture["layers"][15]
     cfg = RetroConfig(index="pqcache", kmeans_iters=4)
     scale = qwen_capture["scale"]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         mgr = WaveBufferManager(cfg)
-        q, pools, rows, steady, n_win = [], [], [], [], []
+        rows, q = [], []
         for b, n in enumerate((1500, 3000, 4000)):
             k, v = d["k"][:, :n].to(dtype), d["v"][:, :n].to(dtype)
             st = mgr.store(f"r{b}", k.shape[0], k.shape[2], dtype, "cpu", layer="L")
-            idx = PQIndex.build(k, v, cfg, store=st)
-            qb = d["q"][:, -1 - b].to(dtype)
-            picked = idx.select(qb, scale).retrieval_ids.numpy()
-            pk, pv, starts, head_rows, mult = st.cluster_rows()
-            h = k.shape[0]
-            heads = torch.arange(h)[:, None]
-            c = torch.from_numpy(idx.token_cluster[picked])
-            rows.append(head_rows * heads + starts[heads, c] * mult
-                        + torch.from_numpy(idx.token_offset[picked]))
-            pools.append((pk, pv))
-            steady.append((idx.sink_k, idx.sink_v, idx.win_k, idx.win_v))
-            n_win.append(idx.win_k.shape[1])
-            q.append(qb)
+            rows.append(pq_row(PQIndex.build(k, v, cfg, store=st)))
+            q.append(d["q"][:, -1 - b].to(dtype))
         qs = torch.stack(q)
-        out, lse = cpu_decode.attend_rows(qs, pools, rows, steady, n_win, scale)
-        ref, ref_lse = cpu_decode.attend_rows_ref(qs, pools, rows, steady, n_win, scale)
+        out, lse, _ = cpu_decode.pq_decode(qs, rows, scale)
+        ref, ref_lse, _ = cpu_decode.pq_decode_ref(qs, rows, scale)
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -25,8 +25,9 @@ one device->host copy of the chosen tokens, then
   execution buffer (cache hits and host misses) and one attention call (the tripartite
   kernel with an empty estimation zone), the cache update joined at the layer's next call;
 - on the CPU with the default backend: one call of the fused kernel
-  (:func:`vllm_retro.kernels.cpu_decode.attend_rows`) reading the chosen tokens in place
-  from the host pages, as the wave index's fused path does (no block cache on a CPU).
+  (:func:`vllm_retro.kernels.cpu_decode.pq_decode`) that scores, chooses and attends per
+  (request, KV head) in parallel, reading the chosen tokens in place from the host pages,
+  as the wave index's fused path does (no block cache on a CPU).
 
 What a CUDA graph could capture: the scoring and top-k at a fixed batch composition; not the
 gather, whose shapes follow the host-side lookup.
@@ -191,7 +192,8 @@ class PQIndex(WaveIndex):
             raise ValueError("PQIndex.decode chooses its tokens itself; selection must be None")
         scale = self.head_dim ** -0.5 if scale is None else scale
         out = torch.empty_like(query)[None]
-        picked, lse = decode_pq([self], query[None], scale, out, phases=phases)
+        picked, lse = decode_pq([self], query[None], scale, out, phases=phases,
+                                want_chosen=True)
         chosen = picked[0]
         h = self.num_kv_heads
         ids = torch.from_numpy(chosen).to(query.device)
@@ -204,6 +206,30 @@ class PQIndex(WaveIndex):
             positions = torch.cat([steady[None].expand(h, -1), ids + self.sink_k.shape[1]], 1)
         none = ids[:, :0]
         return DecodeResult(out[0], lse, Selection(ids, none), n_exact, positions)
+
+
+def pq_row(index: PQIndex) -> cpu_decode.PQRow:
+    """The fused CPU kernel's view of one index (tensors referenced, not copied), kept in
+    :attr:`WaveIndex.fused_view` until the codes, the store's layout or the window buffer
+    change; the window's current length is filled in per call."""
+    st = index.store
+    generation = getattr(st, "layout_generation", None)
+    view = index.fused_view
+    if view is None or view[0] != generation:
+        keys, values, starts, head_rows, mult = st.cluster_rows()
+        pq = index.pq
+        books = pq.codebooks.contiguous() if pq is not None else torch.zeros(
+            index.num_kv_heads, index.config.pq_subspaces, 1,
+            index.head_dim // index.config.pq_subspaces)
+        win_k, win_v, _ = index.window_rows()
+        row = cpu_decode.PQRow(
+            index.codes, books, torch.from_numpy(index.token_cluster),
+            torch.from_numpy(index.token_offset), starts, head_rows, mult, keys, values,
+            index.sink_k, index.sink_v, win_k, win_v, 0, index.token_budget())
+        # the layout generation after the wait above (a pending layout may have landed)
+        view = index.fused_view = (getattr(st, "layout_generation", None), row)
+    view[1].n_win = index.window_rows()[2]
+    return view[1]
 
 
 @dataclass(frozen=True)
@@ -279,20 +305,33 @@ def pq_scores(view: PQView, query: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: torch.Tensor,
-              cache: MetaViewCache | None = None, phases: dict[str, float] | None = None
-              ) -> tuple[list[np.ndarray], torch.Tensor]:
+              cache: MetaViewCache | None = None, phases: dict[str, float] | None = None,
+              want_chosen: bool = False) -> tuple[list[np.ndarray], torch.Tensor]:
     """PQCache decode of ``query[b]`` ([B, Hq, D]) over ``indexes[b]`` for all rows at once
     (see the module docstring); ``out`` ([B, Hq, D]) is written. ``cache``: the layer's
     :class:`~vllm_retro.index.padded.MetaViewCache` (keeps the padded codes and the
     execution buffer across steps, and joins each step's cache updates at the next call);
     None: built for this call, joined at once. ``phases``: seconds per phase (``view``,
-    ``select``, ``transfer``, ``lookup+gather``, ``attention``), for benchmarks. Returns
-    each request's chosen token indices ([H, k_b] int64 numpy) and the log softmax
-    denominators ([B * Hq] fp32)."""
+    ``select``, ``transfer``, ``lookup+gather``, ``attention``; on the fused CPU path
+    ``view`` and ``kernel``), for benchmarks. Returns each request's chosen token indices
+    ([H, k_b] int64 numpy, ascending; on the fused CPU path only with ``want_chosen``,
+    else [H, 0]) and the log softmax denominators ([B * Hq] fp32)."""
     first = indexes[0]
     mark = PhaseClock(phases, query.device)
     b, h, d = len(indexes), first.num_kv_heads, first.head_dim
     dev, dtype = first.codes.device, first.sink_k.dtype
+    if cpu_decode.fused_path(first.backend, dev) and query.dtype == dtype:
+        # the CPU: one kernel call scores, chooses and attends, reading the chosen tokens
+        # in place from the host pages (there the host tier is the memory attention runs
+        # from: no block cache to consult), as the wave index's fused path does
+        rows = [pq_row(i) for i in indexes]
+        mark("view")
+        width = max(r.budget for r in rows) if want_chosen else 0
+        _, lse, sel = cpu_decode.pq_decode(query, rows, scale, out=out, selection_width=width)
+        mark("kernel")
+        picks = [sel[j, :, :r.budget].numpy() for j, r in enumerate(rows)] if width else \
+            [np.zeros((h, 0), dtype=np.int64) for _ in rows]
+        return picks, lse.reshape(-1)
     buffers = cache if cache is not None else MetaViewCache()
     buffers.join()
     view = buffers.get(indexes, build=pq_view)
@@ -309,21 +348,6 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     chosen = [host[e - h * k:e].reshape(h, k) for e, k in zip(ends, view.budgets, strict=True)]
     clusters = [i.token_cluster[c] for i, c in zip(indexes, chosen, strict=True)]
     offsets = [i.token_offset[c] for i, c in zip(indexes, chosen, strict=True)]
-    if cpu_decode.fused_path(first.backend, dev) and query.dtype == dtype:
-        # the CPU: one kernel call reads the chosen tokens in place from the host pages
-        # (there the host tier is the memory attention runs from: no cache to consult)
-        pools, rows = [], []
-        heads = np.arange(h)[:, None]
-        for i, c, o in zip(indexes, clusters, offsets, strict=True):
-            pk, pv, starts, head_rows, mult = i.store.cluster_rows()
-            pools.append((pk, pv))
-            rows.append(torch.from_numpy(head_rows * heads + starts.numpy()[heads, c] * mult + o))
-        steady4 = [(i.sink_k, i.sink_v, i._win_buf_k, i._win_buf_v) for i in indexes]
-        mark("lookup+gather")
-        _, lse = cpu_decode.attend_rows(query, pools, rows, steady4,
-                                        [i.window_rows()[2] for i in indexes], scale, out=out)
-        mark("attention")
-        return chosen, lse.reshape(-1)
     steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
     n_exact = torch.tensor([i.num_steady + k for i, k in zip(indexes, view.budgets, strict=True)]
                            ).repeat_interleave(h)
