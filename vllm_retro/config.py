@@ -171,10 +171,11 @@ class RetroConfig:
         _check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
 
-    def check_head_dim(self, head_dim: int) -> None:
-        """Raise :class:`ConfigError` unless the settings fit a model of ``head_dim``
-        (``pq_subspaces`` must divide it when ``index`` is 'pqcache')."""
-        if self.index == "pqcache" and head_dim % self.pq_subspaces:
+    def check_head_dim(self, head_dim: int, index: str | None = None) -> None:
+        """Raise :class:`ConfigError` unless the settings fit a model of ``head_dim`` served
+        with ``index`` (default: :attr:`index`): ``pq_subspaces`` must divide it for
+        'pqcache'."""
+        if (index or self.index) == "pqcache" and head_dim % self.pq_subspaces:
             _fail("pq_subspaces", self.pq_subspaces,
                   f"a divisor of the model's head_dim {head_dim}")
 

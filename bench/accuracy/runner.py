@@ -25,6 +25,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_double": {"retrieval_budget": 0.036},
     "retro_no_est": {"estimation_budget": 0.0},
     "retro_centroid": {"estimator": "centroid"},
+    # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
+    # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
+    "pqcache": {"index": "pqcache"},
+    "pqcache_6pct": {"index": "pqcache", "pq_token_ratio": 0.06},
 }
 #: KV cache of the CPU engine, GiB (Qwen2.5-0.5B: 12 KiB per token in bf16).
 KVCACHE_GIB = "2"

@@ -4,7 +4,8 @@ zone (the paper's peers have none).
 
 - :class:`QuestIndex`: Quest-style pages of contiguous tokens ranked by the per-dimension
   min/max upper bound of ``q . k`` (Tang et al., 2024);
-- :class:`PQCacheIndex`: tokens ranked by product-quantised ``q . k_hat`` (Zhang et al., 2025);
+- ``pqcache``: tokens ranked by product-quantised ``q . k_hat`` (Zhang et al., 2025): the
+  serving index itself, :class:`~vllm_retro.index.pq_index.PQIndex`;
 - :class:`StreamingIndex`: StreamingLLM (Xiao et al., 2024), sinks plus a local window
   widened by the budget (the most recent indexed tokens);
 - :class:`OracleIndex`: the exact top tokens by ``q . k``, an upper bound for token selection.
@@ -29,7 +30,7 @@ from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, clusters_per_segment, residual_moments
 from vllm_retro.index.functional import validate_qkv
-from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
+from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import Selection, WaveIndex
 from vllm_retro.kernels.scoring import group_scores_from_logits
@@ -165,40 +166,6 @@ class StreamingIndex(TokenIndex):
             self.num_kv_heads, n)
 
 
-class PQCacheIndex(TokenIndex):
-    """PQCache-style selection: product-quantised keys (``subspaces`` sub-spaces, ``2 **
-    bits`` k-means codewords each, per KV head) fitted on the first indexed block (the
-    prefill's middle); later blocks are encoded with those codebooks, as PQCache does for
-    tokens leaving the local window. Tokens are ranked by the GQA group's summed softmax
-    of the lookup-table logits ``q . k_hat``."""
-
-    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
-                 subspaces: int = 2, bits: int = 6, iters: int | None = None):
-        if subspaces < 1 or head_dim % subspaces:
-            raise ValueError(f"subspaces={subspaces}; accepted: a positive divisor of "
-                             f"head_dim={head_dim}")
-        if not 1 <= bits <= 16:
-            raise ValueError(f"bits={bits}; accepted: an integer in [1, 16]")
-        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
-        self.subspaces, self.bits = subspaces, bits
-        self.iters = config.kmeans_iters if iters is None else iters
-        self.pq: ProductQuantizer | None = None
-        self.codes = torch.empty(num_kv_heads, 0, subspaces, dtype=torch.int64, device=device)
-
-    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   clusters: Clusters) -> None:
-        super()._add_block(keys, values, start, clusters)
-        if self.pq is None:
-            self.pq = fit_pq(keys, self.subspaces, self.bits, self.iters)
-        self.codes = torch.cat([self.codes, pq_encode(self.pq, keys)], dim=1)
-
-    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        assert self.pq is not None  # select() only calls this with indexed tokens
-        logits = pq_logits(self.pq, self.codes, query) * scale
-        return group_scores_from_logits(logits, self.sizes > 0)
-
-
 def retrieval_token_budget(config: RetroConfig, n_indexed: int) -> int:
     """The shared budget rule: indexed tokens each method reads exactly per KV head.
 
@@ -216,7 +183,7 @@ def retrieval_token_budget(config: RetroConfig, n_indexed: int) -> int:
 
 BASELINES: dict[str, type[WaveIndex]] = {
     "quest": QuestIndex,
-    "pqcache": PQCacheIndex,
+    "pqcache": PQIndex,
     "streaming": StreamingIndex,
     "oracle": OracleIndex,
 }

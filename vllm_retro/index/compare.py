@@ -47,8 +47,8 @@ def compare_all(
     index's per-step retrieved-token count.
 
     queries: [Hq, n_queries, D] at ``positions`` [n_queries] (consecutive, ascending);
-    keys, values: [Hkv, N, D]. ``pq_options`` go to :class:`PQCacheIndex` (``subspaces``,
-    ``bits``, ``iters``).
+    keys, values: [Hkv, N, D]. ``pq_options`` go to :class:`~vllm_retro.index.pq_index.PQIndex`
+    (``subspaces``, ``bits``, ``iters``).
     """
     cfg = (config or RetroConfig()).replace(estimation_budget=0.0)
     out = compare_policies(queries, keys, values, positions, scale, config, top_k)

@@ -56,6 +56,10 @@ from vllm_retro.index.wave_index import (
 )
 from vllm_retro.kernels import cpu_decode
 
+FIT_SAMPLE_PER_CODEWORD = 256
+"""Codebooks are fitted on at most this many keys per codeword (evenly spaced over the
+prefill): 16K keys at the default 6 bits, so the fit does not grow with the context."""
+
 JOINT_MAX = 1 << 16
 """Largest joint lookup table (``K^m`` entries per query head) scored in one gather."""
 
@@ -107,8 +111,15 @@ class PQIndex(WaveIndex):
     :meth:`decode` for one request)."""
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
-        config.check_head_dim(head_dim)
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
+                 subspaces: int | None = None, bits: int | None = None,
+                 iters: int | None = None):
+        # the research harness's options (vllm_retro.index.baselines), as config overrides
+        overrides = {name: value for name, value in (("pq_subspaces", subspaces),
+                                                     ("pq_bits", bits), ("kmeans_iters", iters))
+                     if value is not None}
+        config = config.replace(**overrides) if overrides else config
+        config.check_head_dim(head_dim, index="pqcache")
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
         self.pq: ProductQuantizer | None = None
         """The codebooks, fitted on the prefill's indexed keys."""
@@ -120,6 +131,7 @@ class PQIndex(WaveIndex):
         """[N] the block ('cluster' of the store) each indexed token is in."""
         self.token_offset = np.zeros(0, dtype=np.int64)
         """[N] each indexed token's place within its block."""
+        self._fixed_budget: int | None = None
 
     @property
     def num_indexed(self) -> int:
@@ -127,9 +139,18 @@ class PQIndex(WaveIndex):
         return int(self.codes.shape[1])
 
     def token_budget(self) -> int:
-        """Indexed tokens read exactly per KV head and step: ``ceil(pq_token_ratio * N)``."""
+        """Indexed tokens read exactly per KV head and step: ``ceil(pq_token_ratio * N)``,
+        or the count given to :meth:`set_token_budget`, at most N."""
         n = self.num_indexed
+        if self._fixed_budget is not None:
+            return min(n, self._fixed_budget)
         return min(n, math.ceil(self.config.pq_token_ratio * n - 1e-9))
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Read the top ``tokens`` indexed tokens per KV head at each step instead of the
+        ratio (the attention-level comparison's matched budgets)."""
+        self._fixed_budget = max(0, int(tokens))
+        self.fused_view = None
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         return position_blocks(keys, self.config.pq_block_tokens)
@@ -146,7 +167,8 @@ class PQIndex(WaveIndex):
         super()._add_block(keys, values, start, clusters)
         cfg = self.config
         if self.pq is None:
-            self.pq = fit_pq(keys, cfg.pq_subspaces, cfg.pq_bits, cfg.kmeans_iters)
+            self.pq = fit_pq(keys, cfg.pq_subspaces, cfg.pq_bits, cfg.kmeans_iters,
+                             sample=FIT_SAMPLE_PER_CODEWORD << cfg.pq_bits)
         self.codes = self._codes.append(pq_encode(self.pq, keys).to(torch.uint8),
                                         headroom=4 * cfg.update_segment)
         sizes = clusters.sizes[0].cpu().numpy().astype(np.int64)
