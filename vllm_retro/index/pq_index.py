@@ -184,6 +184,7 @@ class PQIndex(WaveIndex):
         return self._codes.nbytes() + books + self._meta_rows["sizes"].nbytes()
 
     def free(self) -> None:
+        """Release the store's KV, the codes and codebooks (the index is unusable after)."""
         super().free()
         self.pq = None
         self._codes = GrowingRows(self._codes.buf[:, :0].clone())
@@ -193,8 +194,9 @@ class PQIndex(WaveIndex):
 
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         """The indexed tokens read exactly for a query [num_heads, D]: retrieval ids [H, k]
-        (token indices, position ``sink_tokens + index``) by the PQ lookup-table score, in
-        descending order; no estimation. (:func:`decode_pq` does the same for a batch.)"""
+        (token indices, position ``sink_tokens + index``, ascending) by the PQ lookup-table
+        score, ties to the lower index; no estimation. (:func:`decode_pq` does the same for
+        a batch.)"""
         h, k = self.num_kv_heads, self.token_budget()
         if k == 0 or self.pq is None:
             none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
