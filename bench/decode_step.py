@@ -297,9 +297,9 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         if fused_ok:  # the serving path's cached row views, then the kernel's own split
             t = time.perf_counter()
             packed = [packed_row(i, tilted) for i in indexes]
-            n_win = [i.window_rows()[2] for i in indexes]
+            windows = [(i.ring_start, i.win_len) for i in indexes]
             u = time.perf_counter()
-            cpu_decode.decode_packed(q, packed, SCALE, tilted, n_win=n_win, phases=fused)
+            cpu_decode.decode_packed(q, packed, SCALE, tilted, windows=windows, phases=fused)
             fused["row views (python)"] += u - t
         decode_padded(indexes, q, SCALE, torch.empty_like(q), views, phases=padded)
     q = walk.step().to(device, dtype)

@@ -80,12 +80,16 @@ class DecodeRow:
     """[H, s, D] steady-zone sinks."""
     sink_v: torch.Tensor
     win_k: torch.Tensor
-    """[H, w, D] steady-zone window."""
+    """[H, w, D] steady-zone window, or the ring it lives in (see :attr:`win_first`)."""
     win_v: torch.Tensor
     n_retrieval: int
     """Clusters read exactly (clamped to C)."""
     n_estimation: int
     """Clusters estimated after them (clamped to C - retrieval)."""
+    win_first: int = 0
+    """Ring row of the window's first token: the window is rows ``(win_first + i) % w``."""
+    n_win: int | None = None
+    """Window rows (of the ring, from :attr:`win_first` on); None: all ``w``."""
 
 
 def _flags() -> list[str]:
@@ -170,21 +174,36 @@ class PackedRow:
     kv: list[torch.Tensor]
     steady: list[torch.Tensor]
     ints: list[int]
-    """head_rows, start_mult, sinks, window rows, retrieval clusters, estimated clusters."""
+    """head_rows, start_mult, sinks, window rows, the window's first ring row, retrieval
+    clusters, estimated clusters."""
     heads: int
 
 
-def pack_row(r: DecodeRow, tilted: bool, n_win: int | None = None) -> PackedRow:
-    """``r``'s argument lists. ``n_win``: the window rows to attend (the first ``n_win`` of
-    ``r.win_k``; all of them when None), so ``r.win_k`` may be a preallocated buffer."""
+def window_len(r: DecodeRow) -> int:
+    """Window rows ``r`` attends."""
+    return r.win_k.shape[1] if r.n_win is None else r.n_win
+
+
+def pack_row(r: DecodeRow, tilted: bool) -> PackedRow:
+    """``r``'s argument lists (``decode_packed(windows=...)`` can move its window within its
+    ring per call)."""
     return PackedRow(
         meta=[r.centroids, r.value_sums, r.sizes, r.spreads, r.deviates],
         tilt=[r.profile, r.key_factor, r.value_factor] if tilted else [],
         kv=[r.kv_keys, r.kv_values, r.cluster_starts],
         steady=[r.sink_k, r.sink_v, r.win_k, r.win_v],
         ints=[r.head_rows, r.start_mult, r.sink_k.shape[1],
-              r.win_k.shape[1] if n_win is None else n_win, r.n_retrieval, r.n_estimation],
+              window_len(r), r.win_first, r.n_retrieval,
+              r.n_estimation],
         heads=r.centroids.shape[0])
+
+
+def ring_rows(ring: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Rows ``(first + i) % ring.shape[1]``, ``i < n``, of a ring [H, cap, D] ([H, n, D])."""
+    cap = ring.shape[1]
+    if n == 0 or cap == 0:
+        return ring[:, :0]
+    return ring[:, (first + torch.arange(n)) % cap]
 
 
 def decode_rows(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool,
@@ -214,10 +233,11 @@ _NO_PHASES = torch.empty(0, dtype=torch.int64)
 
 def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
                   selection_width: int = 0, out: torch.Tensor | None = None,
-                  n_win: list[int] | None = None, phases: dict[str, float] | None = None
+                  windows: list[tuple[int, int]] | None = None,
+                  phases: dict[str, float] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`decode_rows` on packed rows (:func:`pack_row`); ``n_win``, when given, the
-    window rows each row attends this call (overriding its packed count). ``phases``, when
+    """:func:`decode_rows` on packed rows (:func:`pack_row`); ``windows``, when given, each
+    row's window this call as (first ring row, rows), overriding its packed ones. ``phases``, when
     given, accumulates the kernel's wall seconds split by :data:`PHASES` in proportion to the
     threads' time in each (summed over rows and heads), under ``"kernel " + phase``."""
     mod = load()
@@ -242,8 +262,8 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
         kv += r.kv
         steady += r.steady
         ints += r.ints
-        if n_win is not None:
-            ints[-3] = n_win[i]
+        if windows is not None:
+            ints[-4], ints[-3] = windows[i][1], windows[i][0]
     if tilted and len(tilt) != 3 * b:
         raise ValueError("tilted decoding needs every row packed with its tilted terms")
     phase_ns = _NO_PHASES if phases is None else torch.zeros(b * h, len(PHASES),
@@ -282,13 +302,15 @@ class PQRow:
     values: torch.Tensor
     """[rows, D] the pool's values."""
     sink_k: torch.Tensor
-    """[H, n_sink, D]; likewise sink_v, and win_k / win_v of which ``n_win`` rows count."""
+    """[H, n_sink, D]; likewise sink_v, and the window's ring win_k / win_v ([H, cap, D]) of
+    which ``n_win`` rows from ``win_first`` on (wrapping) count."""
     sink_v: torch.Tensor
     win_k: torch.Tensor
     win_v: torch.Tensor
     n_win: int
     budget: int
     """Indexed tokens read exactly per KV head (k)."""
+    win_first: int = 0
 
 
 def pq_decode(query: torch.Tensor, rows: list[PQRow], scale: float,
@@ -314,7 +336,7 @@ def pq_decode(query: torch.Tensor, rows: list[PQRow], scale: float,
         pq += [r.codes, r.codebooks, r.token_cluster, r.token_offset, r.cluster_starts]
         pools += [r.keys, r.values]
         steady += [r.sink_k, r.sink_v, r.win_k, r.win_v]
-        ints += [r.budget, r.head_rows, r.start_mult, r.n_win]
+        ints += [r.budget, r.head_rows, r.start_mult, r.n_win, r.win_first]
     mod.pq_decode(query, out, lse, sel, float(scale), pq, pools, steady, ints)
     return out, lse, sel
 
@@ -347,8 +369,10 @@ def pq_decode_ref(query: torch.Tensor, rows: list[PQRow], scale: float
         heads = torch.arange(h)[:, None]
         prow = (r.head_rows * heads + r.cluster_starts[heads, r.token_cluster[top]]
                 * r.start_mult + r.token_offset[top])
-        keys = torch.cat([r.sink_k, r.win_k[:, :r.n_win], r.keys[prow]], dim=1).float()
-        values = torch.cat([r.sink_v, r.win_v[:, :r.n_win], r.values[prow]], dim=1).float()
+        keys = torch.cat([r.sink_k, ring_rows(r.win_k, r.win_first, r.n_win), r.keys[prow]],
+                         dim=1).float()
+        values = torch.cat([r.sink_v, ring_rows(r.win_v, r.win_first, r.n_win),
+                            r.values[prow]], dim=1).float()
         lx = torch.einsum("hgd,hnd->hgn", q, keys) * scale
         lses.append(torch.logsumexp(lx, -1).reshape(-1))
         outs.append(torch.einsum("hgn,hnd->hgd", torch.softmax(lx, -1), values)
@@ -373,7 +397,8 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
         else:
             top = torch.zeros(h, 0, dtype=torch.int64)
         ret, est = top[:, :nr], top[:, nr:]
-        parts_k, parts_v = [r.sink_k, r.win_k], [r.sink_v, r.win_v]
+        parts_k = [r.sink_k, ring_rows(r.win_k, r.win_first, window_len(r))]
+        parts_v = [r.sink_v, ring_rows(r.win_v, r.win_first, window_len(r))]
         keys, values, n_exact = [], [], []
         for hh in range(h):
             rows_h = [torch.arange(0, 0, dtype=torch.int64)]

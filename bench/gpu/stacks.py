@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex
+from vllm_retro.index.batched import append_batch
 from vllm_retro.index.padded import MetaViewCache, decode_padded
+from vllm_retro.index.steady import SteadyPool
 
 
 def sdpa_context(device: torch.device, dtype: torch.dtype, head_dim: int
@@ -80,7 +82,8 @@ class DenseStack:
 
 class RetroStack:
     """One :class:`WaveIndex` per (request, layer), each over a wave buffer store (host tier,
-    pinned on CUDA; device block cache; asynchronous updates), one manager for the stack."""
+    pinned on CUDA; device block cache; asynchronous updates), one manager for the stack,
+    and per layer one steady-zone pool (request b in slot b), as the serving runtime keeps."""
 
     def __init__(self, layers: int, batch: int, cfg: RetroConfig, dtype: torch.dtype,
                  device: torch.device):
@@ -89,13 +92,21 @@ class RetroStack:
         self.manager = WaveBufferManager(cfg)
         self.indexes: list[list[WaveIndex | None]] = [[None] * batch for _ in range(layers)]
         self.views = [MetaViewCache() for _ in range(layers)]  # per layer, as the route keeps
+        self.steady: list[SteadyPool | None] = [None] * layers
 
     def build(self, layer: int, request: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Index one request-layer's prefill. keys, values: [H_kv, N, D] post-RoPE, device."""
         h, _, d = keys.shape
         store = self.manager.store(f"req{request}", h, d, self.dtype, self.device,
                                    layer=f"L{layer}")
-        self.indexes[layer][request] = WaveIndex.build(keys, values, self.cfg, store=store)
+        index = WaveIndex.build(keys, values, self.cfg, store=store)
+        own = index.steady
+        if self.steady[layer] is None:
+            self.steady[layer] = SteadyPool(own.num_heads, own.head_dim, own.sink_cap,
+                                            own.ring, own.dtype, own.device,
+                                            slots=len(self.indexes[layer]), zeroed=True)
+        index.adopt_steady(self.steady[layer], request)
+        self.indexes[layer][request] = index
 
     def bound_queue(self, depth: int = 2) -> None:
         """Wait for the update worker while more than ``depth`` jobs are queued, so staged
@@ -116,10 +127,9 @@ class RetroStack:
         q: [L, B, H_q, D]; k_new, v_new: [L, B, H_kv, D]. Returns [L, B, H_q, D].
         """
         out = torch.empty_like(q)
+        rows = None  # the same slots and ring rows in every layer: built once per step
         for layer, row in enumerate(self.indexes):
-            for b, index in enumerate(row):
-                assert index is not None
-                index.append(k_new[layer, b][:, None], v_new[layer, b][:, None])
+            _, rows = append_batch(row, k_new[layer], v_new[layer], rows)
             decode_padded(row, q[layer], q.shape[-1] ** -0.5, out[layer], self.views[layer])
         return out
 
@@ -127,6 +137,7 @@ class RetroStack:
         """Bytes on the compute device: meta indexes, steady zones, block caches and the
         shared execution buffers (on CPU the same structures, in RAM)."""
         total = self.manager.exec_nbytes() + sum(v.nbytes() for v in self.views)
+        total += sum(p.nbytes() for p in self.steady if p is not None)
         for row in self.indexes:
             for index in row:
                 if index is None:
@@ -148,3 +159,4 @@ class RetroStack:
         """Free every store and stop the worker."""
         self.manager.close()
         self.indexes = []
+        self.steady = []

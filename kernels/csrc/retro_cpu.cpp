@@ -51,6 +51,16 @@ Rows<T> rows3(const torch::Tensor& t) {  // [H, n, D]
   return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
 }
 
+// The steady zone's counts must lie within its tensors: n_sink sink rows, and n_win window
+// rows read from ring row `first` on, wrapping at `cap`.
+inline void check_window(int64_t n_sink, int64_t sink_rows, int64_t n_win, int64_t first,
+                         int64_t cap) {
+  TORCH_CHECK(n_sink >= 0 && n_sink <= sink_rows && n_win >= 0 && n_win <= cap &&
+                  (n_win == 0 || (first >= 0 && first < cap)),
+              "retro_cpu: steady zone out of range (sinks ", n_sink, " of ", sink_rows,
+              ", window ", n_win, " rows from ", first, " of a ring of ", cap, ")");
+}
+
 // ---- vectorisable float math (plain C++; GCC vectorises these inside `omp simd` loops,
 // where libm calls would not be). Accuracy: a few ulp, far inside the kernel's 1e-5.
 
@@ -166,8 +176,8 @@ struct RowArgs {
   const T* kv_k = nullptr; const T* kv_v = nullptr; int64_t kv_row = 0;  // [rows, D]
   const int64_t* cstart = nullptr; int64_t cstart_h = 0, cstart_c = 0;
   int64_t head_rows = 0, start_mult = 1;
-  Rows<T> sink_k, sink_v, win_k, win_v;
-  int64_t n_sink = 0, n_win = 0;
+  Rows<T> sink_k, sink_v, win_k, win_v;  // the window is a ring of win_cap rows
+  int64_t n_sink = 0, n_win = 0, win_first = 0, win_cap = 0;
   int64_t r = 0, e = 0;
 };
 
@@ -466,7 +476,8 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     vp_raw.push_back(v_row);
   };
   for (int64_t i = 0; i < a.n_sink; ++i) push(a.sink_k.row(h, i), a.sink_v.row(h, i));
-  for (int64_t i = 0; i < a.n_win; ++i) push(a.win_k.row(h, i), a.win_v.row(h, i));
+  for (int64_t i = 0, j = a.win_first; i < a.n_win; ++i, j = j + 1 == a.win_cap ? 0 : j + 1)
+    push(a.win_k.row(h, j), a.win_v.row(h, j));
   for (int64_t j = 0; j < r; ++j) {
     const int64_t c = order[j];
     const int64_t n = sz[c * a.sizes_c];
@@ -607,11 +618,13 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
       TORCH_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= a.C, "retro_cpu: cluster starts");
       a.cstart = cs.data_ptr<int64_t>(); a.cstart_h = cs.stride(0); a.cstart_c = cs.stride(1);
     }
-    a.head_rows = ints[6 * b]; a.start_mult = ints[6 * b + 1];
-    a.n_sink = ints[6 * b + 2]; a.n_win = ints[6 * b + 3];
-    a.r = ints[6 * b + 4]; a.e = ints[6 * b + 5];
+    a.head_rows = ints[7 * b]; a.start_mult = ints[7 * b + 1];
+    a.n_sink = ints[7 * b + 2]; a.n_win = ints[7 * b + 3]; a.win_first = ints[7 * b + 4];
+    a.r = ints[7 * b + 5]; a.e = ints[7 * b + 6];
     a.sink_k = rows3<T>(steady[4 * b]); a.sink_v = rows3<T>(steady[4 * b + 1]);
     a.win_k = rows3<T>(steady[4 * b + 2]); a.win_v = rows3<T>(steady[4 * b + 3]);
+    a.win_cap = steady[4 * b + 2].size(1);
+    check_window(a.n_sink, steady[4 * b].size(1), a.n_win, a.win_first, a.win_cap);
   }
   const T* qp = query.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -639,7 +652,8 @@ void pq_head(const float* q, int G, int D, float scale, const uint8_t* codes, in
              const int64_t* tok_offset, const int64_t* starts, int64_t head_base,
              int64_t mult, const T* pk, const T* pv, int64_t ld, const Rows<T>& sink_k,
              const Rows<T>& sink_v, int64_t n_sink, const Rows<T>& win_k,
-             const Rows<T>& win_v, int64_t n_win, int64_t h, T* out, int64_t out_stride,
+             const Rows<T>& win_v, int64_t n_win, int64_t win_first, int64_t win_cap,
+             int64_t h, T* out, int64_t out_stride,
              float* lse, int64_t* sel) {
   const int ds = D / m;
   // lookup tables lut[g][s][c] = scale * q_g,s . codeword_s,c
@@ -686,9 +700,9 @@ void pq_head(const float* q, int G, int D, float scale, const uint8_t* codes, in
     kp.push_back(sink_k.row(h, t));
     vp.push_back(sink_v.row(h, t));
   }
-  for (int64_t t = 0; t < n_win; ++t) {
-    kp.push_back(win_k.row(h, t));
-    vp.push_back(win_v.row(h, t));
+  for (int64_t t = 0, j = win_first; t < n_win; ++t, j = j + 1 == win_cap ? 0 : j + 1) {
+    kp.push_back(win_k.row(h, j));
+    vp.push_back(win_v.row(h, j));
   }
   if (k > 0) {
     vals.assign(score.begin(), score.end());
@@ -740,6 +754,8 @@ void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tenso
                 "retro_cpu: token maps and cluster starts must be int64");
     TORCH_CHECK(pools[2 * b].stride(1) == 1 && pools[2 * b].size(1) == D,
                 "retro_cpu: pools must be [rows, D] with D contiguous");
+    check_window(steady[4 * b].size(1), steady[4 * b].size(1), ints[5 * b + 3],
+                 ints[5 * b + 4], steady[4 * b + 2].size(1));
   }
   const T* qp = query.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -756,14 +772,15 @@ void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tenso
       for (int g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) q[size_t(g) * D + d] = to_f(qb[g * query.stride(1) + d]);
       const int64_t n = codes.size(1), m = codes.size(2), K = books.size(2);
-      const int64_t k = std::min<int64_t>(ints[4 * b], n);
+      const int64_t k = std::min<int64_t>(ints[5 * b], n);
       pq_head<T>(q.data(), G, int(D), sc, codes.data_ptr<uint8_t>() + h * codes.stride(0), n,
                  int(m), books.data_ptr<float>() + h * books.stride(0), K, k,
                  pq[5 * b + 2].data_ptr<int64_t>(), pq[5 * b + 3].data_ptr<int64_t>(),
-                 st.data_ptr<int64_t>() + h * st.stride(0), ints[4 * b + 1] * h,
-                 ints[4 * b + 2], pk.data_ptr<T>(), pv.data_ptr<T>(), pk.stride(0),
+                 st.data_ptr<int64_t>() + h * st.stride(0), ints[5 * b + 1] * h,
+                 ints[5 * b + 2], pk.data_ptr<T>(), pv.data_ptr<T>(), pk.stride(0),
                  rows3<T>(steady[4 * b]), rows3<T>(steady[4 * b + 1]), steady[4 * b].size(1),
-                 rows3<T>(steady[4 * b + 2]), rows3<T>(steady[4 * b + 3]), ints[4 * b + 3], h,
+                 rows3<T>(steady[4 * b + 2]), rows3<T>(steady[4 * b + 3]), ints[5 * b + 3],
+                 ints[5 * b + 4], steady[4 * b + 2].size(1), h,
                  op + b * out.stride(0) + h * G * out.stride(1), out.stride(1),
                  lp + b * lse.stride(0) + h * G,
                  sp ? sp + b * sel.stride(0) + h * sel.stride(1) : nullptr);
@@ -783,8 +800,9 @@ void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tenso
 //                    starts [H, >=C] int64
 //   pools[2b..2b+1]  keys, values [rows, D]: token i of head h is row head_rows * h +
 //                    starts[h, cluster[i]] * start_mult + offset[i]
-//   steady[4b..4b+3] sink keys, values, window keys, values [H, n, D]
-//   ints[4b..4b+3]   k, head_rows, start_mult, n_win (the window's rows attended)
+//   steady[4b..4b+3] sink keys, values [H, n_sink, D], window ring keys, values [H, cap, D]
+//   ints[5b..5b+4]   k, head_rows, start_mult, n_win, win_first (the window: n_win ring rows
+//                    from row win_first on, wrapping at cap)
 // sel: empty, or int64 [B, H, >= max k] receiving each (row, head)'s chosen token indices
 // in ascending order. The plain-torch reference is vllm_retro.index.pq_index (torch path).
 void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch::Tensor sel,
@@ -795,7 +813,7 @@ void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch:
                   out.stride(2) == 1, "retro_cpu: out must match query");
   const int64_t B = query.size(0);
   TORCH_CHECK(int64_t(pq.size()) == 5 * B && int64_t(pools.size()) == 2 * B &&
-                  int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 4 * B,
+                  int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 5 * B,
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;
   switch (query.scalar_type()) {
@@ -820,8 +838,9 @@ void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch:
 //   tilt[3b..3b+2]   profile [H, D], key factor [H, D, rank], value factor [H, D, rank] f32
 //                    (empty list when not tilted)
 //   kv[3b..3b+2]     KV pool keys, values [rows, D] (or [.., D]), cluster starts [H, >=C] int64
-//   steady[4b..4b+3] sink keys, values, window keys, values, each [H, n, D]
-//   ints[6b..6b+5]   head_rows, start_mult, n_sink, n_win, r, e
+//   steady[4b..4b+3] sink keys, values [H, >= n_sink, D], window ring keys, values [H, cap, D]
+//   ints[7b..7b+6]   head_rows, start_mult, n_sink, n_win, win_first, r, e (the window: n_win
+//                    ring rows from row win_first on, wrapping at cap)
 // Cluster c of KV head h occupies pool rows head_rows * h + starts[h, c] * start_mult, + size.
 // phase_ns: empty, or int64 [B * H, kPhases] zeroed by the caller, receiving each (row, KV
 // head)'s nanoseconds in scoring, selection, row lookup, exact attention, estimation.
@@ -834,7 +853,7 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
               "retro_cpu: out must match query");
   const int64_t B = query.size(0);
   TORCH_CHECK(int64_t(meta.size()) == 5 * B && int64_t(kv.size()) == 3 * B &&
-                  int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 6 * B &&
+                  int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 7 * B &&
                   (!tilted || int64_t(tilt.size()) == 3 * B),
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;

@@ -10,6 +10,7 @@ from vllm_retro.buffer import BufferStats, WaveBufferManager
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
 from vllm_retro.config import RetroConfig
+from vllm_retro.index.store import fill_steady
 
 
 def test_host_extents_are_reused_first_fit_and_merged():
@@ -129,7 +130,10 @@ def test_batch_gather_is_one_gather_and_one_update_job_per_layer_step(async_upda
         exec_k = torch.zeros(3 * h, max(lengths), d)
         exec_v = torch.zeros_like(exec_k)
         jobs = mgr.stats.updates_submitted
-        stores[0].pool.gather_batch(stores, ids, steady, exec_k, exec_v)
+        n_steady = [3 + j for j in range(3)]
+        for j, parts in enumerate(steady):  # the caller fills the steady zone
+            fill_steady(parts, exec_k[j * h:(j + 1) * h], exec_v[j * h:(j + 1) * h])
+        stores[0].pool.gather_batch(stores, ids, n_steady, exec_k, exec_v)
         assert mgr.stats.updates_submitted == jobs + 1
         for j, st in enumerate(stores):
             k, v, _, n = st.gather(torch.from_numpy(ids[j]), steady[j])  # its own path
@@ -138,7 +142,7 @@ def test_batch_gather_is_one_gather_and_one_update_job_per_layer_step(async_upda
                 assert torch.equal(exec_k[j * h + hh, :n[hh]], k[hh, :n[hh]])
                 assert torch.equal(exec_v[j * h + hh, :n[hh]], v[hh, :n[hh]])
         stores[0].pool.join_batch(stores)  # joined by their own reads already: no-op
-        stores[0].pool.gather_batch(stores, ids, steady, exec_k, exec_v)
+        stores[0].pool.gather_batch(stores, ids, n_steady, exec_k, exec_v)
         stores[0].pool.join_batch(stores)
     assert mgr.stats.hit_tokens > 0 and mgr.stats.pages_admitted > 0
     stores[0].check_invariants()
@@ -157,7 +161,7 @@ def test_a_failing_store_leaves_the_others_without_a_half_begun_step():
     ids = [torch.arange(4).repeat(2, 1).numpy()] * 3
     exec_k = torch.zeros(6, 200, 16)
     with pytest.raises(RuntimeError, match="freed"):
-        a.pool.gather_batch([a, b, c], ids, [[]] * 3, exec_k, torch.zeros_like(exec_k))
+        a.pool.gather_batch([a, b, c], ids, [0] * 3, exec_k, torch.zeros_like(exec_k))
     assert a._step is None and a._pending is None and c._step is None
     a.pool.join_batch([a, c])
     a.gather(torch.arange(4).repeat(2, 1), [])

@@ -41,13 +41,15 @@ def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
     prof = prof / prof.sum(1, keepdim=True)
     kf = torch.randn(h, d, rank, generator=rng) * 0.1
     vf = torch.randn(h, d, rank, generator=rng) * 0.1
-    sink = torch.randn(2, h, n_sink, d, generator=rng).to(dtype)
-    win_buf = torch.randn(2, h, n_win + 5, d, generator=rng).to(dtype)  # a view, as in the index
+    # token-major like the steady pool: [H, n, D] views with a head stride of D
+    sink = torch.randn(2, n_sink, h, d, generator=rng).to(dtype).transpose(1, 2)
+    ring = torch.randn(2, n_win, h, d, generator=rng).to(dtype).transpose(1, 2)
+    first = int(torch.randint(0, max(n_win, 1), (1,), generator=rng))  # the ring wraps
     r = max(1, c // 20) if c else 0
     e = min(c - r, c // 4) if c else 0
     return DecodeRow(cen, vs, sizes.to(torch.int32), spreads, deviates, prof, kf, vf, keys,
-                     values, starts.long(), head_rows, mult, sink[0], sink[1],
-                     win_buf[0, :, :n_win], win_buf[1, :, :n_win], r, e)
+                     values, starts.long(), head_rows, mult, sink[0], sink[1], ring[0],
+                     ring[1], r, e, win_first=first)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -84,6 +86,28 @@ def test_out_written_in_place_through_strided_views():
     ref, _, _ = decode_rows_ref(q, rows, 0.125, True)
     torch.testing.assert_close(out_buf[1:4], ref, rtol=1e-5, atol=1e-5)
     assert (out_buf[0] == 7).all() and (out_buf[4] == 7).all()
+
+
+def test_window_part_of_a_ring_read_from_its_first_row_wrapping():
+    """``decode_packed(windows=...)``: each row attends n rows of its ring from a given first
+    row on, wrapping at the ring's end, as the reference does with that window."""
+    import dataclasses
+
+    rng = torch.Generator().manual_seed(6)
+    rows = [_row(2, 64, c, 4, 30, torch.float32, rng, True) for c in (120, 0, 60)]
+    windows = [(25, 11), (0, 30), (7, 0)]  # wraps; the whole ring; none
+    q = torch.randn(3, 8, 64, generator=rng)
+    out, lse, _ = cpu_decode.decode_packed(q, [cpu_decode.pack_row(r, True) for r in rows],
+                                           0.125, True, windows=windows)
+    cut = [dataclasses.replace(r, win_k=cpu_decode.ring_rows(r.win_k, f, n),
+                               win_v=cpu_decode.ring_rows(r.win_v, f, n), win_first=0)
+           for r, (f, n) in zip(rows, windows, strict=True)]
+    ref, ref_lse, _ = decode_rows_ref(q, cut, 0.125, True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="steady zone out of range"):
+        cpu_decode.decode_packed(q, [cpu_decode.pack_row(r, True) for r in rows], 0.125,
+                                 True, windows=[(30, 1), (0, 0), (0, 0)])
 
 
 def test_phase_split_changes_nothing_and_covers_the_call():
@@ -162,11 +186,13 @@ def _pq_row(h, d, m, n, k, dtype, rng, paged, n_sink=4, n_win=20):
     else:
         starts = (torch.cumsum(sizes_t, 0) - sizes_t)[None].expand(h, -1).contiguous()
         rows, head_rows, mult = h * n, n, 1
-    win = torch.randn(2, h, n_win + 6, d, generator=rng).to(dtype)
-    sink = torch.randn(2, h, n_sink, d, generator=rng).to(dtype)
+    win = torch.randn(2, n_win + 6, h, d, generator=rng).to(dtype).transpose(1, 2)
+    sink = torch.randn(2, n_sink, h, d, generator=rng).to(dtype).transpose(1, 2)
     pool = torch.randn(2, rows, d, generator=rng).to(dtype)
+    # the window: n_win rows of a ring of n_win + 6 from row n_win + 3 on (wrapping)
     return cpu_decode.PQRow(codes, books, cluster, offset, starts, head_rows, mult, pool[0],
-                            pool[1], sink[0], sink[1], win[0], win[1], n_win, k)
+                            pool[1], sink[0], sink[1], win[0], win[1], n_win, k,
+                            win_first=n_win + 3)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

@@ -34,3 +34,39 @@ def test_a_layers_requests_share_its_pool_where_the_batched_path_decodes(backend
         assert fused_path(backend, torch.device("cpu"))  # `make setup` built the kernel
     rt.close()
     assert rt.live_bytes() == (0, 0)
+
+
+def test_a_request_has_one_slot_in_every_layers_steady_pool():
+    """Registered indexes keep their steady zone in their layer's pool, a request at the
+    same slot in every layer; a freed request's slot goes to the next one, and with no
+    request left the pools give their memory back."""
+    cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
+    rt = RetroRuntime()
+    rt.attach(object(), cfg)
+    g = torch.Generator().manual_seed(1)
+
+    def build(rid):
+        for layer in ("l0", "l1"):
+            k, v = torch.randn(2, 2, 300, 32, generator=g)
+            rt.build_index(rid, layer, k, v)
+            index = rt.index(rid, layer)
+            # the adopted steady zone is the one the index was built from
+            assert torch.equal(index.sink_k, k[:, :4]) and torch.equal(index.win_k, k[:, -16:])
+
+    for rid in ("x", "y", "z"):
+        build(rid)
+    slots = {rid: {rt.index(rid, layer).slot for layer in ("l0", "l1")} for rid in "xyz"}
+    assert slots == {"x": {0}, "y": {1}, "z": {2}}
+    pools = {layer: rt.index("x", layer).steady for layer in ("l0", "l1")}
+    assert pools["l0"] is not pools["l1"]
+    assert all(rt.index(r, layer).steady is pools[layer] for r in "yz" for layer in pools)
+    host, _ = rt.live_bytes()
+    assert host >= sum(p.nbytes() for p in pools.values()) > 0
+    rt.free_request("y")
+    build("w")
+    assert rt.index("w", "l1").slot == 1
+    for rid in "xzw":
+        rt.free_request(rid)
+    assert all(p.nbytes() == 0 for p in pools.values())
+    assert rt.live_bytes() == (0, 0)
+    rt.close()

@@ -43,7 +43,6 @@ from vllm_retro import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
 from vllm_retro.buffer.stats import BufferStats
-from vllm_retro.index.store import SteadyParts, fill_steady
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.store import WaveBufferStore
@@ -104,37 +103,37 @@ class LayerPool:
         return self.host.nbytes(), self.blocks.nbytes()
 
     def gather_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
-                     steady: Sequence[SteadyParts], exec_k: torch.Tensor,
+                     n_steady: Sequence[int], exec_k: torch.Tensor,
                      exec_v: torch.Tensor, offsets: Sequence[np.ndarray] | None = None
                      ) -> None:
         """Fill the execution buffer of all ``stores`` (this layer's, in row order: store j
         owns rows ``j * H .. (j + 1) * H``) and submit their cache updates (see
         :meth:`WaveBufferStore.gather_into`). cluster_ids[j]: [H, R_j] int64 numpy;
-        steady[j]: store j's steady zone; exec_k/exec_v: [B * H, T_cap, D] contiguous.
+        n_steady[j]: the steady zone's rows at the front of store j's rows (filled by the
+        caller); exec_k/exec_v: [B * H, T_cap, D] contiguous.
         ``offsets`` given: single tokens instead of whole clusters, token i of head h being
         token ``offsets[j][h, i]`` of cluster ``cluster_ids[j][h, i]`` (see
         :meth:`WaveBufferStore.gather_tokens_into`).
-        Per store: the steady copies and the host-side lookup; then one gather call and one
-        worker job for every store's cache update."""
+        Per store: the host-side lookup; then one gather call and one worker job for every
+        store's cache update."""
         h, t_cap = self.num_heads, exec_k.shape[1]
         kind = np.zeros((len(stores) * h, t_cap), dtype=np.int32)
         src = np.zeros((len(stores) * h, t_cap), dtype=np.int64)
         updates: list[tuple] = []
         try:
-            for j, (st, ids, parts) in enumerate(zip(stores, cluster_ids, steady, strict=True)):
+            for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
                 rows = slice(j * h, (j + 1) * h)
-                n_steady = fill_steady(parts, exec_k[rows], exec_v[rows])
                 if offsets is None:
                     lk = st._lookup(ids)
-                    st._begin_step(ids, lk, n_steady, exec_k, exec_v, j * h)
-                    update = partial(st._update, ids, lk, n_steady)
+                    st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
+                    update = partial(st._update, ids, lk, ns)
                 else:
                     lk = st._lookup_tokens(ids, offsets[j])
-                    st._begin_step(ids, lk, n_steady, None, None, 0)
+                    st._begin_step(ids, lk, ns, None, None, 0)
                     update = partial(st._update_tokens, ids, lk)
                 w = lk.kind.shape[1]
-                kind[rows, n_steady:n_steady + w] = lk.kind
-                src[rows, n_steady:n_steady + w] = lk.src_row
+                kind[rows, ns:ns + w] = lk.kind
+                src[rows, ns:ns + w] = lk.src_row
                 st._pending = Future()
                 updates.append((update, st._pending))
         except BaseException:

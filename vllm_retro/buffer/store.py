@@ -189,18 +189,18 @@ class WaveBufferStore:
         t = n_steady + int(lk.totals.max()) if self.num_heads else 0
         exec_k, exec_v = self.manager.exec_buffer(self.num_heads, t, self.head_dim,
                                                   self.dtype, self.device)
-        self._fill(ids, lk, steady, exec_k, exec_v)
+        self._fill(ids, lk, fill_steady(steady, exec_k, exec_v), exec_k, exec_v)
         pos = np.where(lk.host_row >= 0,
                        self.host.positions.numpy()[np.maximum(lk.host_row, 0)], -1)
         positions = torch.from_numpy(pos).to(self.device)
         totals = torch.from_numpy(lk.totals + n_steady).to(self.device)
         return exec_k, exec_v, positions, totals
 
-    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+    def gather_into(self, cluster_ids: np.ndarray, n_steady: int,
                     dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
         """See :meth:`ClusterStore.gather_into`: the lookup runs on the host copy of the ids,
         the fill as in :meth:`gather`, and the cache update is submitted the same way."""
-        self._fill(cluster_ids, self._lookup(cluster_ids), steady, dst_k, dst_v)
+        self._fill(cluster_ids, self._lookup(cluster_ids), n_steady, dst_k, dst_v)
 
     def _lookup(self, ids: np.ndarray) -> Lookup:
         """Wait for this store's previous update, then look ``ids`` ([H, R]) up."""
@@ -209,12 +209,12 @@ class WaveBufferStore:
         self._sync()
         return self.table.lookup(ids, self.host.page_block)
 
-    def _fill(self, ids: np.ndarray, lk: Lookup, steady: SteadyParts, exec_k: torch.Tensor,
+    def _fill(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
               exec_v: torch.Tensor) -> None:
-        """Assemble the execution buffer ``exec_k``/``exec_v`` ([H, T_cap, D]): steady zone,
-        cache hits and host misses; then submit the step's cache update to the worker (joined
-        by :meth:`step_done`)."""
-        n_steady = fill_steady(steady, exec_k, exec_v)
+        """Assemble the execution buffer ``exec_k``/``exec_v`` ([H, T_cap, D]) after its
+        first ``n_steady`` rows (the steady zone, already there): cache hits and host
+        misses; then submit the step's cache update to the worker (joined by
+        :meth:`step_done`)."""
         d = self.head_dim
         kernels.gather_rows(
             exec_k, exec_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
@@ -331,15 +331,15 @@ class WaveBufferStore:
     k_cache = 32 blocks)."""
 
     def gather_tokens_into(self, cluster_ids: np.ndarray, offsets: np.ndarray,
-                           steady: SteadyParts, dst_k: torch.Tensor, dst_v: torch.Tensor
+                           n_steady: int, dst_k: torch.Tensor, dst_v: torch.Tensor
                            ) -> None:
-        """Fill ``dst_k``/``dst_v`` ([H, T_cap, D]) with the steady zone and then single
+        """Fill ``dst_k``/``dst_v`` ([H, T_cap, D]) after the steady zone (their first
+        ``n_steady`` rows, already there) with single
         tokens: token i of head h is token ``offsets[h, i]`` of cluster ``cluster_ids[h, i]``
         ([H, k] int64 numpy; clusters in token order). Hits come from the device cache,
         misses from the host tier; the cache update (whole clusters, from the host tier) is
         submitted to the worker and joined by :meth:`step_done`."""
         lk = self._lookup_tokens(cluster_ids, offsets)
-        n_steady = fill_steady(steady, dst_k, dst_v)
         d = self.head_dim
         kernels.gather_rows(
             dst_k, dst_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),

@@ -18,8 +18,6 @@ cluster choice is the same up to exact ties of scores).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from vllm_retro.index.padded import MetaViewCache, decode_padded, padded_supported
@@ -57,6 +55,7 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
         wait=not index.store_settling)
     res = index.residuals
     tilted = cfg.estimator == "tilted"
+    win_k, win_v, first, n_win = index.window_ring()
     return cpu_decode.DecodeRow(
         centroids=index.centroids, value_sums=index.value_sums, sizes=index.sizes,
         spreads=index.spreads, deviates=index.deviates,
@@ -64,23 +63,51 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
         key_factor=res.key_factor if tilted else None,
         value_factor=res.value_factor if tilted else None,
         kv_keys=keys, kv_values=values, cluster_starts=starts, head_rows=head_rows,
-        start_mult=mult, sink_k=index.sink_k, sink_v=index.sink_v, win_k=index.win_k,
-        win_v=index.win_v, n_retrieval=cfg.num_retrieval(c), n_estimation=cfg.num_estimation(c))
+        start_mult=mult, sink_k=index.sink_k, sink_v=index.sink_v, win_k=win_k, win_v=win_v,
+        win_first=first, n_win=n_win, n_retrieval=cfg.num_retrieval(c),
+        n_estimation=cfg.num_estimation(c))
 
 
 def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
-    """The fused kernel's packed arguments for ``index`` with its whole window buffer (the
-    caller passes the window's length per call), cached on the index
-    (:attr:`WaveIndex.fused_view`) until its meta index or window buffer changes or its
-    store replaces its pools (then the old pools are released), so a decode step does no
-    per-row Python work beyond the lookup."""
-    generation = index.store.layout_generation
+    """The fused kernel's packed arguments for ``index`` with its window's whole ring (the
+    caller passes the window's place in it per call), cached on the index
+    (:attr:`WaveIndex.fused_view`) until its meta index changes, its store replaces its
+    pools (then the old pools are released) or its steady pool is replaced, so a decode
+    step does no per-row Python work beyond the lookup."""
+    generation = (index.store.layout_generation, index.steady.generation)
     view = index.fused_view
     if view is None or view[0] != generation:
-        win_k, win_v, n_win = index.window_rows()
-        row = dataclasses.replace(decode_row(index), win_k=win_k, win_v=win_v)
-        view = index.fused_view = (generation, cpu_decode.pack_row(row, tilted, n_win))
+        row = decode_row(index)
+        view = index.fused_view = (generation, cpu_decode.pack_row(row, tilted))
     return view[1]
+
+
+AppendRows = tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]
+"""What :func:`append_batch` wrote to: ((slot, tokens before) per row, slots [B], pool rows
+[B]); the same in every layer of a step (a request's slot and position are)."""
+
+
+def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Tensor,
+                 rows: AppendRows | None = None) -> tuple[int, AppendRows | None]:
+    """Append one decoded token to each index (``keys[b]``, ``values[b]``: [B, H, D]).
+
+    When every index's steady zone is in one pool (a served layer's), the tokens go in with
+    one write per K and V for the whole batch (:meth:`SteadyPool.write`); ``rows``, the
+    previous layer's, is reused when its rows are this layer's (no new index tensors then).
+    Each index then accounts for its token (:meth:`WaveIndex.appended`: update blocks).
+    Otherwise each index appends its own. Returns (update blocks landed, the rows written,
+    or None)."""
+    pool = indexes[0].steady
+    if all(i.steady is pool for i in indexes):
+        key = tuple((i.slot, i.num_tokens) for i in indexes)
+        if rows is None or rows[0] != key:
+            dev = pool.device
+            rows = (key, torch.tensor([s for s, _ in key], device=dev),
+                    torch.tensor([i.next_ring_row() for i in indexes], device=dev))
+        pool.write(rows[1], rows[2], keys, values)
+        return sum(i.appended(1) for i in indexes), rows
+    landed = sum(i.append(keys[b, :, None], values[b, :, None]) for b, i in enumerate(indexes))
+    return landed, None
 
 
 def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
@@ -108,7 +135,8 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
         tilted = indexes[0].config.estimator == "tilted"
         cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
-                                 tilted, out=out, n_win=[i.window_rows()[2] for i in indexes])
+                                 tilted, out=out,
+                                 windows=[(i.ring_start, i.win_len) for i in indexes])
         return out
     if all(padded_supported(i) for i in indexes):
         return decode_padded(indexes, query, scale, out, cache)

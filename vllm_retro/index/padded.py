@@ -46,6 +46,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.index.estimator import residual_query_terms
+from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import shared_batch_group
 from vllm_retro.index.wave_index import PhaseClock, WaveIndex
 
@@ -257,23 +258,22 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     sizes = torch.gather(meta.sizes, 1, retrieval).long() * meta.retrieval_keep
     host = torch.stack([retrieval, sizes]).cpu().numpy()  # the step's one device->host copy
     mark("transfer")
-    steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
-    n_steady = torch.tensor([i.sink_k.shape[1] + i.win_k.shape[1] for i in indexes]
-                            ).repeat_interleave(h)
-    n_exact = n_steady + torch.from_numpy(host[1].sum(axis=1))
+    n_steady = [i.num_steady for i in indexes]
+    n_exact = torch.tensor(n_steady).repeat_interleave(h) + torch.from_numpy(host[1].sum(axis=1))
     t = max(int(n_exact.max()), 1)
     buffers = cache if cache is not None else MetaViewCache()  # without one: a fresh buffer
     exec_k, exec_v = buffers.exec_buffer(b * h, t, d, dtype, dev)
+    fill_steady_batch(indexes, exec_k, exec_v)  # one gather for all rows of a layer's pool
     ids = [np.ascontiguousarray(host[0, j * h:(j + 1) * h, :meta.n_retrieval[j]])
            for j in range(b)]
     stores = [i.store for i in indexes]
     group = shared_batch_group(stores)
     if group is not None:  # one layer pool: one gather for all rows
-        group.gather_batch(stores, ids, steady, exec_k, exec_v)
+        group.gather_batch(stores, ids, n_steady, exec_k, exec_v)
     else:
         for j, st in enumerate(stores):
             rows = slice(j * h, (j + 1) * h)
-            st.gather_into(ids[j], steady[j], exec_k[rows], exec_v[rows])
+            st.gather_into(ids[j], n_steady[j], exec_k[rows], exec_v[rows])
     mark("lookup+gather")
     tilt = None
     est = top.gather(1, meta.estimation_slots) if meta.estimation_slots.shape[1] else \

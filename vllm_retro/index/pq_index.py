@@ -46,6 +46,7 @@ from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.padded import MetaViewCache, join_stores
 from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
+from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import ClusterStore, shared_batch_group
 from vllm_retro.index.wave_index import (
     DecodeResult,
@@ -225,9 +226,9 @@ class PQIndex(WaveIndex):
                              device=query.device)
         positions = None
         if return_positions:
-            steady = torch.cat([torch.arange(self.sink_k.shape[1]),
+            steady = torch.cat([torch.arange(self.num_sinks),
                                 torch.arange(self.window_start, self.num_tokens)]).to(ids.device)
-            positions = torch.cat([steady[None].expand(h, -1), ids + self.sink_k.shape[1]], 1)
+            positions = torch.cat([steady[None].expand(h, -1), ids + self.num_sinks], 1)
         none = ids[:, :0]
         return DecodeResult(out[0], lse, Selection(ids, none), n_exact, positions)
 
@@ -237,7 +238,7 @@ def pq_row(index: PQIndex) -> cpu_decode.PQRow:
     :attr:`WaveIndex.fused_view` until the codes, the store's layout or the window buffer
     change; the window's current length is filled in per call."""
     st = index.store
-    generation = getattr(st, "layout_generation", None)
+    generation = (getattr(st, "layout_generation", None), index.steady.generation)
     view = index.fused_view
     if view is None or view[0] != generation:
         keys, values, starts, head_rows, mult = st.cluster_rows()
@@ -245,14 +246,15 @@ def pq_row(index: PQIndex) -> cpu_decode.PQRow:
         books = pq.codebooks.contiguous() if pq is not None else torch.zeros(
             index.num_kv_heads, index.config.pq_subspaces, 1,
             index.head_dim // index.config.pq_subspaces)
-        win_k, win_v, _ = index.window_rows()
+        win_k, win_v, _, _ = index.window_ring()
         row = cpu_decode.PQRow(
             index.codes, books, torch.from_numpy(index.token_cluster),
             torch.from_numpy(index.token_offset), starts, head_rows, mult, keys, values,
             index.sink_k, index.sink_v, win_k, win_v, 0, index.token_budget())
         # the layout generation after the wait above (a pending layout may have landed)
-        view = index.fused_view = (getattr(st, "layout_generation", None), row)
-    view[1].n_win = index.window_rows()[2]
+        view = index.fused_view = ((getattr(st, "layout_generation", None),
+                                    index.steady.generation), row)
+    view[1].win_first, view[1].n_win = index.ring_start, index.win_len
     return view[1]
 
 
@@ -343,7 +345,7 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     first = indexes[0]
     mark = PhaseClock(phases, query.device)
     b, h, d = len(indexes), first.num_kv_heads, first.head_dim
-    dev, dtype = first.codes.device, first.sink_k.dtype
+    dev, dtype = first.codes.device, first.steady.dtype
     if cpu_decode.fused_path(first.backend, dev) and query.dtype == dtype:
         # the CPU: one kernel call scores, chooses and attends, reading the chosen tokens
         # in place from the host pages (there the host tier is the memory attention runs
@@ -372,18 +374,19 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     chosen = [host[e - h * k:e].reshape(h, k) for e, k in zip(ends, view.budgets, strict=True)]
     clusters = [i.token_cluster[c] for i, c in zip(indexes, chosen, strict=True)]
     offsets = [i.token_offset[c] for i, c in zip(indexes, chosen, strict=True)]
-    steady = [((i.sink_k, i.sink_v), (i.win_k, i.win_v)) for i in indexes]
-    n_exact = torch.tensor([i.num_steady + k for i, k in zip(indexes, view.budgets, strict=True)]
+    n_steady = [i.num_steady for i in indexes]
+    n_exact = torch.tensor([n + k for n, k in zip(n_steady, view.budgets, strict=True)]
                            ).repeat_interleave(h)
     exec_k, exec_v = buffers.exec_buffer(b * h, max(int(n_exact.max()), 1), d, dtype, dev)
+    fill_steady_batch(indexes, exec_k, exec_v)
     stores = [i.store for i in indexes]
     group = shared_batch_group(stores)
     if group is not None:
-        group.gather_batch(stores, clusters, steady, exec_k, exec_v, offsets=offsets)
+        group.gather_batch(stores, clusters, n_steady, exec_k, exec_v, offsets=offsets)
     else:
         for j, st in enumerate(stores):
             rows = slice(j * h, (j + 1) * h)
-            st.gather_tokens_into(clusters[j], offsets[j], steady[j], exec_k[rows],
+            st.gather_tokens_into(clusters[j], offsets[j], n_steady[j], exec_k[rows],
                                   exec_v[rows])
     mark("lookup+gather")
     none = torch.zeros(b * h, 0, dtype=torch.int64, device=dev)

@@ -27,10 +27,11 @@ class BatchGroup(Protocol):
     batched path fills and joins all of them with one call each."""
 
     def gather_batch(self, stores: Sequence[ClusterStore], cluster_ids: Sequence[np.ndarray],
-                     steady: Sequence[SteadyParts], exec_k: torch.Tensor,
+                     n_steady: Sequence[int], exec_k: torch.Tensor,
                      exec_v: torch.Tensor) -> None:
         """:meth:`ClusterStore.gather_into` for every store, store j into rows
-        ``j * H .. (j + 1) * H`` of exec_k/exec_v ([B * H, T_cap, D])."""
+        ``j * H .. (j + 1) * H`` of exec_k/exec_v ([B * H, T_cap, D]), after its
+        ``n_steady[j]`` steady rows."""
         ...
 
     def join_batch(self, stores: Sequence[ClusterStore]) -> None:
@@ -77,10 +78,12 @@ class ClusterStore(Protocol):
         """
         ...
 
-    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+    def gather_into(self, cluster_ids: np.ndarray, n_steady: int,
                     dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
-        """:meth:`gather` into given buffers, with the cluster ids already on the host: the
-        batched path's fill of one request's slice of a layer's execution buffer.
+        """:meth:`gather` into given buffers, with the cluster ids already on the host and
+        the steady zone already in the buffers' first ``n_steady`` rows (the caller fills it,
+        for a whole batch at once): the batched path's fill of one request's slice of a
+        layer's execution buffer.
 
         cluster_ids: [H, R] int64 numpy (no repeats per head); dst_k, dst_v: [H, T_cap, D]
         contiguous, T_cap at least the steady zone plus each head's retrieved tokens. Rows
@@ -163,10 +166,9 @@ class DenseClusterStore:
         values = torch.cat([sv for _, sv in steady] + [v.to(self.values.dtype)], dim=1)
         return keys, values, pos, lengths + n_steady
 
-    def gather_into(self, cluster_ids: np.ndarray, steady: SteadyParts,
+    def gather_into(self, cluster_ids: np.ndarray, n_steady: int,
                     dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
         """See :meth:`ClusterStore.gather_into`."""
-        n_steady = fill_steady(steady, dst_k, dst_v)
         token_idx, _ = cluster_token_index(self._offsets_host, torch.from_numpy(cluster_ids))
         t = token_idx.shape[1]
         if t:
@@ -175,12 +177,12 @@ class DenseClusterStore:
             dst_v[:, n_steady:n_steady + t] = take_rows(self.values, safe)
 
     def gather_tokens_into(self, cluster_ids: np.ndarray, offsets: np.ndarray,
-                           steady: SteadyParts, dst_k: torch.Tensor, dst_v: torch.Tensor
+                           n_steady: int, dst_k: torch.Tensor, dst_v: torch.Tensor
                            ) -> None:
-        """The steady zone, then single tokens: token i of head h is token
-        ``offsets[h, i]`` of cluster ``cluster_ids[h, i]`` ([H, k] int64 numpy; clusters
-        stored in token order, as position blocks are). dst_k, dst_v: [H, T_cap, D]."""
-        n_steady = fill_steady(steady, dst_k, dst_v)
+        """Single tokens after the steady zone (the first ``n_steady`` rows, already
+        there): token i of head h is token ``offsets[h, i]`` of cluster
+        ``cluster_ids[h, i]`` ([H, k] int64 numpy; clusters stored in token order, as
+        position blocks are). dst_k, dst_v: [H, T_cap, D]."""
         k = cluster_ids.shape[1]
         if k:
             starts = np.take_along_axis(self._offsets_host.numpy(), cluster_ids, axis=1)

@@ -10,6 +10,12 @@ Token layout of a context of ``n`` tokens::
                                    update_segment`` tokens, when its oldest
                                    ``update_segment`` tokens are clustered and appended.
 
+The steady zone's KV lives in a slot of a :class:`~vllm_retro.index.steady.SteadyPool`
+(sinks, and the window as a ring: a block leaving it moves nothing); a standalone index has
+a pool of its own, a served one shares its layer's (:meth:`WaveIndex.adopt_steady`), so
+that one step's new tokens of every request are one write
+(:func:`~vllm_retro.index.batched.append_batch`).
+
 A context shorter than ``config.min_indexed_context`` gets no clusters: every token is in
 the steady zone and decode attention is exact (dense) until it grows long enough.
 """
@@ -28,7 +34,8 @@ from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, cluster_block_steps, run_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
-from vllm_retro.index.store import ClusterStore, DenseClusterStore
+from vllm_retro.index.steady import SteadyPool, ring_size
+from vllm_retro.index.store import ClusterStore, DenseClusterStore, SteadyParts
 
 
 @dataclass(frozen=True)
@@ -121,20 +128,25 @@ class WaveIndex:
         self.backend = config.kernel_backend
         self.store: ClusterStore = store or DenseClusterStore(num_kv_heads, head_dim, dtype, device)
         self._new_meta(dtype, device)
-        empty = self.centroids
         self.residuals = ResidualModel(num_kv_heads, head_dim, device)
         self._centroids_f32: torch.Tensor | None = None
-        self.sink_k = self.sink_v = empty
-        # The local window lives in a preallocated buffer filled up to _win_len: a decoded
-        # token is one row write, not a re-concatenation of the window (see append).
-        self._win_buf_k = self._win_buf_v = empty
-        self._win_len = 0
+        self.steady = SteadyPool(num_kv_heads, head_dim, config.sink_tokens,
+                                 ring_size(config.local_window, config.update_segment),
+                                 dtype, device)
+        """The pool holding this index's steady zone (its own until :meth:`adopt_steady`)."""
+        self.slot = 0
+        """This index's slot in :attr:`steady`."""
+        self._own_steady = True
+        self.num_sinks = 0
+        """Sink tokens (``min(sink_tokens, context)``)."""
         self.window_start = 0
         self.num_tokens = 0
         self.num_updates = 0
         self._pending: Generator[None, None, Clusters] | None = None
         """The update block being clustered a few rounds per step (its tokens are the
         window's first ``update_segment``), or None."""
+        self._pending_block: tuple[torch.Tensor, torch.Tensor] | None = None
+        """A copy of the pending block's keys and values ([H, update_segment, D] each)."""
         self._landing: Clusters | None = None
         """An update block clustered and handed to the store, whose clusters join the meta
         index (and whose tokens leave the window) once the store has taken it in."""
@@ -144,10 +156,10 @@ class WaveIndex:
         """Counts changes of the meta index (a block joining it, :meth:`free`): a batch view
         read at one generation stays valid until the next."""
         self.fused_view: Any = None
-        """The fused CPU kernel's packed view of this index and the store's layout generation
-        it was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps;
-        reset to None whenever the meta index (with it the store's layout) or the window
-        buffer is replaced."""
+        """The fused CPU kernel's packed view of this index and the layout generations it
+        was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps; reset
+        to None whenever the meta index (with it the store's layout) changes or the steady
+        zone moves to another pool."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -161,7 +173,8 @@ class WaveIndex:
         h, n, d = keys.shape
         index = cls(config, h, d, keys.dtype, keys.device, store, **options)
         sink = min(config.sink_tokens, n)
-        index.sink_k, index.sink_v = keys[:, :sink].clone(), values[:, :sink].clone()
+        index.num_sinks = sink
+        index.steady.write_sinks(index.slot, keys[:, :sink], values[:, :sink])
         index.num_tokens = n
         index.window_start = sink
         middle_end = n - config.local_window
@@ -170,36 +183,69 @@ class WaveIndex:
             index.store.stage(mk, mv)
             index._add_block(mk, mv, sink, index._cluster(mk, mv, update=False))
             index.window_start = middle_end
-        index._set_window(keys[:, index.window_start:], values[:, index.window_start:])
+        # the window: at most local_window + update_segment - 1 tokens here, within the ring
+        ws = index.window_start
+        index.steady.write_rows(index.slot, sink, ws, keys[:, ws:], values[:, ws:])
         return index
 
-    def _set_window(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``keys``/``values`` [H, n, D] into a fresh window buffer with room for the
-        window to grow to its update threshold."""
-        h, n, d = keys.shape
-        # room for a due block to stay while it is clustered, plus the tokens after it
-        cap = max(n, self.config.local_window + 2 * self.config.update_segment)
-        self._win_buf_k = keys.new_empty(h, cap, d)
-        self._win_buf_v = values.new_empty(h, cap, d)
-        self._win_buf_k[:, :n] = keys
-        self._win_buf_v[:, :n] = values
-        self._win_len = n
-        self.fused_view = None
+    # ------------------------------------------------------------------ steady zone
+    @property
+    def win_len(self) -> int:
+        """Tokens in the local window."""
+        return self.num_tokens - self.window_start
 
-    def window_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(keys, values, n): the window's preallocated buffers [H, capacity, D], whose first
-        ``n`` rows are the local window (:attr:`win_k`, :attr:`win_v`)."""
-        return self._win_buf_k, self._win_buf_v, self._win_len
+    @property
+    def ring_start(self) -> int:
+        """Ring row (of :meth:`SteadyPool.ring_view`) of the window's first token."""
+        return (self.window_start - self.num_sinks) % self.steady.ring
+
+    @property
+    def sink_k(self) -> torch.Tensor:
+        """[H, sinks, D] keys of the sinks (a strided view of the steady pool)."""
+        return self.steady.sink_view(self.slot, self.num_sinks)[0]
+
+    @property
+    def sink_v(self) -> torch.Tensor:
+        """[H, sinks, D] values of the sinks (a strided view of the steady pool)."""
+        return self.steady.sink_view(self.slot, self.num_sinks)[1]
+
+    def window_parts(self) -> SteadyParts:
+        """The local window in order: one or two (keys, values) [H, n_i, D] views of the
+        ring (two when it wraps)."""
+        return self.steady.window_parts(self.slot, self.ring_start, self.win_len)
+
+    def steady_parts(self) -> SteadyParts:
+        """The steady zone in attention order: the sinks, then the window's pieces."""
+        return [self.steady.sink_view(self.slot, self.num_sinks), *self.window_parts()]
 
     @property
     def win_k(self) -> torch.Tensor:
-        """[H, n, D] keys of the local window (a view of the window buffer)."""
-        return self._win_buf_k[:, :self._win_len]
+        """[H, n, D] keys of the local window (a copy: the ring may wrap)."""
+        return torch.cat([k for k, _ in self.window_parts()], dim=1)
 
     @property
     def win_v(self) -> torch.Tensor:
-        """[H, n, D] values of the local window (a view of the window buffer)."""
-        return self._win_buf_v[:, :self._win_len]
+        """[H, n, D] values of the local window (a copy: the ring may wrap)."""
+        return torch.cat([v for _, v in self.window_parts()], dim=1)
+
+    def window_ring(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(keys, values, start, n): the window's ring [H, ring, D] (strided views of the
+        steady pool), whose rows ``(start + i) % ring`` for ``i < n`` are the window."""
+        rk, rv = self.steady.ring_view(self.slot)
+        return rk, rv, self.ring_start, self.win_len
+
+    def adopt_steady(self, pool: SteadyPool, slot: int) -> None:
+        """Move the steady zone into ``slot`` of ``pool`` (a layer's shared pool, holding
+        that slot; same shape), releasing the index's own pool."""
+        if not pool.fits(self.num_kv_heads, self.head_dim, self.steady.dtype,
+                         self.steady.device, self.steady.sink_cap, self.steady.ring):
+            raise ValueError("adopt_steady: the pool's layout differs from this index's")
+        pool.copy_slot(self.steady, self.slot, slot, self.num_sinks, self.ring_start,
+                       self.win_len)
+        if self._own_steady:
+            self.steady.release()
+        self.steady, self.slot, self._own_steady = pool, slot, False
+        self.fused_view = None
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         """Cluster a block: the prefill's middle (segmented) or one decode update block."""
@@ -256,25 +302,41 @@ class WaveIndex:
         (all at once when 0) while they stay in the window, attended exactly, and appended
         to the index when done. Returns True when a block was appended by this call.
         """
-        cfg = self.config
         n = key.shape[1]
-        if self._win_len + n > self._win_buf_k.shape[1]:  # more than one block at once: grow
-            self._set_window(torch.cat([self.win_k, key.to(self.win_k.dtype)], dim=1),
-                             torch.cat([self.win_v, value.to(self.win_v.dtype)], dim=1))
-        else:
-            self._win_buf_k[:, self._win_len:self._win_len + n] = key
-            self._win_buf_v[:, self._win_len:self._win_len + n] = value
-            self._win_len += n
+        landed = False
+        done = 0
+        while done < n:  # in pieces that fit the ring (a catch-up may bring many tokens)
+            c = min(n - done, self.steady.ring - self.win_len)
+            assert c > 0, "the window fills the ring"
+            self.steady.write_rows(self.slot, self.num_sinks, self.num_tokens,
+                                   key[:, done:done + c], value[:, done:done + c])
+            landed |= self.appended(c)
+            done += c
+        return landed
+
+    def next_ring_row(self) -> int:
+        """Row of :attr:`steady` (in :attr:`slot`) the next appended token goes to."""
+        return self.steady.ring_row(self.num_sinks, self.num_tokens)
+
+    def appended(self, n: int) -> bool:
+        """Account for ``n`` tokens just written into the ring at positions
+        ``num_tokens ..`` (by :meth:`append`, or for a whole batch at once by
+        :func:`~vllm_retro.index.batched.append_batch`); runs the update-block work (see
+        :meth:`append`) and returns True when a block landed. Leaves the window at most
+        ``local_window + 2 * update_segment - 1`` tokens long, so the next token fits."""
+        cfg = self.config
         self.num_tokens += n
         seg = cfg.update_segment
         landed = self._advance_update(cfg.update_rounds_per_step)
-        while self._win_len >= cfg.local_window + seg:
+        while self.win_len >= cfg.local_window + seg:
             # decoding (fewer new tokens than a block) with room for the block to wait:
             # deferred; else (a block or more at once, rounds per step 0) clustered now
             room = (cfg.update_rounds_per_step > 0 and n < seg
-                    and self._win_len < cfg.local_window + 2 * seg)
+                    and self.win_len < cfg.local_window + 2 * seg)
             if self._pending is None and self._landing is None:
-                self._pending = self._update_steps(self.win_k[:, :seg], self.win_v[:, :seg])
+                block = self._window_head(seg)
+                self._pending_block = block
+                self._pending = self._update_steps(*block)
                 if room:
                     landed |= self._advance_update(cfg.update_rounds_per_step)
                     break
@@ -282,6 +344,13 @@ class WaveIndex:
                 break
             landed |= self._advance_update(None)
         return landed
+
+    def _window_head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies ([H, n, D] keys and values) of the window's oldest ``n`` tokens."""
+        parts = self.steady.window_parts(self.slot, self.ring_start, n)
+        if len(parts) == 1:
+            return parts[0][0].clone(), parts[0][1].clone()
+        return (torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1))
 
     def _update_steps(self, keys: torch.Tensor, values: torch.Tensor
                       ) -> Generator[None, None, Clusters]:
@@ -320,8 +389,9 @@ class WaveIndex:
             return False
         self._pending = None
         seg = self.config.update_segment
-        # copied out: the store keeps the block while the window buffer's rows move
-        bk, bv = self.win_k[:, :seg].clone(), self.win_v[:, :seg].clone()
+        assert self._pending_block is not None
+        bk, bv = self._pending_block  # copies: the store keeps them
+        self._pending_block = None
         self.store.stage(bk, bv)
         if type(self)._add_block is not WaveIndex._add_block:  # baselines: in one go
             self._add_block(bk, bv, self.window_start, done)
@@ -338,13 +408,9 @@ class WaveIndex:
         return self._drop_block()
 
     def _drop_block(self) -> bool:
-        """Remove the landed block's tokens from the front of the window."""
-        seg = self.config.update_segment
-        rest = self._win_len - seg
-        self._win_buf_k[:, :rest] = self._win_buf_k[:, seg:self._win_len].clone()
-        self._win_buf_v[:, :rest] = self._win_buf_v[:, seg:self._win_len].clone()
-        self._win_len = rest
-        self.window_start += seg
+        """Remove the landed block's tokens from the front of the window (the ring's rows
+        stay; the window starts later)."""
+        self.window_start += self.config.update_segment
         self.num_updates += 1
         return True
 
@@ -357,7 +423,7 @@ class WaveIndex:
     @property
     def num_steady(self) -> int:
         """Tokens in the steady zone (sinks + local window)."""
-        return int(self.sink_k.shape[1] + self.win_k.shape[1])
+        return self.num_sinks + self.win_len
 
     @property
     def is_dense(self) -> bool:
@@ -378,18 +444,17 @@ class WaveIndex:
     def free(self) -> None:
         """Release the store's KV and the meta index (the index is unusable afterwards)."""
         self.store.free()
-        self._pending = self._landing = self.fused_view = None
+        self._pending = self._landing = self.fused_view = self._pending_block = None
         self.meta_generation += 1
         self._new_meta(self.centroids.dtype, self.centroids.device)  # buffers released
-        empty = self.centroids
-        self.sink_k = self.sink_v = self._win_buf_k = self._win_buf_v = empty
-        self._win_len = 0
+        if self._own_steady:
+            self.steady.release()
+        self.num_sinks = self.num_tokens = self.window_start = 0
         self.residuals = ResidualModel(self.num_kv_heads, self.head_dim, self.sizes.device)
 
     def steady_nbytes(self) -> int:
-        """Bytes held for the steady zone: the sinks and the whole window buffer."""
-        return sum(t.numel() * t.element_size()
-                   for t in (self.sink_k, self.sink_v, self._win_buf_k, self._win_buf_v))
+        """Bytes of the steady zone's own pool (0 in a shared pool: its owner counts it)."""
+        return self.steady.nbytes() if self._own_steady else 0
 
     def meta_nbytes(self) -> int:
         """Bytes held for the meta index (centroids, value sums, sizes, the tilted
@@ -431,8 +496,8 @@ class WaveIndex:
         mark = PhaseClock(phases, query.device)
         sel = selection or self.select(query, scale)
         mark("select")
-        k_exact, v_exact, rpos, n_exact = self.store.gather(
-            sel.retrieval_ids, [(self.sink_k, self.sink_v), (self.win_k, self.win_v)])
+        k_exact, v_exact, rpos, n_exact = self.store.gather(sel.retrieval_ids,
+                                                            self.steady_parts())
         mark("gather")
         n_est = torch.full((h,), sel.estimation_ids.shape[1], dtype=torch.int64,
                            device=query.device)
@@ -452,7 +517,7 @@ class WaveIndex:
         positions = None
         if return_positions:
             steady_pos = torch.cat([
-                torch.arange(self.sink_k.shape[1], device=query.device),
+                torch.arange(self.num_sinks, device=query.device),
                 torch.arange(self.window_start, self.num_tokens, device=query.device),
             ])
             positions = torch.cat([steady_pos[None, :].expand(h, -1), rpos], dim=1)

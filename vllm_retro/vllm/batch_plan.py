@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,10 @@ class BatchPlan:
     dense_rows: list[int] = field(default_factory=list)
     builds: list[IndexBuild] = field(default_factory=list)
     decodes: list[RetroDecode] = field(default_factory=list)
+    append_rows: dict[int, Any] = field(default_factory=dict)
+    """Per decode token position k, where the first layer's forward wrote the step's new
+    K/V in its steady pool (:func:`vllm_retro.index.batched.append_batch`): the same slots
+    and rows in every layer, so later layers reuse the index tensors."""
 
 
 def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,

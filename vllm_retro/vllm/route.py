@@ -30,11 +30,11 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
-from vllm_retro.index.batched import decode_batch
+from vllm_retro.index.batched import append_batch, decode_batch
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
-from vllm_retro.vllm.runtime import get_runtime
+from vllm_retro.vllm.runtime import RetroRuntime, get_runtime
 from vllm_retro.vllm.settings import RetroSetupError, retro_config
 
 
@@ -48,6 +48,9 @@ class RetroMetadata:
     """The wrapped backend's metadata for the dense rows (None when there are none)."""
     dense_tokens: torch.Tensor | None
     """Batch token indices of the dense rows; None when they are the whole batch."""
+    runtime: RetroRuntime
+    """The worker's retro state the step's rows are decoded with (handed to ``forward``
+    here rather than looked up there)."""
 
 
 def _restrict(cm: CommonAttentionMetadata, rows: list[int]) -> tuple[CommonAttentionMetadata,
@@ -117,7 +120,7 @@ class RouteBuilderMixin:
             dense = super().build(0, sub, fast_build)
         else:
             dense, tokens = None, None
-        return RetroMetadata(cm.num_actual_tokens, plan, dense, tokens)
+        return RetroMetadata(cm.num_actual_tokens, plan, dense, tokens, rt)
 
 
 class RouteImplMixin:
@@ -180,7 +183,7 @@ class RouteImplMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         md = attn_metadata
-        rt = get_runtime()
+        rt = md.runtime
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if md.dense is not None:
             if md.dense_tokens is None:
@@ -200,18 +203,19 @@ class RouteImplMixin:
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
             rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0)
         if md.plan.decodes:
-            self._decode_indexed(rt, layer, kv_cache, md.plan.decodes, query, key, value, out)
+            self._decode_indexed(rt, layer, kv_cache, md.plan, query, key, value, out)
         else:
             self.meta_views.clear()  # no indexed rows left: release the view's copy
         return output
 
-    def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, decodes: list,
+    def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, plan: BatchPlan,
                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         out: torch.Tensor) -> None:
         """Append each indexed row's new K/V and decode its queries through the wave index:
-        all rows of the layer in one :func:`decode_batch` call per token position (one
-        call in all without speculative tokens)."""
+        all rows of the layer in one :func:`append_batch` and one :func:`decode_batch` call
+        per token position (one each without speculative tokens)."""
         name = layer.layer_name
+        decodes = plan.decodes
         for d in decodes:
             c = d.catch_up
             if c is not None and rt.find_index(d.request_id, name) is None:
@@ -233,20 +237,24 @@ class RouteImplMixin:
         for k in range(max(d.count for d in decodes)):
             live = [(d.first + k, index) for d, index in zip(decodes, indexes, strict=True)
                     if d.count > k]
-            for t, index in live:
-                if index.append(key[t].unsqueeze(1), value[t].unsqueeze(1)):
-                    rt.counters.index_updates += 1
+            rows = [i for _, i in live]
             tokens = [t for t, _ in live]
             first = tokens[0]
             if tokens == list(range(first, first + len(tokens))):  # decodes come first: a slice
-                decode_batch([i for _, i in live], query[first:first + len(tokens)],
-                             self.scale, out=out[first:first + len(tokens)],
+                part = slice(first, first + len(tokens))
+                landed, plan.append_rows[k] = append_batch(rows, key[part], value[part],
+                                                           plan.append_rows.get(k))
+                decode_batch(rows, query[part], self.scale, out=out[part],
                              cache=self.meta_views)
             else:
                 idx = torch.tensor(tokens, device=query.device)
-                res = decode_batch([i for _, i in live], query.index_select(0, idx), self.scale,
+                landed, plan.append_rows[k] = append_batch(
+                    rows, key.index_select(0, idx), value.index_select(0, idx),
+                    plan.append_rows.get(k))
+                res = decode_batch(rows, query.index_select(0, idx), self.scale,
                                    cache=self.meta_views)
                 out.index_copy_(0, idx, res.to(out.dtype))
+            rt.counters.index_updates += landed
             rt.counters.retro_decode_tokens += len(live)
 
 

@@ -1,5 +1,6 @@
 """Per-worker-process retro state: the wave buffer manager, each request's per-layer wave
-indexes, the index builder, the current step's plan, and counters.
+indexes, each layer's steady-zone pool and the requests' slots in them, the index builder,
+the current step's plan, and counters.
 
 One instance per process (:func:`get_runtime`). The engine runs one step at a time per
 worker, so the step plan is plain state; the registry itself is lock-protected because
@@ -18,6 +19,7 @@ from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import fused_path
 from vllm_retro.index.pq_index import PQIndex
+from vllm_retro.index.steady import SlotTable, SteadyPool
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
@@ -78,6 +80,10 @@ class RetroRuntime:
         self._builder: IndexBuilder | None = None
         self._device_type = "cpu"
         self._indexes: dict[str, dict[str, WaveIndex]] = {}
+        self._steady: dict[str, SteadyPool] = {}
+        """Each layer's steady-zone pool, where its registered indexes keep sinks and window."""
+        self._slots = SlotTable()
+        """Each live request's slot, the same in every layer's steady pool."""
         self._lock = threading.Lock()
         self.step: RetroStepMetadata | None = None
         self._slot_to_req: dict[int, tuple[str, RowStep]] = {}
@@ -178,6 +184,16 @@ class RetroRuntime:
         return index
 
     def _register(self, request_id: str, layer: str, index: WaveIndex) -> None:
+        # the engine's thread: the layer's shared pool changes only between forwards
+        pool = self._steady.get(layer)
+        if pool is None:
+            own = index.steady
+            pool = self._steady[layer] = SteadyPool(
+                own.num_heads, own.head_dim, own.sink_cap, own.ring, own.dtype, own.device,
+                slots=0, zeroed=True)
+        slot = self._slots.get(request_id)
+        pool.ensure(slot + 1)
+        index.adopt_steady(pool, slot)
         with self._lock:
             per_layer = self._indexes.setdefault(request_id, {})
             if not per_layer:
@@ -237,6 +253,10 @@ class RetroRuntime:
             torch.cuda.current_stream().synchronize()
         for index in (per_layer or {}).values():
             index.free()
+        self._slots.release(request_id)
+        if not len(self._slots):  # no request left: the pools' memory goes back
+            for pool in self._steady.values():
+                pool.release()
         if self._manager is not None:
             self._manager.free_request(request_id)
         if per_layer is not None:
@@ -249,17 +269,20 @@ class RetroRuntime:
             return list(self._indexes)
 
     def live_bytes(self) -> tuple[int, int]:
-        """(host bytes, device bytes) held by live requests: the wave buffer's tiers plus
-        each index's meta data and steady zone."""
+        """(host bytes, device bytes) held by live requests: the wave buffer's tiers, the
+        layers' steady-zone pools, and each index's meta data (and steady zone, if not in a
+        pool)."""
         with self._lock:
             indexes = [i for d in self._indexes.values() for i in d.values()]
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
-        for idx in indexes:
-            extra = idx.meta_nbytes() + idx.steady_nbytes()
-            if idx.centroids.is_cuda:
-                device += extra
+        held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
+                for idx in indexes]
+        held += [(pool.nbytes(), pool.device.type == "cuda") for pool in self._steady.values()]
+        for nbytes, on_device in held:
+            if on_device:
+                device += nbytes
             else:
-                host += extra
+                host += nbytes
         return host, device
 
     def take_stats(self, rank: int) -> RetroConnectorStats | None:
@@ -293,12 +316,15 @@ class RetroRuntime:
 
     def close(self) -> None:
         """Free every request, stop the index builder, free the buffer manager (execution
-        buffers, worker thread)."""
+        buffers, worker thread) and drop the steady-zone pools (the next engine's layers
+        may differ)."""
         if self._builder is not None:
             self._builder.close()
             self._builder = None
         for rid in self.live_requests():
             self.free_request(rid)
+        self._steady = {}
+        self._slots = SlotTable()
         if self._manager is not None:
             self._manager.close()
             self._manager = None
