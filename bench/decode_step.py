@@ -44,8 +44,11 @@ from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.batched import decode_batch, fused_supported, packed_row  # noqa: E402
+from vllm_retro.index.graph_index import GraphIndex  # noqa: E402
 from vllm_retro.index.padded import MetaViewCache, decode_padded  # noqa: E402
 from vllm_retro.index.pq_index import PQIndex  # noqa: E402
+from vllm_retro.index.saap import SaapIndex, saap_selection  # noqa: E402
+from vllm_retro.index.saap_model import ModelIdentity, random_saap_model  # noqa: E402
 from vllm_retro.kernels import cpu_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -246,6 +249,43 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
                                             store=st))
             st.settle()
         pq_build_s = (time.perf_counter() - t1) / batch
+    graph_cfg = cfg.replace(index="graph")
+    graph_mgr = WaveBufferManager(graph_cfg)
+    graph_indexes, graph_build_s = [], 0.0
+    if "graph" in args.policies:  # trained on a last prefill chunk's queries (1024 tokens)
+        g = torch.Generator().manual_seed(n + 11)
+        kv = torch.arange(HQ) // (HQ // HKV)
+        t1 = time.perf_counter()
+        for b in range(batch):
+            pick = torch.randint(0, centers.shape[1], (HQ, 1024), generator=g)
+            train = centers[kv[:, None], pick] + 0.3 * torch.randn(HQ, 1024, D, generator=g)
+            st = graph_mgr.store(f"req{b}", HKV, D, dtype, device, layer="L0")
+            graph_indexes.append(GraphIndex.build(keys[b].to(device), values[b].to(device),
+                                                  graph_cfg, store=st,
+                                                  queries=train.to(device, dtype)))
+            st.settle()
+        graph_build_s = (time.perf_counter() - t1) / batch
+    graph_t: list[float] = []
+    saap_indexes, saap_build_s, saap_mgr = [], 0.0, WaveBufferManager(cfg)
+    if "saap" in args.policies:
+        # the routing's cost, not its quality: 256 buckets centred on key directions of the
+        # synthetic keys (balanced buckets), a random classifier of the default width, a
+        # RoPE base so large that de-RoPE is nearly the identity (the keys carry no RoPE)
+        ident = ModelIdentity("llama", 1, HQ, HKV, D, 1e30, "bench")
+        model = random_saap_model(ident, 256, 256, torch.Generator().manual_seed(n))
+        pick = torch.randperm(centers.shape[1], generator=torch.Generator().manual_seed(n))
+        model.tensors["centroids"] = torch.nn.functional.normalize(
+            centers[:, pick[:256]], dim=-1)[None].contiguous()
+        model.tensors["key_mean"].zero_()
+        t1 = time.perf_counter()
+        for b in range(batch):
+            st = saap_mgr.store(f"req{b}", HKV, D, dtype, device, layer="L0")
+            saap_indexes.append(SaapIndex.build(keys[b].to(device), values[b].to(device), cfg,
+                                                store=st, model=model, layer=0))
+            st.settle()
+        saap_build_s = (time.perf_counter() - t1) / batch
+    saap_t: list[float] = []
+    saap_views = MetaViewCache()
     pq_views = MetaViewCache()
     pq_t: list[float] = []
     del keys, values
@@ -269,6 +309,18 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             sync(device)
             if step >= args.warmup:
                 pq_t.append(time.perf_counter() - c)
+        if saap_indexes:  # SAAP's serving path: one classifier pass, the fused kernel
+            c0 = time.perf_counter()
+            decode_batch(saap_indexes, qb, SCALE, cache=saap_views)
+            sync(device)
+            if step >= args.warmup:
+                saap_t.append(time.perf_counter() - c0)
+        if graph_indexes:  # the graph index's serving path (row by row) on the same queries
+            c0 = time.perf_counter()
+            decode_batch(graph_indexes, qb, SCALE)
+            sync(device)
+            if step >= args.warmup:
+                graph_t.append(time.perf_counter() - c0)
         c1 = time.perf_counter()
         if fused_ok:  # the padded batched path (CUDA's) on this CPU, for comparison
             decode_padded(indexes, qb, SCALE, torch.empty_like(qb), views)
@@ -317,6 +369,15 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     snap = mgr.stats.snapshot()
     mgr.close()
     pq_mgr.close()
+    graph_mgr.close()
+    saap_tokens = 0.0
+    if saap_indexes:  # exact tokens per (request, KV head) at the last query
+        ids, counts = saap_selection(saap_indexes, walk.step().to(device, dtype))
+        saap_tokens = statistics.mean(
+            float(torch.gather(i.sizes, 1, ids[j, :, :c]).sum(1).float().mean())
+            for j, (i, c) in enumerate(zip(saap_indexes, counts, strict=True)))
+    saap_views.clear()
+    saap_mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
     row = {
         "context": n, "batch": batch, "full_kernel": full_name,
@@ -349,6 +410,20 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
                                   for k, v in pq_phases.items()},
         }
+    if saap_t:
+        saap_ms = statistics.median(saap_t) * 1e3
+        row["saap"] = {"ms": saap_ms, "speedup": full_ms / saap_ms,
+                       "index_build_s_per_request": saap_build_s,
+                       "tokens_per_kv_head": saap_tokens,
+                       "path": "one classifier pass per layer, then the fused kernel with the "
+                               "chosen buckets given"}
+    if graph_t:
+        graph_ms = statistics.median(graph_t) * 1e3
+        row["graph"] = {"ms": graph_ms, "speedup": full_ms / graph_ms,
+                        "index_build_s_per_request": graph_build_s,
+                        "top_k_per_query_head": statistics.mean(
+                            i.token_budget() for i in graph_indexes),
+                        "path": "per request: C++ graph search, torch attention"}
     bw = args.read_bw
     row["full_lower_bound_ms"] = full_bytes / bw * 1e3
     row["retro_lower_bound_ms"] = row["retro_bytes_per_step"] / bw * 1e3
@@ -376,6 +451,15 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
               f"(build {pq['index_build_s_per_request']:.1f} s/request)", flush=True)
         print("    pqcache phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in pq["phase_ms_per_step"].items()), flush=True)
+    if "saap" in row:
+        si = row["saap"]
+        print(f"    saap {si['ms']:8.2f} ms  speedup {si['speedup']:5.2f}x  (build "
+              f"{si['index_build_s_per_request']:.1f} s/request, "
+              f"{si['tokens_per_kv_head']:.0f} tokens/KV head)", flush=True)
+    if "graph" in row:
+        gi = row["graph"]
+        print(f"    graph {gi['ms']:8.2f} ms  speedup {gi['speedup']:5.2f}x  (build "
+              f"{gi['index_build_s_per_request']:.1f} s/request)", flush=True)
     if row["fused_phase_ms_per_step"]:
         print("    fused phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["fused_phase_ms_per_step"].items()), flush=True)
@@ -394,9 +478,12 @@ def main() -> None:
     ap.add_argument("--kmeans-iters", type=int, default=2,
                     help="k-means iterations at index build (build time is not what is timed)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--policies", nargs="+", default=["wave"], choices=["wave", "pqcache"],
+    ap.add_argument("--policies", nargs="+", default=["wave"],
+                    choices=["wave", "pqcache", "saap", "graph"],
                     help="indexes timed in the same run (the wave index always is; "
-                         "'pqcache' adds PQCache's serving path and build, and a host copy)")
+                         "'pqcache' adds PQCache's serving path and build, and a host copy; "
+                         "'saap' SAAP (a random router of the default size: its cost), "
+                         "'graph' RetrievalAttention's graph index, the same)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -415,7 +502,8 @@ def main() -> None:
     print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     for n in args.contexts:
         for b in args.batches:
-            ok, why = fits(n, b, device, 2.5 + ("pqcache" in args.policies))
+            ok, why = fits(n, b, device, 2.5 + ("pqcache" in args.policies)
+                           + ("graph" in args.policies) + ("saap" in args.policies))
             if not ok:
                 print(f"ctx {n:>6} batch {b}: skipped ({why})", flush=True)
                 result["skipped"].append({"context": n, "batch": b, "reason": why})

@@ -6,8 +6,10 @@ each policy's index and decodes the last 64 queries in order (``--queries`` fewe
 at the same exact-token budget (the same steady zone plus, per decode step, as many indexed
 tokens as the wave index's retrieval zone read; see :mod:`vllm_retro.index.baselines`): the
 wave index (default budgets), the same retrieval without the estimation zone, Quest-style
-pages, PQCache (2 sub-spaces x 6 bits), StreamingLLM (sinks + widened window) and the exact
-top-k oracle. Writes ``bench/results/index_accuracy.json`` and ``.png`` and prints the table.
+pages, PQCache (2 sub-spaces x 6 bits), StreamingLLM (sinks + widened window), the exact
+top-k oracle and RetrievalAttention's graph index (trained on the captured prefill queries
+before the decoded ones: 192 of them at 64 decode steps, as a last prefill chunk). Writes
+``bench/results/index_accuracy.json`` and ``.png`` and prints the table.
 
     .venv/bin/python bench/index_accuracy.py
 """
@@ -32,14 +34,23 @@ from vllm_retro.index.compare import compare_all  # noqa: E402
 PQ = {"subspaces": 2, "bits": 6}
 
 
-def run(config: RetroConfig, n_queries: int = 64) -> dict:
-    """Per-layer summaries of every policy on the Qwen capture (last ``n_queries`` queries)."""
+def run(config: RetroConfig, n_queries: int = 64, saap_file: str | None = None) -> dict:
+    """Per-layer summaries of every policy on the Qwen capture (last ``n_queries`` queries);
+    SAAP too when ``saap_file`` (trained for the Qwen model) is given."""
     cap = build_qwen_capture()
+    saap = None
+    if saap_file is not None:
+        from vllm_retro.index.saap_model import load_saap
+        from vllm_retro.models import ensure_qwen_coder
+
+        saap = load_saap(saap_file, json.loads((ensure_qwen_coder() / "config.json").read_text()))
     layers = {}
     for layer, d in cap["layers"].items():
         t0 = time.perf_counter()
         q, pos = d["q"][:, -n_queries:], d["positions"][-n_queries:]
-        res = compare_all(q, d["k"], d["v"], pos, cap["scale"], config, pq_options=PQ)
+        res = compare_all(q, d["k"], d["v"], pos, cap["scale"], config, pq_options=PQ,
+                          graph_queries=d["q"][:, :-n_queries], saap_model=saap,
+                          layer=int(layer))
         layers[int(layer)] = {name: acc.summary() for name, acc in res.items()}
         print(f"layer {layer:>2} ({time.perf_counter() - t0:.1f} s)")
         for name, s in layers[int(layer)].items():
@@ -53,6 +64,9 @@ def run(config: RetroConfig, n_queries: int = 64) -> dict:
                        "wave index's retrieval zone read (mean over KV heads); Quest rounds to "
                        "16-token pages; no estimation zone except 'wave'",
         "pqcache": PQ,
+        "saap_file": None if saap is None else {
+            "path": saap_file, "buckets": saap.num_buckets, "training": saap.training,
+            "held_out_quality": saap.quality},
         "config": config.to_dict(),
         "layers": layers,
     }
@@ -107,9 +121,11 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=64, help="decode steps per layer (<= 256)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (small tensors: 1 avoids contention)")
+    ap.add_argument("--saap-file", help="a SAAP file trained for Qwen2.5-Coder-0.5B "
+                    "(`vllm-retro calibrate --out FILE`): adds SAAP at the same budget")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = run(RetroConfig(), args.queries)
+    result = run(RetroConfig(), args.queries, args.saap_file)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "index_accuracy.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "index_accuracy.png")

@@ -2,7 +2,9 @@
 row of a layer in one call (a C++ extension, ``kernels/csrc/retro_cpu.cpp``).
 
 The same extension holds the CPU k-means assignment (``kernels/csrc/kmeans_cpu.cpp``,
-:func:`vllm_retro.kernels.kmeans.kmeans_assign_cpu`); this module builds and loads it.
+:func:`vllm_retro.kernels.kmeans.kmeans_assign_cpu`) and the graph index's build, insertion,
+search and decode (``kernels/csrc/graph_cpu.cpp``, :mod:`vllm_retro.kernels.graph_cpu`);
+this module builds and loads it.
 
 Per row (one request at one layer) the inputs are its own tensors, referenced in place: the
 meta index (centroids, value sums, sizes, the tilted estimator's spreads and deviates and
@@ -41,7 +43,7 @@ from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp")
+_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cpu.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
@@ -234,10 +236,14 @@ _NO_PHASES = torch.empty(0, dtype=torch.int64)
 def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
                   selection_width: int = 0, out: torch.Tensor | None = None,
                   windows: list[tuple[int, int]] | None = None,
-                  phases: dict[str, float] | None = None
+                  phases: dict[str, float] | None = None,
+                  given: list[torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_rows` on packed rows (:func:`pack_row`); ``windows``, when given, each
-    row's window this call as (first ring row, rows), overriding its packed ones. ``phases``, when
+    row's window this call as (first ring row, rows), overriding its packed ones. ``given``,
+    when given, each row's retrieval clusters ([H, n] int64, chosen by the caller, e.g. a
+    trained router): the kernel then attends the steady zone and those clusters exactly, with
+    no scoring and no estimation zone (the rows' meta index needs only sizes). ``phases``, when
     given, accumulates the kernel's wall seconds split by :data:`PHASES` in proportion to the
     threads' time in each (summed over rows and heads), under ``"kernel " + phase``."""
     mod = load()
@@ -270,7 +276,7 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
                                                              dtype=torch.int64)
     t0 = time.perf_counter()
     mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted,
-                    phase_ns)
+                    [] if given is None else given, phase_ns)
     if phases is not None:
         wall = time.perf_counter() - t0
         per = phase_ns.sum(0).double()
@@ -381,17 +387,23 @@ def pq_decode_ref(query: torch.Tensor, rows: list[PQRow], scale: float
     return torch.stack(outs), torch.stack(lses), chosen
 
 
-def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool
+def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, tilted: bool,
+                    given: list[torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Plain-torch reference of :func:`decode_rows`: (out, lse, per-row selections
-    [H, r + e])."""
+    """Plain-torch reference of :func:`decode_rows` (and of :func:`decode_packed` with
+    ``given`` selections: those clusters read exactly, no estimation): (out, lse, per-row
+    selections [H, r + e])."""
     outs, lses, sels = [], [], []
     for b, r in enumerate(rows):
-        h, c, d = r.centroids.shape
+        h, d = r.centroids.shape[0], query.shape[2]
+        c = r.centroids.shape[1]
         q = query[b].reshape(h, -1, d)
         k = min(r.n_retrieval + r.n_estimation, c)
         nr = min(r.n_retrieval, k)
-        if k:
+        if given is not None:
+            top = given[b]
+            k = nr = top.shape[1]
+        elif k:
             scores = cluster_scores_ref(q, r.centroids, r.sizes, scale)
             top = torch.topk(scores, k, dim=1, sorted=True).indices
         else:
@@ -440,10 +452,10 @@ def main() -> int:
     directory, _ = _build_dir()
     mod = load()
     if mod is None:
-        print(f"== fused CPU decode and k-means kernels: NOT built ({_error}); decoding "
-              "will use the slower per-row path, index builds the torch k-means")
+        print(f"== fused CPU decode, k-means and graph kernels: NOT built ({_error}); "
+              "decoding will use the slower per-row path, index builds the torch k-means")
         return 1
-    print(f"== fused CPU decode and k-means kernels: ready in {directory}")
+    print(f"== fused CPU decode, k-means and graph kernels: ready in {directory}")
     return 0
 
 

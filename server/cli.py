@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S, gpu_memory_utilization=None,
                        enforce_eager=None)
     add_retro_arguments(serve)
+    _add_calibrate(sub)
     # Handled by the supervisor (server/supervisor.py) before the server starts; listed here
     # for --help.
     logs = serve.add_argument_group("Start-up log")
@@ -297,6 +298,7 @@ def serve(args: argparse.Namespace) -> None:
         vars(args).pop(name, None)
     check_port(args.host, args.port)
     resolve_model(args)
+    check_saap_file(settings, args.model)
     notes = [size_kv_cache(args), choose_execution_mode(args)]
     cli_env_setup()
     configure_logging_from_args(args)
@@ -308,6 +310,33 @@ def serve(args: argparse.Namespace) -> None:
     ServeSubcommand.cmd(args)
 
 
+def _add_calibrate(sub: Any) -> None:
+    """The ``calibrate`` subcommand (listed in ``vllm-retro --help``; :func:`main` runs it
+    without importing vLLM)."""
+    from vllm_retro.saap.calibrate import add_arguments
+
+    cal = sub.add_parser(
+        "calibrate", help="train SAAP's routing for a model, once (for --retro-index saap)",
+        description="Train SAAP's key centroids and query classifiers for MODEL and write "
+                    "them to --out; serve with --retro-index saap --retro-saap-file FILE. "
+                    "Resumable: rerun the same command after an interruption.")
+    add_arguments(cal)
+
+
+def check_saap_file(settings: dict[str, Any], model: str) -> None:
+    """With ``--retro-index saap``, stop with one line unless the SAAP file was trained for
+    the local model directory ``model`` (its config.json)."""
+    if settings.get("index") != "saap" or not os.path.isdir(model):
+        return
+    from vllm_retro.config import ConfigError
+    from vllm_retro.index.saap_model import ModelIdentity, load_saap
+
+    try:
+        load_saap(settings["saap_file"], ModelIdentity.of_directory(model))
+    except ConfigError as exc:
+        raise SystemExit(f"vllm-retro: error: {exc}") from None
+
+
 def _wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help", "--version") or a.startswith("--help=") for a in argv)
 
@@ -316,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console script entry point ``vllm-retro``. ``serve`` runs under the start-up
     supervisor (:mod:`server.supervisor`) unless this process is the supervised server."""
     argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["calibrate"]:  # no vLLM needed: not imported
+        from vllm_retro.saap.calibrate import main as calibrate_main
+
+        sys.exit(calibrate_main(argv[1:]))
     if (argv[:1] == ["serve"] and os.environ.get(CHILD_ENV) != "1"
             and not _wants_help(argv)):
         sys.exit(supervise(argv))

@@ -58,6 +58,8 @@ def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = _CHOICES[f.name]
         elif kind is float:
             kwargs.update(type=float, metavar="FLOAT")
+        elif kind in (str, str | None):  # a path (saap_file)
+            kwargs.update(type=str, metavar="FILE")
         else:  # int or int | None
             kwargs.update(type=int, metavar="INT")
         group.add_argument(flag, **kwargs)

@@ -42,11 +42,23 @@ def test_wheel_has_only_the_vllm_retro_import_package(wheel: Path) -> None:
     for module in ("vllm_retro/kernels/tripartite_attention.py", "vllm_retro/server/cli.py",
                    "vllm_retro/vllm/connector.py",
                    "vllm_retro/kernels/csrc/retro_cpu.cpp",  # compiled on first use
-                   "vllm_retro/kernels/csrc/kmeans_cpu.cpp"):
+                   "vllm_retro/kernels/csrc/kmeans_cpu.cpp",
+                   "vllm_retro/kernels/csrc/graph_cpu.cpp",
+                   "vllm_retro/saap/calibrate.py"):
         assert module in names
     (ep,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(ep).decode()
     assert "vllm-retro = vllm_retro.server.cli:main" in text
+
+
+def test_every_package_of_the_checkout_is_packaged() -> None:
+    """Each package directory under ``vllm_retro/`` (one with an ``__init__.py``) is listed
+    in pyproject's packages, so a wheel install has every module a checkout has."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(meta["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "vllm_retro").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
 
 
 def test_installs_beside_huggingface_kernels(wheel: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 ESTIMATORS = ("tilted", "centroid")
 CACHE_POLICIES = ("lru", "lfu")
-INDEXES = ("wave", "pqcache")
+INDEXES = ("wave", "pqcache", "saap", "graph")
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,19 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
+def _check_saap_file(path: Any, index: str) -> None:
+    if path is None:
+        if index == "saap":
+            _fail("saap_file", path, "the path of a file written by `vllm-retro calibrate "
+                  "MODEL --out FILE` (required with index='saap')")
+        return
+    if not isinstance(path, str) or not path:
+        _fail("saap_file", path, "a file path (a non-empty string)")
+    if index == "saap" and not os.path.isfile(os.path.expanduser(path)):
+        _fail("saap_file", path, "an existing file written by `vllm-retro calibrate MODEL "
+              "--out FILE` (no such file)")
+
+
 @dataclass(frozen=True, slots=True)
 class RetroConfig:
     """Configuration of the wave index and the wave buffer.
@@ -56,8 +70,11 @@ class RetroConfig:
 
     index: str = "wave"
     """Which index chooses the tokens a decode step reads: 'wave' (RetroInfer: clusters,
-    retrieval and estimation zones) or 'pqcache' (PQCache: product-quantised keys, the top
-    tokens read exactly; see ``pq_*``). The steady zone, wave buffer and metrics are shared."""
+    retrieval and estimation zones), 'pqcache' (PQCache: product-quantised keys, the top
+    tokens read exactly; see ``pq_*``), 'saap' (SAAP: trained key buckets and query router,
+    see ``saap_*``) or 'graph' (RetrievalAttention: a query-aware graph over the keys
+    searched per decode query, see ``graph_*``). The steady zone, wave buffer and metrics
+    are shared."""
 
     # --- wave index: clustering -------------------------------------------------------------
     cluster_size: int = 16
@@ -116,6 +133,39 @@ class RetroConfig:
     pq_block_tokens: int = 128
     """PQCache: tokens per block of the device cache (consecutive positions; the paper's 128)."""
 
+    # --- saap index (index='saap'; SAAP, Mazare et al., 2025) --------------------------------
+    saap_file: str | None = None
+    """SAAP: the file `vllm-retro calibrate MODEL --out FILE` trained for the served model
+    (per layer and KV head: key centroids and the query classifier); required with
+    index='saap'."""
+    saap_probes: int = 16
+    """SAAP: buckets (l) each decode query visits, out of the file's C (256 by default) per
+    (layer, KV head): every indexed token of those buckets is read exactly; l = C reads every
+    token (full attention). Measured on Qwen2.5-0.5B (held-out text, 64-token window): l = 16
+    reads 11% of the indexed keys and holds 52% of the attention beyond the window; 8 (the
+    paper's l / C = 32 / 1024) 7% and 40%; 32, 19% and 66%."""
+
+    # --- graph index (index='graph'; RetrievalAttention, Liu et al.) --------------------------
+    graph_top_k: int = 100
+    """Graph: keys each query head retrieves per decode step by its graph search (the
+    paper's top-100); a KV head reads its query heads' union exactly, with the steady zone.
+    At least the indexed tokens: every token is read (full attention)."""
+    graph_search_ef: int = 128
+    """Graph: candidate pool of each decode search (at least graph_top_k is used); larger
+    finds more of the true top-k and scores more keys."""
+    graph_degree: int = 16
+    """Graph: out-edges per key from the query projection, and as many more from the
+    connectivity enhancement (RoarGraph's M; 2 x 16 int32 per key and KV head)."""
+    graph_knn: int = 100
+    """Graph: exact nearest keys of each training (prefill) query linked at build
+    (RoarGraph's N_q)."""
+    graph_train_queries: int = 4096
+    """Graph: at most this many prefill queries (of all query heads of a KV head's group,
+    evenly spaced) train each KV head's graph; the exact kNN costs this x context x
+    head_dim per KV head."""
+    graph_block_tokens: int = 128
+    """Graph: tokens per block of the device cache (consecutive positions)."""
+
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
     """Tokens per page of the host tier and of the device block cache."""
@@ -141,6 +191,14 @@ class RetroConfig:
         _check_int("pq_bits", self.pq_bits, 1, 8)
         _check_float("pq_token_ratio", self.pq_token_ratio, 0.0, 1.0, lo_open=True)
         _check_int("pq_block_tokens", self.pq_block_tokens, 1, 1 << 16)
+        _check_int("saap_probes", self.saap_probes, 1, 1 << 16)
+        _check_saap_file(self.saap_file, self.index)
+        _check_int("graph_top_k", self.graph_top_k, 1, 1 << 20)
+        _check_int("graph_search_ef", self.graph_search_ef, 1, 1 << 20)
+        _check_int("graph_degree", self.graph_degree, 2, 256)
+        _check_int("graph_knn", self.graph_knn, 2, 4096)
+        _check_int("graph_train_queries", self.graph_train_queries, 1, 1 << 22)
+        _check_int("graph_block_tokens", self.graph_block_tokens, 1, 1 << 16)
         _check_int("cluster_size", self.cluster_size, 1, 4096)
         _check_int("segment_size", self.segment_size, 16, 1 << 20)
         if self.segment_size < self.cluster_size:
@@ -174,10 +232,15 @@ class RetroConfig:
     def check_head_dim(self, head_dim: int, index: str | None = None) -> None:
         """Raise :class:`ConfigError` unless the settings fit a model of ``head_dim`` served
         with ``index`` (default: :attr:`index`): ``pq_subspaces`` must divide it for
-        'pqcache'."""
+        'pqcache'; for 'saap' the file must be a SAAP file for ``head_dim`` with at least
+        ``saap_probes`` buckets."""
         if (index or self.index) == "pqcache" and head_dim % self.pq_subspaces:
             _fail("pq_subspaces", self.pq_subspaces,
                   f"a divisor of the model's head_dim {head_dim}")
+        if (index or self.index) == "saap" and self.saap_file is not None:
+            from vllm_retro.index.saap_model import load_saap  # reads the file once
+
+            load_saap(self.saap_file).check_serving(None, head_dim, self.saap_probes)
 
     def build_steps_on(self, device_type: str) -> int:
         """``build_steps`` on a device type ('cuda', 'cpu', ...), the default resolved:

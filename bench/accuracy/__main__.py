@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.accuracy.report import plot, summarize, table, write_json
-from bench.accuracy.runner import CONFIGS, make_samples, run_config, tokenizer_fns
+from bench.accuracy.runner import CONFIGS, make_samples, run_config, settings, tokenizer_fns
 from bench.accuracy.tasks import TASKS
 
 MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF dequantised, served in bf16)"
@@ -46,10 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"below full's by more than this (default {QUICK_MARGIN} with --quick, "
                     "else no gate)")
     ap.add_argument("--model", help="model directory (default: ensure_qwen_coder())")
+    ap.add_argument("--saap-file", help="the model's SAAP file (`vllm-retro calibrate MODEL "
+                    "--out FILE`), for the 'saap' configuration (default configurations "
+                    "include it only when given)")
     args = ap.parse_args(argv)
+    every = [c for c in CONFIGS if c != "saap" or args.saap_file]
     defaults: dict[str, Any] = (dict(QUICK) if args.quick else
                                 {"tasks": list(TASKS), "contexts": [4096, 8192],
-                                 "configs": list(CONFIGS), "samples": 2})
+                                 "configs": every, "samples": 2})
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out.replace("{ctx}", str(ctx)))
         runs: list[dict[str, Any]] = []
         for c in args.configs:
-            runs.append(run_config(model_dir, c, samples))
+            runs.append(run_config(model_dir, c, samples, saap_file=args.saap_file))
             # Checkpoint after each configuration, so an interrupted long run keeps its results.
             write_json({"command": command, "context_tokens": ctx, "complete": False,
                         "runs": runs}, out.with_suffix(".partial.json"))
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": command, "model": MODEL_NAME, "model_dir": str(model_dir),
             "context_tokens": ctx, "tasks": args.tasks, "samples_per_task": args.samples,
             "seeds": list(range(args.seed, args.seed + args.samples)),
-            "configs": {c: CONFIGS[c] for c in args.configs},
+            "configs": {c: settings(c, args.saap_file) for c in args.configs},
             "decoding": "greedy (temperature 0), max_tokens per task",
             "wall_s": round(time.perf_counter() - t0, 1),
             "wall_s_per_config": {r["config"]: r["wall_s"] for r in runs},

@@ -29,6 +29,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
     "pqcache": {"index": "pqcache"},
     "pqcache_6pct": {"index": "pqcache", "pq_token_ratio": 0.06},
+    # SAAP (its trained file comes from --saap-file) and RetrievalAttention's graph index,
+    # each at its defaults
+    "saap": {"index": "saap"},
+    "graph": {"index": "graph"},
 }
 #: KV cache of the CPU engine, GiB (Qwen2.5-0.5B: 12 KiB per token in bf16).
 KVCACHE_GIB = "2"
@@ -82,14 +86,27 @@ def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: i
         gc.collect()
 
 
+def settings(name: str, saap_file: str | None = None) -> dict[str, Any] | None:
+    """The retro settings of configuration ``name`` (a key of :data:`CONFIGS`), with
+    ``saap_file`` filled in for SAAP; a clear error when SAAP has no file."""
+    retro = CONFIGS[name]
+    if retro is not None and retro.get("index") == "saap":
+        if saap_file is None:
+            raise SystemExit(f"configuration {name!r} needs --saap-file FILE (written by "
+                             "`vllm-retro calibrate MODEL --out FILE`)")
+        retro = {**retro, "saap_file": saap_file}
+    return retro
+
+
 def run_config(model_dir: Path | str, name: str, samples: Sequence[Sample],
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] = print, saap_file: str | None = None
+               ) -> dict[str, Any]:
     """Serve every sample under configuration ``name`` (a key of :data:`CONFIGS`) with greedy
     decoding; returns ``{"config", "retro", "wall_s", "engine_start_s", "samples": [...]}``
     where each sample record holds the answer and its score in [0, 1]."""
     from vllm import SamplingParams
 
-    retro = CONFIGS[name]
+    retro = settings(name, saap_file)
     max_len = max(s.prompt_tokens + s.max_tokens for s in samples) + 16
     t0 = time.perf_counter()
     with engine(model_dir, retro, max_len) as llm:

@@ -179,6 +179,10 @@ struct RowArgs {
   Rows<T> sink_k, sink_v, win_k, win_v;  // the window is a ring of win_cap rows
   int64_t n_sink = 0, n_win = 0, win_first = 0, win_cap = 0;
   int64_t r = 0, e = 0;
+  // given selection (optional): the retrieval clusters [H, n_given] chosen by the caller
+  // (no scoring, no estimation zone)
+  bool has_given = false;
+  const int64_t* given = nullptr; int64_t given_h = 0, n_given = 0;
 };
 
 template <typename T>
@@ -376,15 +380,20 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
   // ---- 1-2: scoring and selection (ranked by the group's summed softmax probability,
   // the exponential of the reference's log score: the same order)
   const int64_t C = a.C;
-  const int64_t k = std::min<int64_t>(a.r + a.e, C);
-  const int64_t r = std::min<int64_t>(a.r, k);
+  const bool given = a.has_given;
+  const int64_t k = given ? a.n_given : std::min<int64_t>(a.r + a.e, C);
+  const int64_t r = given ? a.n_given : std::min<int64_t>(a.r, k);
   const int32_t* sz = a.sizes + h * a.sizes_h;
   std::vector<int64_t> order;
   // per-thread scratch, reused across calls (a fresh 100+ KB vector per call is an mmap +
   // page faults). logits [G, C] = scale * q_g . C_c, kept for the estimation zone, whose
   // pseudo-token logits are these plus log(size).
   thread_local std::vector<float> logits;
-  if (C > 0 && k > 0) {
+  if (given) {
+    order.assign(a.given + h * a.given_h, a.given + h * a.given_h + k);
+    if (sel != nullptr)
+      for (int64_t i = 0; i < S; ++i) sel[i] = i < k ? order[i] : -1;
+  } else if (C > 0 && k > 0) {
     thread_local std::vector<const void*> cptr_raw;
     thread_local std::vector<float> probs;
     logits.resize(size_t(G) * C);
@@ -586,7 +595,8 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
                       const std::vector<torch::Tensor>& tilt,
                       const std::vector<torch::Tensor>& kv,
                       const std::vector<torch::Tensor>& steady,
-                      const std::vector<int64_t>& ints, bool tilted, int64_t* phase_ns) {
+                      const std::vector<int64_t>& ints, bool tilted,
+                      const std::vector<torch::Tensor>& given, int64_t* phase_ns) {
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = meta.empty() ? 0 : meta[0].size(0);
   TORCH_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
@@ -625,6 +635,23 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
     a.win_k = rows3<T>(steady[4 * b + 2]); a.win_v = rows3<T>(steady[4 * b + 3]);
     a.win_cap = steady[4 * b + 2].size(1);
     check_window(a.n_sink, steady[4 * b].size(1), a.n_win, a.win_first, a.win_cap);
+    if (!given.empty()) {
+      const torch::Tensor& gv = given[b];
+      TORCH_CHECK(gv.scalar_type() == torch::kInt64 && gv.dim() == 2 && gv.size(0) == H &&
+                      (gv.size(1) == 0 || gv.stride(1) == 1),
+                  "retro_cpu: a given selection must be int64 [H, n]");
+      if (gv.numel()) {
+        const auto [lo, hi] = gv.aminmax();
+        TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < sz.size(1),
+                    "retro_cpu: a given cluster id is out of range; accepted: 0 to ",
+                    sz.size(1) - 1);
+        TORCH_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= sz.size(1),
+                    "retro_cpu: cluster starts");
+        a.cstart = cs.data_ptr<int64_t>(); a.cstart_h = cs.stride(0); a.cstart_c = cs.stride(1);
+      }
+      a.has_given = true;
+      a.given = gv.data_ptr<int64_t>(); a.given_h = gv.stride(0); a.n_given = gv.size(1);
+    }
   }
   const T* qp = query.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -841,20 +868,25 @@ void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch:
 //   steady[4b..4b+3] sink keys, values [H, >= n_sink, D], window ring keys, values [H, cap, D]
 //   ints[7b..7b+6]   head_rows, start_mult, n_sink, n_win, win_first, r, e (the window: n_win
 //                    ring rows from row win_first on, wrapping at cap)
+//   given[b]         (an empty list: none) int64 [H, n]: the retrieval clusters of each head,
+//                    chosen by the caller; then no scoring and no estimation zone (the meta
+//                    index needs only sizes and cluster starts)
 // Cluster c of KV head h occupies pool rows head_rows * h + starts[h, c] * start_mult, + size.
 // phase_ns: empty, or int64 [B * H, kPhases] zeroed by the caller, receiving each (row, KV
 // head)'s nanoseconds in scoring, selection, row lookup, exact attention, estimation.
 void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch::Tensor sel,
                  double scale, std::vector<torch::Tensor> meta, std::vector<torch::Tensor> tilt,
                  std::vector<torch::Tensor> kv, std::vector<torch::Tensor> steady,
-                 std::vector<int64_t> ints, bool tilted, torch::Tensor phase_ns) {
+                 std::vector<int64_t> ints, bool tilted, std::vector<torch::Tensor> given,
+                 torch::Tensor phase_ns) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1,
               "retro_cpu: out must match query");
   const int64_t B = query.size(0);
   TORCH_CHECK(int64_t(meta.size()) == 5 * B && int64_t(kv.size()) == 3 * B &&
                   int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 7 * B &&
-                  (!tilted || int64_t(tilt.size()) == 3 * B),
+                  (!tilted || int64_t(tilt.size()) == 3 * B) &&
+                  (given.empty() || int64_t(given.size()) == B),
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;
   int64_t* ph = nullptr;
@@ -866,13 +898,16 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
   }
   switch (query.scalar_type()) {
     case torch::kFloat:
-      decode_rows_impl<float>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
+      decode_rows_impl<float>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted,
+                              given, ph);
       break;
     case torch::kBFloat16:
-      decode_rows_impl<c10::BFloat16>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
+      decode_rows_impl<c10::BFloat16>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints,
+                                      tilted, given, ph);
       break;
     case torch::kHalf:
-      decode_rows_impl<c10::Half>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints, tilted, ph);
+      decode_rows_impl<c10::Half>(query, out, lse, sel, scale, meta, tilt, kv, steady, ints,
+                                  tilted, given, ph);
       break;
     default:
       TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
@@ -884,8 +919,26 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
 void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_valid,
                    torch::Tensor k_valid, torch::Tensor out);
 
+// graph_cpu.cpp (RetrievalAttention's graph index)
+torch::Tensor graph_build(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>);
+void graph_insert(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                  int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>);
+std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> graph_search(
+    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+    std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> graph_decode(
+    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+    std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
+    std::vector<int64_t>, std::vector<int64_t>, int64_t, double, bool);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
   m.def("pq_decode", &pq_decode, "PQCache decode step of a batch of rows (CPU)");
   m.def("kmeans_assign", &kmeans_assign, "Fused nearest-centroid assignment (CPU)");
+  m.def("graph_build", &graph_build, "RoarGraph-style projected graph over keys (CPU)");
+  m.def("graph_insert", &graph_insert, "Insert nodes into graph indexes (CPU)");
+  m.def("graph_search", &graph_search, "Best-first graph search per query head (CPU)");
+  m.def("graph_decode", &graph_decode, "Graph index decode step: search, choose, attend (CPU)");
 }

@@ -5,15 +5,21 @@ from __future__ import annotations
 import pytest
 
 from bench.accuracy.__main__ import QUICK_MARGIN, gate, parse_args
-from bench.accuracy.runner import CONFIGS
+from bench.accuracy.runner import CONFIGS, settings
 from bench.accuracy.tasks import TASKS
 
 
 def test_defaults_run_everything_at_4k_and_8k():
     args = parse_args([])
     assert args.contexts == [4096, 8192] and args.tasks == list(TASKS)
-    assert args.configs == list(CONFIGS) and args.margin is None
+    assert args.configs == [c for c in CONFIGS if c != "saap"] and args.margin is None
     assert args.out == "bench/results/accuracy_{ctx}.json"
+    # SAAP runs by default once its trained file is given, and takes that file
+    assert parse_args(["--saap-file", "m.saap"]).configs == list(CONFIGS)
+    assert settings("saap", "m.saap") == {"index": "saap", "saap_file": "m.saap"}
+    assert settings("graph") == {"index": "graph"} and settings("full") is None
+    with pytest.raises(SystemExit, match="needs --saap-file"):
+        settings("saap")
 
 
 def test_quick_mode_is_small_and_gated():

@@ -251,7 +251,7 @@ def test_compare_all_runs_every_policy_at_one_budget(rng):
     q, k, v = _qkv(4, 2, n, 64, rng)
     queries = torch.randn(4, nq, 64, generator=rng)
     res = compare_all(queries, k, v, torch.arange(n - nq, n), 64 ** -0.5)
-    assert set(res) == {"wave", "wave_centroid", "wave_no_estimation", *METHODS}
+    assert set(res) == {"wave", "wave_centroid", "wave_no_estimation", "graph", *METHODS}
     wave = res["wave"].retrieved_tokens
     for name, acc in res.items():
         slack = 8 if name == "quest" else 0.5

@@ -184,8 +184,8 @@ def test_bad_pq_options_name_the_value_and_range():
         RetroConfig(pq_bits=9)
     with pytest.raises(ConfigError, match=r"pq_token_ratio=0 .*\(0\.0, 1\.0\]"):
         RetroConfig(pq_token_ratio=0)
-    with pytest.raises(ConfigError, match=r"index='graph'.*'wave', 'pqcache'"):
-        RetroConfig(index="graph")
+    with pytest.raises(ConfigError, match=r"index='hnsw'.*'wave', 'pqcache'"):
+        RetroConfig(index="hnsw")
     with pytest.raises(ConfigError, match=r"pq_subspaces=3 .*divisor of the model's head_dim 64"):
         PQIndex.build(torch.randn(H, 300, D), torch.randn(H, 300, D),
                       CFG.replace(pq_subspaces=3))

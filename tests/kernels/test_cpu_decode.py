@@ -110,6 +110,36 @@ def test_window_part_of_a_ring_read_from_its_first_row_wrapping():
                                  True, windows=[(30, 1), (0, 0), (0, 0)])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_given_selections_attend_those_clusters_exactly(dtype, tol):
+    """``decode_packed(given=...)``: each head reads its steady zone and exactly the clusters
+    it is given (any order, some empty, none at all), with no scoring and no estimation,
+    as the reference does; meta indexes without centroids (a trained router's rows) work."""
+    import dataclasses
+
+    rng = torch.Generator().manual_seed(8)
+    rows = [_row(2, 64, c, 4, 20, dtype, rng, paged) for c, paged in
+            ((200, True), (90, False), (40, True))]
+    no_centroids = rows[2].centroids[:, :0]
+    rows[2] = dataclasses.replace(rows[2], centroids=no_centroids,
+                                  value_sums=no_centroids)
+    given = [torch.stack([torch.randperm(c, generator=rng)[:n] for _ in range(2)])
+             for c, n in ((200, 17), (90, 0), (40, 40))]
+    q = torch.randn(3, 8, 64, generator=rng).to(dtype)
+    packed = [cpu_decode.pack_row(r, False) for r in rows]
+    out, lse, sel = cpu_decode.decode_packed(q, packed, 0.125, False, selection_width=40,
+                                             given=given)
+    ref, ref_lse, _ = decode_rows_ref(q, rows, 0.125, False, given=given)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    for b, g in enumerate(given):
+        assert torch.equal(sel[b, :, :g.shape[1]], g) and (sel[b, :, g.shape[1]:] == -1).all()
+    with pytest.raises(RuntimeError, match="given cluster id is out of range"):
+        cpu_decode.decode_packed(q, packed, 0.125, False,
+                                 given=[given[0], given[1], given[2] + 1])
+
+
 def test_phase_split_changes_nothing_and_covers_the_call():
     """With ``phases`` the kernel also reports its wall time split by phase: every phase is
     present and non-negative, the split adds up to the call, and the output is the same."""

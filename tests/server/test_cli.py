@@ -108,6 +108,7 @@ def test_every_option_parses_to_the_fields_type(parser: argparse.ArgumentParser)
     defaults = RetroConfig().to_dict()
     # a default None cannot be given on the command line
     defaults["cache_pages"], defaults["build_steps"] = 100, 8
+    defaults["saap_file"] = "model.saap"  # a path; checked only with index 'saap'
     for name, value in defaults.items():
         flag = "--retro-" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -139,7 +140,7 @@ def test_out_of_range_value_names_field_value_and_range(parser: argparse.Argumen
     (["--retro-retrieval-budget", "x"], ["--retro-retrieval-budget", "'x'"]),
     (["--retro-cluster-size", "1.5"], ["--retro-cluster-size", "'1.5'"]),
     (["--retro-cache-policy", "fifo"], ["--retro-cache-policy", "'fifo'", "'lru'", "'lfu'"]),
-    (["--retro-index", "graph"], ["--retro-index", "'graph'", "'wave'", "'pqcache'"]),
+    (["--retro-index", "hnsw"], ["--retro-index", "'hnsw'", "'wave'", "'pqcache'"]),
 ])
 def test_unparsable_value_is_an_argparse_error(parser: argparse.ArgumentParser,
                                                capsys: pytest.CaptureFixture[str],

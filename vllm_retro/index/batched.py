@@ -20,8 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_retro.index.padded import MetaViewCache, decode_padded, padded_supported
+from vllm_retro.index.graph_index import GraphIndex, decode_graph
+from vllm_retro.index.padded import (
+    MetaViewCache,
+    decode_given,
+    decode_padded,
+    padded_supported,
+)
 from vllm_retro.index.pq_index import PQIndex, decode_pq
+from vllm_retro.index.saap import SaapIndex, saap_selection
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode
@@ -34,10 +41,15 @@ slow, and it is asked for every row of every layer at every step)."""
 
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when ``index`` can decode ``query`` through the fused CPU kernel: a plain
-    :class:`WaveIndex` (not a baseline subclass) on the CPU with the 'auto' kernel backend,
-    a store that exposes its rows (:class:`RowAddressedStore`), the query in the index's
-    dtype, and the kernel built."""
-    if type(index) is not WaveIndex or query.device.type != "cpu" or index.backend != "auto":
+    :class:`WaveIndex` (not a baseline subclass) and :func:`fused_rows`."""
+    return type(index) is WaveIndex and fused_rows(index, query)
+
+
+def fused_rows(index: WaveIndex, query: torch.Tensor) -> bool:
+    """True when the fused CPU kernel can read ``index``'s rows for ``query``: on the CPU
+    with the 'auto' kernel backend, a store that exposes its rows
+    (:class:`RowAddressedStore`), the query in the index's dtype, and the kernel built."""
+    if query.device.type != "cpu" or index.backend != "auto":
         return False
     kind = type(index.store)
     addressed = _ROW_ADDRESSED.get(kind)
@@ -120,7 +132,10 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     keeps its meta view across steps) when every index is a plain wave index, else row by
     row through :meth:`WaveIndex.decode` (baselines). PQCache indexes
     (:class:`~vllm_retro.index.pq_index.PQIndex`) decode through their own batched path,
-    :func:`~vllm_retro.index.pq_index.decode_pq`.
+    :func:`~vllm_retro.index.pq_index.decode_pq`; SAAP indexes through one classifier pass
+    (:func:`~vllm_retro.index.saap.saap_selection`), then the fused kernel with the chosen
+    clusters given, or :func:`~vllm_retro.index.padded.decode_given`; graph indexes on the
+    CPU through one fused kernel call (:func:`~vllm_retro.index.graph_index.decode_graph`).
 
     All indexes share one config and head layout (one layer of one model). Returns
     ``out`` ([B, Hq, D], query dtype; allocated when None).
@@ -131,6 +146,19 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     if all(type(i) is PQIndex for i in indexes):
         decode_pq(indexes, query, scale, out, cache)
+        return out
+    if all(type(i) is SaapIndex for i in indexes):  # clusters chosen by the trained router
+        ids, counts = saap_selection(indexes, query)
+        if out.dtype == query.dtype and all(fused_rows(i, query) for i in indexes):
+            cpu_decode.decode_packed(
+                query, [packed_row(i, False) for i in indexes], scale, False, out=out,
+                windows=[(i.ring_start, i.win_len) for i in indexes],
+                given=[ids[j, :, :n] for j, n in enumerate(counts)])
+        else:
+            decode_given(indexes, query, scale, out, ids, counts, cache)
+        return out
+    if all(type(i) is GraphIndex and i.fused(query) for i in indexes):
+        decode_graph(indexes, query, scale, out)  # search, choose, attend: one kernel call
         return out
     if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
         tilted = indexes[0].config.estimator == "tilted"

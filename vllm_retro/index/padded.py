@@ -293,3 +293,68 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         join_stores(stores)
     out.copy_(res.reshape(out.shape))
     return out
+
+
+@dataclass(frozen=True)
+class PaddedSizes:
+    """The cluster sizes of a batch's indexes, padded to the most clusters (R = B x H rows):
+    the meta view of indexes whose clusters are chosen for them (:func:`decode_given`)."""
+
+    key: tuple[tuple[int, int], ...]
+    """(uid, meta generation) of each index: what the view was built from."""
+    sizes: torch.Tensor
+    """[R, C_max] int64 (0 as padding)."""
+
+
+def padded_sizes(indexes: list[WaveIndex], key: tuple[tuple[int, int], ...]) -> PaddedSizes:
+    """Build the :class:`PaddedSizes` view of ``indexes`` (one layer)."""
+    width = max(max(i.num_clusters for i in indexes), 1)
+    return PaddedSizes(key, _pad([i.sizes.long() for i in indexes], width))
+
+
+def decode_given(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
+                 out: torch.Tensor, ids: torch.Tensor, counts: list[int],
+                 cache: MetaViewCache | None = None) -> torch.Tensor:
+    """Exact attention of ``query[b]`` ([B, Hq, D]) over the steady zone of ``indexes[b]``
+    and the clusters chosen for it, ``ids[b, :, :counts[b]]`` (ids [B, H, W] int64 on the
+    indexes' device, -1 padding; e.g. a trained router's buckets), for all rows at once;
+    ``out`` ([B, Hq, D]) is written and returned. No estimation zone.
+
+    Per call, whatever B: one lookup of the chosen clusters' sizes in the layer's padded
+    sizes view (kept by ``cache`` across steps), **one device->host copy** of the ids and
+    sizes, the steady zones' fill (one gather for a layer's pool), one gather of every
+    row's clusters when the stores share a layer pool, and one attention call; the cache
+    updates are joined at the layer's next call (see :func:`decode_padded`)."""
+    first = indexes[0]
+    b, h, d = len(indexes), first.num_kv_heads, first.head_dim
+    dev, dtype = ids.device, first.steady.dtype
+    buffers = cache if cache is not None else MetaViewCache()
+    buffers.join()
+    view = buffers.get(indexes, build=padded_sizes)
+    flat = ids.reshape(b * h, -1)
+    sizes = torch.gather(view.sizes, 1, flat.clamp_min(0)) * (flat >= 0)
+    host = torch.stack([flat, sizes]).cpu().numpy()  # the step's one device->host copy
+    n_steady = [i.num_steady for i in indexes]
+    n_exact = torch.tensor(n_steady).repeat_interleave(h) + torch.from_numpy(host[1].sum(1))
+    exec_k, exec_v = buffers.exec_buffer(b * h, max(int(n_exact.max()), 1), d, dtype, dev)
+    fill_steady_batch(indexes, exec_k, exec_v)
+    chosen = [np.ascontiguousarray(host[0, j * h:(j + 1) * h, :counts[j]]) for j in range(b)]
+    stores = [i.store for i in indexes]
+    group = shared_batch_group(stores)
+    if group is not None:
+        group.gather_batch(stores, chosen, n_steady, exec_k, exec_v)
+    else:
+        for j, st in enumerate(stores):
+            rows = slice(j * h, (j + 1) * h)
+            st.gather_into(chosen[j], n_steady[j], exec_k[rows], exec_v[rows])
+    none = torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
+    res, _ = kernels.tripartite_decode(
+        query.reshape(b * h, -1, d), exec_k, exec_v, n_exact.to(dev, non_blocking=True),
+        exec_k[:, :0], exec_v[:, :0], none.int(), none,
+        torch.zeros(b * h, dtype=torch.int64, device=dev), scale, backend=first.backend)
+    if cache is not None:
+        cache.defer(indexes)
+    else:
+        join_stores(stores)
+    out.copy_(res.reshape(out.shape))
+    return out

@@ -18,6 +18,9 @@ class IndexBuild:
     block_ids: torch.Tensor
     """The request's block-table row (kernel blocks), covering ``num_tokens``."""
     num_tokens: int
+    query_rows: tuple[int, int] | None = None
+    """Batch token rows ``[start, end)`` of the request in this step (its prompt's last
+    chunk), whose queries train a graph index (``index='graph'``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,5 +82,6 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         plan.dense_rows.append(r)
         if row.build_index:
             total = row.start + row.num_tokens
-            plan.builds.append(IndexBuild(rid, block_table[r].clone(), total))
+            plan.builds.append(IndexBuild(rid, block_table[r].clone(), total,
+                                          (qsl[r], qsl[r + 1])))
     return plan

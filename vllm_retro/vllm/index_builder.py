@@ -38,9 +38,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BuildFn = Callable[[str, str, torch.Tensor, torch.Tensor], Any]
+BuildFn = Callable[..., Any]
 """Builds one (request, layer) index: (request id, layer name, keys [H_kv, N, D], values)
--> index (anything with a ``free()`` method)."""
+-> index (anything with a ``free()`` method); the prefill's queries ([H, T, D], for the
+graph index), when the submitter gave them, as the keyword ``queries``."""
+
+
+def _extra(queries: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if queries is None else {"queries": queries}
 
 
 @dataclass
@@ -49,6 +54,7 @@ class _Job:
     layer: str
     keys: torch.Tensor
     values: torch.Tensor
+    queries: torch.Tensor | None = None
     ready: Any = None
     """CUDA event recorded on the submitting stream after the read-back (None on CPU)."""
 
@@ -91,7 +97,8 @@ class IndexBuilder:
 
     # ------------------------------------------------------------------ main thread
     def submit(self, request_id: str, layer: str, num_tokens: int, keys: torch.Tensor,
-               values: torch.Tensor, seconds: float = 0.0) -> None:
+               values: torch.Tensor, seconds: float = 0.0,
+               queries: torch.Tensor | None = None) -> None:
         """Queue (or, not in the background, run) the build of one layer of
         ``request_id``. keys, values: [H_kv, num_tokens, D], owned by the builder from now
         on (a private copy, not a view of the paged cache); ``seconds`` already spent on
@@ -107,13 +114,13 @@ class IndexBuilder:
                 req.queued += 1
         if not self.background:
             t0 = time.perf_counter()
-            index = self._build(request_id, layer, keys, values)
+            index = self._build(request_id, layer, keys, values, **_extra(queries))
             with self._cond:
                 req.queued -= 1
                 req.indexes[layer] = index
                 req.seconds += time.perf_counter() - t0
             return
-        job = _Job(request_id, layer, keys, values)
+        job = _Job(request_id, layer, keys, values, queries)
         if keys.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()
@@ -238,11 +245,13 @@ class IndexBuilder:
 
     def _run(self, job: _Job) -> Any:
         if job.ready is None:
-            return self._build(job.request_id, job.layer, job.keys, job.values)
+            return self._build(job.request_id, job.layer, job.keys, job.values,
+                               **_extra(job.queries))
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=job.keys.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(job.ready)
-            index = self._build(job.request_id, job.layer, job.keys, job.values)
+            index = self._build(job.request_id, job.layer, job.keys, job.values,
+                                **_extra(job.queries))
         self._stream.synchronize()
         return index

@@ -150,6 +150,10 @@ class RouteImplMixin:
         if not self.retro:
             return
         cfg.check_head_dim(head_size)
+        if cfg.index == "saap":  # the trained file must be the served model's: say so now
+            from vllm_retro.index.saap_model import load_saap
+
+            load_saap(cfg.saap_file, vllm_config.model_config.hf_config)
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
             "logits soft-capping": bool(logits_soft_cap),
@@ -201,7 +205,16 @@ class RouteImplMixin:
         for b in md.plan.builds:
             t0 = time.perf_counter()
             keys, values = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
-            rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0)
+            queries = None
+            if rt.config.index == "graph" and b.query_rows is not None:
+                # the prompt's last chunk's post-RoPE queries train the graph: [Hq, T, D],
+                # at most as many positions as the build uses (evenly spaced), a copy
+                s, e = b.query_rows
+                group = query.shape[1] // key.shape[1]
+                step = max(1, -(-(e - s) * group // rt.config.graph_train_queries))
+                queries = query[s:e:step].transpose(0, 1).contiguous()
+            rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0,
+                            queries=queries)
         if md.plan.decodes:
             self._decode_indexed(rt, layer, kv_cache, md.plan, query, key, value, out)
         else:

@@ -18,7 +18,10 @@ import torch
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import fused_path
+from vllm_retro.index.graph_index import GraphIndex
 from vllm_retro.index.pq_index import PQIndex
+from vllm_retro.index.saap import SaapIndex
+from vllm_retro.index.saap_model import load_saap
 from vllm_retro.index.steady import SlotTable, SteadyPool
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.vllm.index_builder import IndexBuilder
@@ -148,8 +151,8 @@ class RetroRuntime:
         return self._slot_to_req.get(slot)
 
     # ------------------------------------------------------------------ indexes
-    def _build(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor
-               ) -> WaveIndex:
+    def _build(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor,
+               queries: torch.Tensor | None = None) -> WaveIndex:
         assert self.config is not None
         # The batched padded path (CUDA; CPU with the torch/triton kernels) reads a layer's
         # rows through one pool per layer. The fused CPU kernel reads each request's pages
@@ -159,20 +162,32 @@ class RetroRuntime:
         pooled = not fused_path(self.config.kernel_backend, keys.device)
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer if pooled else None)
-        index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
+        if self.config.index == "saap":  # the trained routing, checked against the model
+            model = load_saap(self.config.saap_file,
+                              getattr(getattr(self._engine, "model_config", None), "hf_config",
+                                      None))
+            index = SaapIndex.build(keys, values, self.config, store=store, model=model,
+                                    layer=layer)
+        elif self.config.index == "graph":  # trained on the prompt's last chunk's queries
+            index = GraphIndex.build(keys, values, self.config, store=store, queries=queries)
+        else:
+            index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it
         # is never waited for by the first decode step
         store.settle()
         return index
 
     def submit_build(self, request_id: str, layer: str, keys: torch.Tensor,
-                     values: torch.Tensor, read_seconds: float = 0.0) -> None:
+                     values: torch.Tensor, read_seconds: float = 0.0,
+                     queries: torch.Tensor | None = None) -> None:
         """Hand one layer of a request's prefilled KV (keys, values: [H_kv, N, D], a private
-        copy, read back in ``read_seconds``) to the index builder; :meth:`index` takes the
-        index over at the request's switch. The read and, when the builder runs builds in
-        the step, the build count as the step's index time."""
+        copy, read back in ``read_seconds``; queries: None or [H, T, D] post-RoPE prefill
+        queries, a private copy, for the graph index) to the index builder; :meth:`index`
+        takes the index over at the request's switch. The read and, when the builder runs
+        builds in the step, the build count as the step's index time."""
         t0 = time.perf_counter()
-        self.builder.submit(request_id, layer, keys.shape[1], keys, values, read_seconds)
+        self.builder.submit(request_id, layer, keys.shape[1], keys, values, read_seconds,
+                            queries=queries)
         self.counters.index_step_seconds += read_seconds + time.perf_counter() - t0
 
     def build_index(self, request_id: str, layer: str, keys: torch.Tensor,
