@@ -59,3 +59,62 @@ def finish_step(llm: Any) -> None:
     """One more engine step: delivers the finished/aborted request ids to the workers (the
     multiprocess engine core does this by itself; the in-process ``LLM`` stops earlier)."""
     llm.llm_engine.step()
+
+
+# Mixed lengths for full-budget runs: under TINY_RETRO every request but the 30-token one
+# gets indexed (the long ones at their prefill, the 60-token one while decoding).
+LENGTHS = [30, 60, 90, 700, 1500, 3000]
+MAX_TOKENS = [20, 100, 100, 100, 100, 100]
+
+
+def generate_tokens(llm: Any, lengths: list[int], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy token ids of random prompts of ``lengths`` (``max_tokens`` each)."""
+    outs = llm.generate(random_prompts(lengths), [greedy(m) for m in max_tokens])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def full_budget_matches_stock(model: Path | str, retro: dict[str, Any]) -> None:
+    """Stock vLLM, then retro at ``retro`` (a policy reading every indexed token) on
+    :data:`LENGTHS` under chunked prefill (512-token chunks), continuous batching and update
+    blocks: the same greedy tokens, five requests indexed, every byte freed at the end."""
+    from vllm_retro.vllm.runtime import get_runtime
+
+    with engine(model, max_num_batched_tokens=512) as llm:
+        stock = generate_tokens(llm, LENGTHS, MAX_TOKENS)
+    with engine(model, retro=retro, max_num_batched_tokens=512) as llm:
+        got = generate_tokens(llm, LENGTHS, MAX_TOKENS)
+        rt = get_runtime()
+        c = rt.counters
+        assert c.requests_indexed == 5 and c.index_updates > 0
+        assert c.retro_decode_tokens > 2 * 4 * 90
+        finish_step(llm)
+        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert got == stock
+
+
+def decode_two_abort_one(llm: Any, check: Any) -> Any:
+    """Two long requests (2000 and 2500 tokens) decode through their indexes; once both
+    have, ``check(runtime)`` looks at their live indexes, request 'a' is aborted mid-decode
+    and the other runs to its end. Then: sparse tokens and update blocks happened, and every
+    byte is freed. Returns the runtime."""
+    from vllm_retro.vllm.runtime import get_runtime
+
+    rt = get_runtime()
+    eng = llm.llm_engine
+    a, b = random_prompts([2000, 2500], seed=5)
+    eng.add_request("a", a, greedy(150))
+    eng.add_request("b", b, greedy(100))
+    for _ in range(300):
+        eng.step()
+        if rt.counters.retro_decode_tokens >= 2 * 2 * 20:
+            break
+    assert len(rt.live_requests()) == 2
+    check(rt)
+    eng.abort_request(["a"])  # mid-decoding
+    while eng.has_unfinished_requests():
+        eng.step()
+    c = rt.counters
+    assert c.sparse_decode_tokens > 100 and c.index_updates > 0
+    finish_step(llm)
+    assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    return rt

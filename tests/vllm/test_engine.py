@@ -6,9 +6,14 @@ import pytest
 
 from tests.vllm.engines import (
     FULL_BUDGET,
+    LENGTHS,
+    MAX_TOKENS,
     TINY_RETRO,
+    decode_two_abort_one,
     engine,
     finish_step,
+    full_budget_matches_stock,
+    generate_tokens,
     greedy,
     random_prompts,
 )
@@ -20,13 +25,6 @@ from vllm_retro.vllm.settings import engine_kwargs
 pytestmark = pytest.mark.usefixtures("inprocess")
 
 # min_indexed_context under TINY_RETRO: 4 sink + 16 window + 64 update = 84 tokens.
-LENGTHS = [30, 60, 90, 700, 1500, 3000]
-MAX_TOKENS = [20, 100, 100, 100, 100, 100]
-
-
-def _generate(llm, lengths, max_tokens):
-    outs = llm.generate(random_prompts(lengths), [greedy(m) for m in max_tokens])
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
@@ -34,11 +32,11 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
     # builds (8 dense steps each); budgets covering every cluster make the wave index
     # exact, so greedy outputs must agree.
     with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
-        stock = _generate(llm, LENGTHS, MAX_TOKENS)
+        stock = generate_tokens(llm, LENGTHS, MAX_TOKENS)
         assert get_runtime().counters.indexes_built == 0
     with engine(tiny_model_dir, retro={**TINY_RETRO, **FULL_BUDGET, "build_steps": 8},
                 max_num_batched_tokens=512) as llm:
-        retro = _generate(llm, LENGTHS, MAX_TOKENS)
+        retro = generate_tokens(llm, LENGTHS, MAX_TOKENS)
         rt = get_runtime()
         c = rt.counters
         # Every request but the 30-token one (50 tokens in all) reaches 84 tokens and is
@@ -58,7 +56,7 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
     # real models; here default budgets must decode every indexed token through the index
     # (built in the step, so each request decodes through its index from its first step).
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}) as llm:
-        out = _generate(llm, [1500, 3000], [80, 80])
+        out = generate_tokens(llm, [1500, 3000], [80, 80])
         assert [len(o) for o in out] == [80, 80]
         c = get_runtime().counters
         assert c.retro_decode_tokens == 2 * 2 * 79
@@ -77,7 +75,7 @@ def test_padded_batched_path_matches_the_fused_path(tiny_model_dir):
     for backend in ("auto", "torch"):
         with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0,
                                            "kernel_backend": backend}) as llm:
-            runs[backend] = _generate(llm, lengths, max_tokens)
+            runs[backend] = generate_tokens(llm, lengths, max_tokens)
             c = get_runtime().counters
             assert c.retro_decode_tokens > 2 * 3 * 140 and c.index_updates > 0
     assert runs["torch"] == runs["auto"]
@@ -148,9 +146,9 @@ def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, 
     monkeypatch.setattr(RetroRuntime, "_build", failing)
     retro = {**TINY_RETRO, **FULL_BUDGET}
     with engine(tiny_model_dir) as llm:
-        stock = _generate(llm, [1500], [30])
+        stock = generate_tokens(llm, [1500], [30])
     with engine(tiny_model_dir, retro={**retro, "build_steps": 4}) as llm:
-        out = _generate(llm, [1500], [30])
+        out = generate_tokens(llm, [1500], [30])
         c = get_runtime().counters
         assert c.requests_indexed == 1 and c.indexes_built == 2
         assert c.dense_decode_tokens == 4 and c.sparse_decode_tokens == 25
@@ -160,7 +158,7 @@ def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, 
 
 def test_a_request_that_ends_within_build_steps_is_never_indexed(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 8}) as llm:
-        _generate(llm, [1500, 1500], [9, 10])
+        generate_tokens(llm, [1500, 1500], [9, 10])
         c = get_runtime().counters
         # 9 tokens: 1 from the prompt step + 8 dense, then done: no build at all. 10: built,
         # and its last token goes through the index.
@@ -177,10 +175,10 @@ def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
     kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
     prompts, params = [3500] * 4, [40] * 4
     with engine(tiny_model_dir, **kw) as llm:
-        stock = _generate(llm, prompts, params)
+        stock = generate_tokens(llm, prompts, params)
         stock_peak = get_runtime().counters.peak_decode_rows
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}, **kw) as llm:
-        retro = _generate(llm, prompts, params)
+        retro = generate_tokens(llm, prompts, params)
         retro_peak = get_runtime().counters.peak_decode_rows
         assert get_runtime().counters.requests_indexed == 4
     assert [len(o) for o in stock] == [len(o) for o in retro] == params
@@ -198,10 +196,10 @@ def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
     kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
     lengths, params = [100] * 8 + [1500], [600] * 9
     with engine(tiny_model_dir, **kw) as llm:
-        stock = _generate(llm, lengths, params)
+        stock = generate_tokens(llm, lengths, params)
     before = schedule_state.num_preempted()
     with engine(tiny_model_dir, retro=retro, **kw) as llm:
-        out = _generate(llm, lengths, params)
+        out = generate_tokens(llm, lengths, params)
         c = get_runtime().counters
         finish_step(llm)
         assert get_runtime().live_bytes() == (0, 0)
@@ -252,7 +250,7 @@ def test_retro_settings_without_connector_fail_at_startup(tiny_model_dir):
 
 def test_retro_switched_off_is_stock_vllm(tiny_model_dir):
     with engine(tiny_model_dir, retro={"enabled": False}) as llm:
-        _generate(llm, [1500], [20])
+        generate_tokens(llm, [1500], [20])
         rt = get_runtime()
         assert rt.config is None
         assert rt.counters.indexes_built == 0 and rt.counters.retro_decode_tokens == 0
@@ -264,18 +262,8 @@ PQCACHE = {**TINY_RETRO, "index": "pqcache", "pq_block_tokens": 16}
 def test_pqcache_with_every_token_matches_stock_token_for_token(tiny_model_dir):
     # --retro-index pqcache reading every indexed token is full attention: same greedy
     # tokens as stock under chunked prefill, mixed lengths and update blocks (64 tokens)
-    with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
-        stock = _generate(llm, LENGTHS, MAX_TOKENS)
-    with engine(tiny_model_dir, retro={**PQCACHE, "pq_token_ratio": 1.0, "build_steps": 4},
-                max_num_batched_tokens=512) as llm:
-        pq = _generate(llm, LENGTHS, MAX_TOKENS)
-        rt = get_runtime()
-        c = rt.counters
-        assert c.requests_indexed == 5 and c.index_updates > 0
-        assert c.retro_decode_tokens > 2 * 4 * 90
-        finish_step(llm)
-        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
-    assert pq == stock
+    full_budget_matches_stock(tiny_model_dir,
+                              {**PQCACHE, "pq_token_ratio": 1.0, "build_steps": 4})
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -283,32 +271,17 @@ def test_pqcache_default_budget_decodes_sparse_and_frees_aborted_requests(tiny_m
                                                                           backend):
     # 'auto' on the CPU: the fused kernel reads host pages in place; 'torch': the batched
     # path through the execution buffer and the block cache (CUDA's)
-    with engine(tiny_model_dir, retro={**PQCACHE, "build_steps": 0,
-                                       "kernel_backend": backend}) as llm:
-        rt = get_runtime()
-        eng = llm.llm_engine
-        a, b = random_prompts([2000, 2500], seed=5)
-        eng.add_request("a", a, greedy(150))
-        eng.add_request("b", b, greedy(100))
-        for _ in range(300):
-            eng.step()
-            if rt.counters.retro_decode_tokens >= 2 * 2 * 20:
-                break
-        live = rt.live_requests()
-        assert len(live) == 2
-        for rid in live:
+    def check(rt):
+        for rid in rt.live_requests():
             layer = next(iter(rt._indexes[rid]))
             idx = rt.index(rid, layer)
             assert type(idx).__name__ == "PQIndex" and 0 < idx.token_budget() < idx.num_indexed
-        eng.abort_request(["a"])  # mid-decoding
-        while eng.has_unfinished_requests():
-            eng.step()
-        c = rt.counters
-        assert c.sparse_decode_tokens > 100 and c.index_updates > 0
+
+    with engine(tiny_model_dir, retro={**PQCACHE, "build_steps": 0,
+                                       "kernel_backend": backend}) as llm:
+        rt = decode_two_abort_one(llm, check)
         stats = rt.manager.stats
         assert (stats.hit_tokens + stats.miss_tokens > 0) == (backend == "torch")
-        finish_step(llm)
-        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
 
 
 def test_pq_subspaces_not_dividing_head_dim_fails_at_startup(tiny_model_dir):

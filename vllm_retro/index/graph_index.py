@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from vllm_retro import kernels
@@ -64,9 +63,9 @@ from vllm_retro.index.graph import (
     merge_group,
     search_graphs,
 )
-from vllm_retro.index.pq_index import position_blocks
 from vllm_retro.index.store import ClusterStore, fill_steady
-from vllm_retro.index.wave_index import DecodeResult, GrowingRows, PhaseClock, Selection, WaveIndex
+from vllm_retro.index.token_index import TokenIndex
+from vllm_retro.index.wave_index import DecodeResult, GrowingRows, PhaseClock, Selection
 from vllm_retro.kernels import graph_cpu
 
 BUILD_EF = 64
@@ -78,7 +77,7 @@ NUM_ENTRIES = 1
 training queries' most frequent top-1 keys changed nothing measurable)."""
 
 
-class GraphIndex(WaveIndex):
+class GraphIndex(TokenIndex):
     """The RetrievalAttention index of one (request, layer); see the module docstring.
     Build with ``GraphIndex.build(keys, values, config, store=..., queries=q)``, q the
     prefill's post-RoPE queries ([Hq, T, D], e.g. its last chunk's; None: keys as queries),
@@ -87,7 +86,8 @@ class GraphIndex(WaveIndex):
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
                  queries: torch.Tensor | None = None, per_query_head: bool = False):
-        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store,
+                         config.graph_block_tokens)
         if queries is not None and (queries.dim() != 3 or queries.shape[2] != head_dim
                                     or queries.shape[0] % num_kv_heads):
             raise ValueError(f"queries of shape {tuple(queries.shape)}; accepted: [num_heads, "
@@ -103,11 +103,6 @@ class GraphIndex(WaveIndex):
         """[G, E] entry nodes of each graph."""
         self._inv = GrowingRows(torch.empty(num_kv_heads, 0))
         """[H, N] fp32 1 / |k| of the indexed keys (CPU): keys relate to keys by cosine."""
-        self.token_cluster = np.zeros(0, dtype=np.int64)
-        """[N] the block ('cluster' of the store) each indexed token is in."""
-        self.token_offset = np.zeros(0, dtype=np.int64)
-        """[N] each indexed token's place within its block."""
-        self._fixed_budget: int | None = None
         self._rows: tuple[tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.build_seconds = 0.0
         """Seconds spent building and extending the graphs (kNN, projection, insertion)."""
@@ -115,38 +110,13 @@ class GraphIndex(WaveIndex):
         """What trained the graphs: 'queries' (the prefill's), 'keys' (none were given), or
         '' before the build."""
 
-    # ------------------------------------------------------------------ budget
-    @property
-    def num_indexed(self) -> int:
-        """Indexed tokens per KV head (positions ``sinks`` .. ``window_start``)."""
-        return int(self.token_cluster.shape[0])
-
-    def set_token_budget(self, tokens: int) -> None:
-        """Read exactly ``tokens`` indexed tokens per KV head at each step (the top of the
-        group's searches by summed softmax) instead of each query head's top
-        ``graph_top_k``: the attention-level comparison's matched budgets."""
-        self._fixed_budget = max(0, int(tokens))
-
     # ------------------------------------------------------------------ blocks
-    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
-        return position_blocks(keys, self.config.graph_block_tokens)
-
-    def _add_meta(self, clusters: Clusters) -> None:
-        # only the block sizes: no centroids, value sums or residual model to keep
-        self.fused_view = None
-        self.meta_generation += 1
-        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4)
-
+    # (set_token_budget: each query head searches for the top ``tokens`` keys and the KV
+    # head reads that many of the union, ranked by the group's summed softmax)
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:
-        first, n_old = self.num_clusters, self.num_indexed
+        n_old = self.num_indexed
         super()._add_block(keys, values, start, clusters)
-        sizes = clusters.sizes[0].cpu().numpy().astype(np.int64)
-        starts = np.cumsum(sizes) - sizes
-        which = np.repeat(np.arange(sizes.size), sizes)
-        self.token_cluster = np.concatenate([self.token_cluster, first + which])
-        self.token_offset = np.concatenate(
-            [self.token_offset, np.arange(int(sizes.sum())) - starts[which]])
         t0 = time.perf_counter()
         cfg = self.config
         inv = self._inv.append(inverse_norms(keys).cpu(), headroom=4 * cfg.update_segment)
@@ -224,8 +194,6 @@ class GraphIndex(WaveIndex):
         super().free()
         self.adj = GrowingRows(torch.empty(0, 0, 1, dtype=torch.int32))
         self._inv = GrowingRows(torch.empty(self.num_kv_heads, 0))
-        self.token_cluster = self.token_cluster[:0]
-        self.token_offset = self.token_offset[:0]
         self.spec, self.queries, self._rows = None, None, None
 
     # ------------------------------------------------------------------ decode

@@ -48,12 +48,12 @@ from vllm_retro.index.padded import MetaViewCache, join_stores
 from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import ClusterStore, shared_batch_group
+from vllm_retro.index.token_index import TokenIndex
 from vllm_retro.index.wave_index import (
     DecodeResult,
     GrowingRows,
     PhaseClock,
     Selection,
-    WaveIndex,
 )
 from vllm_retro.kernels import cpu_decode
 
@@ -63,25 +63,6 @@ prefill): 16K keys at the default 6 bits, so the fit does not grow with the cont
 
 JOINT_MAX = 1 << 16
 """Largest joint lookup table (``K^m`` entries per query head) scored in one gather."""
-
-
-def position_blocks(keys: torch.Tensor, block: int) -> Clusters:
-    """Cut a block of tokens ([H, M, D] keys) into runs of ``block`` consecutive positions
-    (the last one shorter), each a 'cluster' in token order, identical across heads. Only
-    the layout fields are filled (no centroids or moments: PQCache has no estimation)."""
-    h, m, d = keys.shape
-    dev = keys.device
-    c = math.ceil(m / block)
-    sizes = torch.full((h, c), block, dtype=torch.int32, device=dev)
-    sizes[:, -1] = m - (c - 1) * block
-    offsets = torch.zeros(h, c + 1, dtype=torch.int64, device=dev)
-    offsets[:, 1:] = sizes.long().cumsum(1)
-    empty = keys.new_empty(h, 0, d)
-    f32 = torch.zeros(h, 0, device=dev)
-    return Clusters(centroids=empty, value_sums=empty, sizes=sizes, spreads=f32,
-                    key_sq=torch.zeros(h, d, device=dev), cross=torch.zeros(h, d, d, device=dev),
-                    order=torch.arange(m, device=dev)[None].expand(h, m).contiguous(),
-                    offsets=offsets)
 
 
 def top_tokens(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
@@ -106,7 +87,7 @@ def top_tokens(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     return take.nonzero()[:, 1]
 
 
-class PQIndex(WaveIndex):
+class PQIndex(TokenIndex):
     """The PQCache index of one (request, layer); see the module docstring. Built and
     appended to like :class:`WaveIndex`; decode through :func:`decode_pq` (or
     :meth:`decode` for one request)."""
@@ -121,23 +102,14 @@ class PQIndex(WaveIndex):
                      if value is not None}
         config = config.replace(**overrides) if overrides else config
         config.check_head_dim(head_dim, index="pqcache")
-        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store,
+                         config.pq_block_tokens)
         self.pq: ProductQuantizer | None = None
         """The codebooks, fitted on the prefill's indexed keys."""
         self._codes = GrowingRows(torch.empty(num_kv_heads, 0, config.pq_subspaces,
                                               dtype=torch.uint8, device=device))
         self.codes = self._codes.buf
         """[H, N, m] uint8 codes of the N indexed tokens (positions sink .. window start)."""
-        self.token_cluster = np.zeros(0, dtype=np.int64)
-        """[N] the block ('cluster' of the store) each indexed token is in."""
-        self.token_offset = np.zeros(0, dtype=np.int64)
-        """[N] each indexed token's place within its block."""
-        self._fixed_budget: int | None = None
-
-    @property
-    def num_indexed(self) -> int:
-        """Indexed tokens per KV head (positions ``sink_tokens`` .. ``window_start``)."""
-        return int(self.codes.shape[1])
 
     def token_budget(self) -> int:
         """Indexed tokens read exactly per KV head and step: ``ceil(pq_token_ratio * N)``,
@@ -147,24 +119,8 @@ class PQIndex(WaveIndex):
             return min(n, self._fixed_budget)
         return min(n, math.ceil(self.config.pq_token_ratio * n - 1e-9))
 
-    def set_token_budget(self, tokens: int) -> None:
-        """Read the top ``tokens`` indexed tokens per KV head at each step instead of the
-        ratio (the attention-level comparison's matched budgets)."""
-        self._fixed_budget = max(0, int(tokens))
-        self.fused_view = None
-
-    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
-        return position_blocks(keys, self.config.pq_block_tokens)
-
-    def _add_meta(self, clusters: Clusters) -> None:
-        # only the block sizes: no centroids, value sums or residual model to keep
-        self.fused_view = None
-        self.meta_generation += 1
-        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4)
-
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:
-        first = self.num_clusters
         super()._add_block(keys, values, start, clusters)
         cfg = self.config
         if self.pq is None:
@@ -172,12 +128,6 @@ class PQIndex(WaveIndex):
                              sample=FIT_SAMPLE_PER_CODEWORD << cfg.pq_bits)
         self.codes = self._codes.append(pq_encode(self.pq, keys).to(torch.uint8),
                                         headroom=4 * cfg.update_segment)
-        sizes = clusters.sizes[0].cpu().numpy().astype(np.int64)
-        starts = np.cumsum(sizes) - sizes
-        which = np.repeat(np.arange(sizes.size), sizes)
-        self.token_cluster = np.concatenate([self.token_cluster, first + which])
-        self.token_offset = np.concatenate(
-            [self.token_offset, np.arange(int(sizes.sum())) - starts[which]])
 
     def meta_nbytes(self) -> int:
         """Bytes of the codes (with their room for later blocks), codebooks and block sizes."""
@@ -190,8 +140,6 @@ class PQIndex(WaveIndex):
         self.pq = None
         self._codes = GrowingRows(self._codes.buf[:, :0].clone())
         self.codes = self._codes.buf
-        self.token_cluster = self.token_cluster[:0]
-        self.token_offset = self.token_offset[:0]
 
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         """The indexed tokens read exactly for a query [num_heads, D]: retrieval ids [H, k]
