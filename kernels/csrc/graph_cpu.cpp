@@ -445,6 +445,34 @@ void dispatch_dtype(const torch::Tensor& pool, F&& f) {
   }
 }
 
+// The graph-level arguments of graph_build / graph_insert, checked: each graph's KV head,
+// its entry nodes, and the keys' inverse norms (null: keys related by inner product).
+struct GraphArgs {
+  torch::Tensor graph_head, entries, inv;
+  const int64_t* gh = nullptr;
+  const int64_t* ent = nullptr;
+  int64_t num_entries = 0;
+  const float* invp = nullptr;
+};
+
+GraphArgs graph_args(const torch::Tensor& graph_head, const torch::Tensor& entries,
+                     const c10::optional<torch::Tensor>& inv, const torch::Tensor& rows) {
+  GraphArgs a;
+  a.graph_head = graph_head.to(torch::kLong).contiguous();
+  a.entries = entries.to(torch::kLong).contiguous();
+  TORCH_CHECK(a.entries.dim() == 2 && a.entries.size(0) == a.graph_head.size(0),
+              "graph index: entries must be [G, E] (E entry nodes per graph)");
+  a.gh = a.graph_head.data_ptr<int64_t>();
+  a.ent = a.entries.data_ptr<int64_t>();
+  a.num_entries = a.entries.size(1);
+  if (inv.has_value()) {
+    a.inv = inv->to(torch::kFloat).contiguous();
+    TORCH_CHECK(a.inv.sizes() == rows.sizes(), "graph index: inv must be [H, N] like rows");
+    a.invp = a.inv.data_ptr<float>();
+  }
+  return a;
+}
+
 void check_pool(const torch::Tensor& pool, const torch::Tensor& rows) {
   TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 2 && pool.is_contiguous(),
               "graph index: the key pool must be a contiguous [R, D] CPU tensor");
@@ -458,8 +486,8 @@ void check_pool(const torch::Tensor& pool, const torch::Tensor& rows) {
 // Build one graph per row of `graph_head` (the KV head whose keys it indexes). pool [R, D]
 // keys, rows [Hk, N] int64 (node i of KV head h is pool row rows[h, i]), inv: None (keys
 // related by inner product) or [Hk, N] fp32 1 / |k| (by cosine), knn [G, Q, K] int32
-// (each training query's nearest nodes, best first, -1 padding), entries [G, E] int64 (entry nodes, -1 padding), degree
-// m, build pool ef. Returns the adjacency [G, N, 2m] int32 (-1 padding).
+// (each training query's nearest nodes, best first, -1 padding), entries [G, E] int64
+// (entry nodes, -1 padding), degree m, build pool ef. Returns the adjacency [G, N, 2m] int32 (-1 padding).
 torch::Tensor graph_build(torch::Tensor pool, torch::Tensor rows, torch::Tensor knn,
                           torch::Tensor graph_head, torch::Tensor entries, int64_t m,
                           int64_t ef, c10::optional<torch::Tensor> inv) {
@@ -468,19 +496,9 @@ torch::Tensor graph_build(torch::Tensor pool, torch::Tensor rows, torch::Tensor 
               "graph_build: knn must be a contiguous [G, Q, K] int32 tensor");
   const int64_t g = knn.size(0), n = rows.size(1);
   auto adj = torch::empty({g, n, 2 * m}, torch::dtype(torch::kInt32));
-  auto gh = graph_head.to(torch::kLong).contiguous();
-  auto ent = entries.to(torch::kLong).contiguous();
-  TORCH_CHECK(ent.dim() == 2 && ent.size(0) == gh.size(0),
-              "graph index: entries must be [G, E] (E entry nodes per graph)");
-  const int64_t* ghp = gh.data_ptr<int64_t>();
-  const int64_t* entp = ent.data_ptr<int64_t>();
-  const int64_t ne = ent.size(1);
-  torch::Tensor inv_t;
-  if (inv.has_value()) {
-    inv_t = inv->to(torch::kFloat).contiguous();
-    TORCH_CHECK(inv_t.sizes() == rows.sizes(), "graph index: inv must be [H, N] like rows");
-  }
-  const float* invp = inv.has_value() ? inv_t.data_ptr<float>() : nullptr;
+  const GraphArgs ga = graph_args(graph_head, entries, inv, rows);
+  const int64_t *ghp = ga.gh, *entp = ga.ent, ne = ga.num_entries;
+  const float* invp = ga.invp;
   dispatch_dtype(pool, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     // graphs in parallel (their connectivity phase is sequential), each graph's projection
@@ -509,19 +527,9 @@ void graph_insert(torch::Tensor adj, torch::Tensor pool, torch::Tensor rows,
                   adj.size(1) >= n_total && rows.size(1) >= n_total,
               "graph_insert: adj must be a contiguous [G, >= n_total, W] int32 tensor");
   const int64_t g = adj.size(0), w = adj.size(2), n = rows.size(1);
-  auto gh = graph_head.to(torch::kLong).contiguous();
-  auto ent = entries.to(torch::kLong).contiguous();
-  TORCH_CHECK(ent.dim() == 2 && ent.size(0) == gh.size(0),
-              "graph index: entries must be [G, E] (E entry nodes per graph)");
-  const int64_t* ghp = gh.data_ptr<int64_t>();
-  const int64_t* entp = ent.data_ptr<int64_t>();
-  const int64_t ne = ent.size(1);
-  torch::Tensor inv_t;
-  if (inv.has_value()) {
-    inv_t = inv->to(torch::kFloat).contiguous();
-    TORCH_CHECK(inv_t.sizes() == rows.sizes(), "graph index: inv must be [H, N] like rows");
-  }
-  const float* invp = inv.has_value() ? inv_t.data_ptr<float>() : nullptr;
+  const GraphArgs ga = graph_args(graph_head, entries, inv, rows);
+  const int64_t *ghp = ga.gh, *entp = ga.ent, ne = ga.num_entries;
+  const float* invp = ga.invp;
   dispatch_dtype(pool, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     at::parallel_for(0, g, 1, [&](int64_t b, int64_t e) {
