@@ -10,6 +10,7 @@ status is 1 if retro's mean accuracy is below full attention's by more than ``--
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -75,6 +76,27 @@ def gate(summary: dict[str, Any], margin: float) -> list[str]:
     return [c for c, m in summary["mean"].items() if m < full - margin - 1e-9]
 
 
+def resumed_runs(partial: Path, command: str, configs: list[str]) -> list[dict[str, Any]]:
+    """Finished runs from an interrupted run of the same command (its checkpoint file).
+
+    Returns the checkpoint's runs when it was written by exactly ``command`` and they
+    are a prefix of ``configs``; else an empty list (a different command starts over).
+    """
+    if not partial.exists():
+        return []
+    try:
+        saved = json.loads(partial.read_text())
+    except (OSError, ValueError):
+        return []
+    runs = saved.get("runs", [])
+    done = [r.get("config") for r in runs]
+    if saved.get("command") != command or done != configs[:len(done)]:
+        return []
+    if runs:
+        print(f"resuming from {partial}: {', '.join(done)} already done")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the harness; returns the exit status (1 when the accuracy gate fails)."""
     args = parse_args(argv)
@@ -88,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = make_samples(args.tasks, [ctx], args.samples, args.seed, render, count_tokens)
         t0 = time.perf_counter()
         out = Path(args.out.replace("{ctx}", str(ctx)))
-        runs: list[dict[str, Any]] = []
-        for c in args.configs:
+        runs = resumed_runs(out.with_suffix(".partial.json"), command, args.configs)
+        for c in args.configs[len(runs):]:
             runs.append(run_config(model_dir, c, samples, saap_file=args.saap_file))
             # Checkpoint after each configuration, so an interrupted long run keeps its results.
             write_json({"command": command, "context_tokens": ctx, "complete": False,

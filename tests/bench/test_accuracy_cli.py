@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.accuracy.__main__ import QUICK_MARGIN, gate, parse_args
@@ -49,3 +51,17 @@ def test_gate():
     assert gate(summary, QUICK_MARGIN) == ["retro_half"]
     assert gate(summary, 0.6) == []
     assert gate({"mean": {"retro": 0.0}}, 0.1) == []  # no full-attention baseline
+
+
+def test_resume_takes_finished_runs_of_the_same_command_only(tmp_path):
+    from bench.accuracy.__main__ import resumed_runs
+
+    partial = tmp_path / "acc_4096.partial.json"
+    assert resumed_runs(partial, "cmd", ["full", "retro"]) == []
+    runs = [{"config": "full", "samples": []}]
+    partial.write_text(json.dumps({"command": "cmd", "complete": False, "runs": runs}))
+    assert resumed_runs(partial, "cmd", ["full", "retro"]) == runs
+    assert resumed_runs(partial, "other cmd", ["full", "retro"]) == []
+    assert resumed_runs(partial, "cmd", ["retro", "full"]) == []
+    partial.write_text("{not json")
+    assert resumed_runs(partial, "cmd", ["full"]) == []
