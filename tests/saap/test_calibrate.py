@@ -111,3 +111,18 @@ def test_text_directories_and_installed_documents(tmp_path):
 
     reference = real_prose(20_000)[:2000]
     assert all(reference not in d.text for d in installed)
+
+
+def test_every_training_option_explains_itself():
+    import argparse
+    import dataclasses
+
+    from vllm_retro.saap.calibrate import SETTING_HELP, Settings, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = {f.name for f in dataclasses.fields(Settings)} - {"text", "dense_layers"}
+    assert set(SETTING_HELP) == names
+    for action in parser._actions:
+        if action.dest in names:
+            assert action.help.startswith(SETTING_HELP[action.dest]), action.dest

@@ -85,6 +85,32 @@ def _int(name: str, value: Any, lo: int, hi: int) -> None:
         _fail(name, value, f"an integer in [{lo}, {hi}]")
 
 
+SETTING_HELP = {
+    "buckets": "key centroids (buckets) per KV head",
+    "hidden": "width of the routing classifier's hidden layer",
+    "tokens": "tokens of text read in all (training and held out)",
+    "prompt_tokens": "tokens per recorded prompt",
+    "holdout_prompts": "prompts held out to measure the classifier's quality",
+    "query_samples": "queries sampled per prompt",
+    "queries": "'weighted' (every query, weighted by its long-range attention) or "
+               "'long-range' (the paper's filter, see --min-query-distance)",
+    "min_distance": "keys closer than this many tokens to the query are left out of the "
+                    "targets (the local window serves them)",
+    "min_query_distance": "with --queries long-range: keep queries whose top key is at "
+                          "least this far",
+    "sink_tokens": "first tokens left out of the targets (the sinks serve them)",
+    "kmeans_iters": "k-means iterations per KV head",
+    "steps": "Adam steps per layer",
+    "batch_size": "queries per Adam step",
+    "lr": "Adam learning rate (cosine decay to 0)",
+    "eval_probes": "buckets per query when measuring held-out quality",
+    "dtype": "'auto', 'float32' or 'bfloat16': the model's dtype while recording",
+    "seed": "random seed (query samples, k-means, classifier initialisation)",
+    "train_threads": "torch threads while training",
+}
+"""One line per training setting for ``--help`` (``dense_layers`` and ``text`` have theirs)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every calibration setting (see the module docstring for the defaults)."""
@@ -190,10 +216,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="layers served with every bucket (default: 0)")
         elif f.name in ("queries", "dtype"):
             g.add_argument(flag, default=default,
-                           help=f"(default: {default}; see the module documentation)")
+                           help=f"{SETTING_HELP[f.name]} (default: {default})")
         else:
             g.add_argument(flag, type=type(default), default=default,
-                           metavar=type(default).__name__.upper(), help=f"(default: {default})")
+                           metavar=type(default).__name__.upper(),
+                           help=f"{SETTING_HELP[f.name]} (default: {default})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
