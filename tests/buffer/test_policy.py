@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_retro.buffer.policy import admit_greedy, eviction_order
+from vllm_retro.buffer.policy import admit_greedy, eviction_order, victims
 
 # a history of reads: per step, the clusters read (no repeats within a step)
 histories = st.lists(st.lists(st.integers(0, 11), unique=True, max_size=5), max_size=40)
@@ -67,3 +67,30 @@ def test_admission_matches_one_by_one_model(need, budget):
         want.append(fits)
         used += n if fits else 0
     assert admit_greedy(np.array(need, dtype=np.int64), budget).tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.sampled_from(["lru", "lfu"]))
+def test_victims_of_all_heads_match_each_head_alone(seed, heads, policy):
+    """All heads at once: per head, the shortest prefix of its eviction order that frees
+    its deficit (none for a head with no deficit)."""
+    rng = np.random.default_rng(seed)
+    c = 12
+    last = np.stack([rng.permutation(c) + 1 for _ in range(heads)]).astype(np.int64)
+    reads = rng.integers(1, 4, (heads, c))
+    pages = rng.integers(1, 4, (heads, c))
+    evictable = rng.random((heads, c)) < 0.6
+    deficit = rng.integers(-2, 10, heads)
+    vh, vc = np.nonzero(evictable)
+    got_h, got_c = victims(policy, last, reads, vh, vc, pages[vh, vc], deficit)
+    want_h, want_c = [], []
+    for h in range(heads):
+        order = eviction_order(policy, last[h], reads[h], np.nonzero(evictable[h])[0])
+        freed = 0
+        for k in order.tolist():
+            if freed >= deficit[h]:
+                break
+            want_h.append(h)
+            want_c.append(k)
+            freed += int(pages[h, k])
+    assert got_h.tolist() == want_h and got_c.tolist() == want_c

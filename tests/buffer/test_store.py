@@ -148,3 +148,76 @@ def test_cache_size_follows_the_fraction(rng):
     for i in range(2):
         assert buf.capacity[i] == int(np.ceil(0.1 * buf.table.n_pages[i].sum()))
     mgr.close()
+
+
+class TokenReadModel:
+    """One head's cache under token reads, from the store's documented rules, one cluster
+    at a time: the clusters read are stamped fewest tokens first, hits count a read, then
+    at most ADMIT_BLOCKS misses, most tokens first, are admitted greedily within the
+    budget, evicting least recently read unprotected clusters."""
+
+    def __init__(self, capacity: int, pages: list[int], admit: int):
+        self.capacity, self.pages, self.admit = capacity, pages, admit
+        self.stamp: dict[int, int] = {}  # cached cluster -> last read
+        self.clock = 0
+
+    def step(self, tokens: list[int]) -> None:
+        count: dict[int, int] = {}
+        for c in tokens:
+            count[c] = count.get(c, 0) + 1
+        read = sorted(count, key=lambda c: (count[c], c))
+        for c in read:
+            self.clock += 1
+            if c in self.stamp:
+                self.stamp[c] = self.clock
+        stamps = {c: i for i, c in enumerate(read)}
+        misses = sorted((c for c in read if c not in self.stamp), key=lambda c: (-count[c], c))
+        misses = [c for c in misses[:self.admit] if 0 < self.pages[c] <= self.capacity]
+        used = sum(self.pages[c] for c in self.stamp)
+        evictable = sorted((c for c in self.stamp if c not in count), key=self.stamp.get)
+        budget = self.capacity - used + sum(self.pages[c] for c in evictable)
+        taken, total = [], 0
+        for c in misses:
+            if total + self.pages[c] <= budget:
+                taken.append(c)
+                total += self.pages[c]
+        while used + total > self.capacity:
+            victim = evictable.pop(0)
+            used -= self.pages[victim]
+            del self.stamp[victim]
+        for c in taken:
+            self.stamp[c] = self.clock - len(read) + 1 + stamps[c]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), cache_pages=st.integers(0, 30),
+       steps=st.lists(st.integers(1, 40), min_size=1, max_size=25))
+def test_token_reads_cache_matches_a_one_head_model(seed, cache_pages, steps):
+    """Token reads (PQCache, the graph index) update every head at once; each head's
+    cached set and recency order equal a one-cluster-at-a-time model's."""
+    g = torch.Generator().manual_seed(seed)
+    h, m, c = 3, 400, 40
+    mgr, buf, _, cl = _stores(RetroConfig(cache_pages=cache_pages, page_size=8), h, m, c, 32, g)
+    buf.ADMIT_BLOCKS = 4  # small, so that the cut matters
+    sizes = cl.sizes.long()
+    pages = [[(int(s) + 7) // 8 for s in sizes[i]] for i in range(h)]
+    models = [TokenReadModel(cache_pages, pages[i], 4) for i in range(h)]
+    rng = np.random.default_rng(seed)
+    for k in steps:
+        ids = np.zeros((h, k), dtype=np.int64)
+        offs = np.zeros((h, k), dtype=np.int64)
+        for i in range(h):
+            nonempty = np.nonzero(sizes[i].numpy() > 0)[0]
+            ids[i] = nonempty[rng.integers(0, nonempty.size, k) % rng.integers(1, 8)]
+            offs[i] = rng.integers(0, sizes[i].numpy()[ids[i]])
+        dk = torch.zeros(h, k, 32)
+        buf.gather_tokens_into(ids, offs, 0, dk, dk.clone())
+        buf.step_done()
+        buf.check_invariants()
+        for i in range(h):
+            models[i].step(ids[i].tolist())
+            cached = np.nonzero(buf.table.cached[i])[0].tolist()
+            assert cached == sorted(models[i].stamp)
+            by_recency = sorted(cached, key=lambda x: buf.table.last_access[i, x])
+            assert by_recency == sorted(models[i].stamp, key=models[i].stamp.get)
+    mgr.close()

@@ -73,6 +73,13 @@ class ClusterMappingTable:
         self.last_access = np.concatenate([self.last_access, np.zeros((h, c), np.int64)], axis=1)
         self.reads = np.concatenate([self.reads, np.zeros((h, c), np.int64)], axis=1)
 
+    def cached_pages(self) -> np.ndarray:
+        """Device blocks each head's cached clusters hold ([H] int64)."""
+        flat = np.flatnonzero(self.cached)  # far faster than a masked sum over [H, C]
+        held = np.bincount(flat // max(self.num_clusters, 1),
+                           weights=self.n_pages.reshape(-1)[flat], minlength=self.size.shape[0])
+        return held.astype(np.int64)
+
     def pages_of_many(self, head: int, clusters: np.ndarray) -> np.ndarray:
         """The host pages of ``clusters`` ([n] ids of one head), concatenated in order."""
         return runs(self.page_start[head, clusters], self.n_pages[head, clusters])

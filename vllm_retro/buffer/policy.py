@@ -18,16 +18,46 @@ import numpy as np
 from vllm_retro.config import CACHE_POLICIES
 
 
+def victims(policy: str, last_access: np.ndarray, reads: np.ndarray, heads: np.ndarray,
+            clusters: np.ndarray, pages: np.ndarray, deficit: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The clusters ``policy`` evicts to free ``deficit[h]`` pages in every head h at once
+    (no loop over heads).
+
+    ``last_access``, ``reads``: the table's [H, C] int64 arrays; ``heads``, ``clusters``,
+    ``pages``: the evictable clusters (cached, not read this step) as [n] int64 lists and
+    their page counts; ``deficit``: [H] pages to free (<= 0: none). Each head's evictable
+    clusters are ordered by the policy (ties by cluster id) and taken while the pages freed
+    before each are short of its deficit. Returns (head, cluster) [k] int64 each, grouped
+    by head and in eviction order within a head."""
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"cache policy {policy!r} is unknown; accepted: "
+                         + ", ".join(map(repr, CACHE_POLICIES)))
+    keep = deficit[heads] > 0
+    heads, clusters, pages = heads[keep], clusters[keep], pages[keep]
+    if heads.size == 0:
+        return heads, clusters
+    la = last_access[heads, clusters]
+    if policy == "lru":
+        order = np.lexsort((clusters, la, heads))  # the last key sorts first
+    else:  # lfu
+        order = np.lexsort((clusters, la, reads[heads, clusters], heads))
+    heads, clusters, pages = heads[order], clusters[order], pages[order]
+    before = np.cumsum(pages) - pages  # pages freed before each, from the first head on
+    first = np.searchsorted(heads, heads, side="left")  # each head's first entry
+    take = before - before[first] < deficit[heads]
+    return heads[take], clusters[take]
+
+
 def eviction_order(policy: str, last_access: np.ndarray, reads: np.ndarray,
                    candidates: np.ndarray) -> np.ndarray:
     """``candidates`` (cluster ids [n] of one head, cached and unprotected) in the order
     ``policy`` evicts them. ``last_access``, ``reads``: that head's rows of the table, [C]."""
-    if policy == "lru":
-        return candidates[np.argsort(last_access[candidates], kind="stable")]
-    if policy == "lfu":
-        return candidates[np.lexsort((last_access[candidates], reads[candidates]))]
-    raise ValueError(f"cache policy {policy!r} is unknown; accepted: "
-                     + ", ".join(map(repr, CACHE_POLICIES)))
+    cand = np.asarray(candidates, dtype=np.int64)
+    ones = np.ones(cand.shape, dtype=np.int64)
+    _, order = victims(policy, last_access[None], reads[None], 0 * ones, cand, ones,
+                       np.array([cand.size + 1]))
+    return order
 
 
 def admit_greedy(need: np.ndarray, budget: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import torch
 from vllm_retro import kernels
 from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
-from vllm_retro.buffer.policy import admit_greedy, eviction_order
+from vllm_retro.buffer.policy import admit_greedy, victims
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts, fill_steady
@@ -258,7 +258,8 @@ class WaveBufferStore:
 
     def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
         """The cache update of one step (worker thread): record the reads, evict by the
-        policy's order, admit the misses that fit, and plan their copies into the cache."""
+        policy's order, admit the misses that fit, and plan their copies into the cache.
+        Every KV head at once (no per-head or per-cluster Python work)."""
         t, page = self.table, self.page_size
         h_n, r = ids.shape
         rows = np.arange(h_n)[:, None]
@@ -266,63 +267,63 @@ class WaveBufferStore:
         t.last_access[rows, ids] = self._clock + 1 + np.arange(r)[None, :]
         self._clock += r
         t.reads[rows, ids] += lk.cached  # misses start at 1 when admitted
-        heads: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        dest: list[np.ndarray] = []
-        admitted = evicted = 0
-        for h in range(h_n):
-            pos = np.nonzero(~lk.cached[h])[0]  # positions of the misses in the read order
-            pos, cand, blocks, freed = self._admit_head(h, ids[h], pos, ids[h, pos])
-            evicted += freed
-            if blocks.size == 0:
-                continue
-            admitted += blocks.size
-            sizes = t.size[h, cand]
-            need = t.n_pages[h, cand]
-            tok = runs(np.zeros_like(sizes), sizes)  # 0 .. size - 1 per admitted cluster
-            which = np.repeat(np.arange(cand.size), sizes)
-            first_block = np.cumsum(need) - need
-            heads.append(np.full(tok.size, h))
-            slots.append(n_steady + lk.begins[h, pos][which] + tok)
-            dest.append(blocks[first_block[which] + tok // page] * page + tok % page)
-        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
-        if not heads:
+        protected = np.zeros(t.cached.shape, dtype=bool)
+        protected[rows, ids] = True
+        heads, pos, cand, blocks = self._admit(ids, ~lk.cached, protected)
+        if blocks.size == 0:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return np.concatenate(heads), np.concatenate(slots), np.concatenate(dest)
+        sizes = t.size[heads, cand]
+        need = t.n_pages[heads, cand]
+        tok = runs(np.zeros_like(sizes), sizes)  # 0 .. size - 1 per admitted cluster
+        which = np.repeat(np.arange(cand.size), sizes)
+        first_block = np.cumsum(need) - need
+        return (heads[which], n_steady + lk.begins[heads, pos][which] + tok,
+                blocks[first_block[which] + tok // page] * page + tok % page)
 
-    def _admit_head(self, h: int, read: np.ndarray, pos: np.ndarray, cand: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Admit head ``h``'s candidate clusters ``cand`` ([n], in priority order; ``pos``
-        travels with them) within its block budget, evicting by the policy's order among
-        its cached clusters not in ``read`` (this step's, protected). Returns (pos, cand
-        admitted, their device blocks in order, blocks evicted)."""
+    def _admit(self, cand: np.ndarray, want: np.ndarray, protected: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Admit the candidate clusters ``cand[h, j]`` where ``want[h, j]`` ([H, n] int64 and
+        bool; each head's in priority order) within each head's block budget, evicting by
+        the policy's order among its cached clusters not ``protected`` ([H, C] bool: this
+        step's reads). A head whose misses do not all fit even after evicting everything
+        evictable admits greedily (:func:`admit_greedy`; rare, the only per-head loop).
+        Returns the admitted (head, position j, cluster) [n] each, head-major, and their
+        device blocks in that order (each cluster's pages' blocks, concatenated)."""
         t = self.table
-        need = t.n_pages[h, cand]
-        ok = (need > 0) & (need <= self.capacity[h])
-        pos, cand, need = pos[ok], cand[ok], need[ok]
-        room = int(self.capacity[h] - t.n_pages[h][t.cached[h]].sum())  # blocks free
+        rows = np.arange(self.num_heads)[:, None]
+        need = t.n_pages[rows, cand]
+        ok = want & (need > 0) & (need <= self.capacity[:, None])
+        need = np.where(ok, need, 0)
+        room = self.capacity - t.cached_pages()  # free blocks
+        must = need.sum(axis=1) > room  # heads that must evict
         evicted = 0
-        if int(need.sum()) > room:
-            protected = np.zeros(t.num_clusters, dtype=bool)
-            protected[read] = True
-            victims = eviction_order(self.config.cache_policy, t.last_access[h], t.reads[h],
-                                     np.nonzero(t.cached[h] & ~protected)[0])
-            vpages = t.n_pages[h, victims]
-            take = admit_greedy(need, room + int(vpages.sum()))
-            pos, cand, need = pos[take], cand[take], need[take]
-            deficit = int(need.sum()) - room
-            if deficit > 0:
-                k = int(np.searchsorted(np.cumsum(vpages), deficit)) + 1
-                evicted = self._evict(h, victims[:k])
+        if must.any():
+            # the evictable clusters of those heads, as flat lists: [H, C] is scanned once
+            flat = np.flatnonzero(t.cached & ~protected & must[:, None])
+            vh, vc = np.divmod(flat, t.num_clusters)
+            vp = t.n_pages.reshape(-1)[flat]
+            budget = room + np.bincount(vh, weights=vp, minlength=self.num_heads
+                                        ).astype(np.int64)
+            for h in np.nonzero(need.sum(axis=1) > budget)[0].tolist():
+                idx = np.nonzero(ok[h])[0]
+                drop = idx[~admit_greedy(need[h, idx], int(budget[h]))]
+                ok[h, drop] = False
+                need[h, drop] = 0
+            vh, vc = victims(self.config.cache_policy, t.last_access, t.reads, vh, vc, vp,
+                             need.sum(axis=1) - room)
+            evicted = self._evict(vh, vc)
+        heads, pos = np.nonzero(ok)
+        cand = cand[heads, pos]
+        need = need[heads, pos]
         total = int(need.sum())
-        if total == 0:
-            return pos[:0], cand[:0], np.zeros(0, dtype=np.int64), evicted
-        blocks = self.blocks.take(total)
-        self.host.page_block[t.pages_of_many(h, cand)] = blocks
-        t.cached[h, cand] = True
-        t.reads[h, cand] = 1
-        return pos, cand, blocks, evicted
+        blocks = self.blocks.take(total) if total else np.zeros(0, dtype=np.int64)
+        if total:
+            self.host.page_block[runs(t.page_start[heads, cand], need)] = blocks
+            t.cached[heads, cand] = True
+            t.reads[heads, cand] = 1
+        self.manager.stats.add(pages_admitted=total, pages_evicted=evicted)
+        return heads, pos, cand, blocks
 
     # ------------------------------------------------------------------ token reads
     ADMIT_BLOCKS = 32
@@ -362,48 +363,62 @@ class WaveBufferStore:
         read are stamped, those holding more of the step's tokens as more recent, and
         cached ones count a read; then up to :attr:`ADMIT_BLOCKS` missed clusters, most
         tokens first, are admitted. Plan: (empty, host-pool rows, device-pool rows): whole
-        clusters are copied from the host tier, since only some of their tokens were read."""
+        clusters are copied from the host tier, since only some of their tokens were read.
+        Every head at once, as :meth:`_update`."""
         t, page = self.table, self.page_size
-        src: list[np.ndarray] = []
-        dest: list[np.ndarray] = []
-        admitted = evicted = hits = misses = 0
-        for h in range(self.num_heads):
-            read, count = np.unique(cluster_ids[h], return_counts=True)
-            rank = np.argsort(count, kind="stable")  # fewest tokens first: oldest stamp
-            t.last_access[h, read[rank]] = self._clock + 1 + np.arange(read.size)
-            self._clock += read.size
-            cached = t.cached[h, read]
-            hits += int(cached.sum())
-            misses += int((~cached).sum())
-            t.reads[h, read] += cached
-            miss = np.nonzero(~cached)[0]
-            miss = miss[np.argsort(-count[miss], kind="stable")][:self.ADMIT_BLOCKS]
-            _, cand, blocks, freed = self._admit_head(h, read, miss, read[miss])
-            evicted += freed
-            if blocks.size == 0:
-                continue
-            admitted += blocks.size
-            sizes = t.size[h, cand]
-            first_page = np.cumsum(t.n_pages[h, cand]) - t.n_pages[h, cand]
-            tok = runs(np.zeros_like(sizes), sizes)
-            which = np.repeat(np.arange(cand.size), sizes)
-            src.append(t.page_start[h, cand][which] * page + tok)
-            dest.append(blocks[first_page[which] + tok // page] * page + tok % page)
-        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted,
-                               cluster_hits=hits, cluster_misses=misses)
+        h_n, k = cluster_ids.shape
+        s = np.sort(cluster_ids, axis=1)
+        new = np.ones(s.shape, dtype=bool)
+        new[:, 1:] = s[:, 1:] != s[:, :-1]
+        head, col = np.nonzero(new)  # each head's distinct clusters, ascending
+        read = s[head, col]
+        starts = np.flatnonzero(new.reshape(-1))
+        count = np.diff(np.append(starts, s.size))  # tokens read from each
+        # stamps: head after head, fewest tokens first (ties: lower id first)
+        order = np.lexsort((read, count, head))
+        t.last_access[head[order], read[order]] = self._clock + 1 + np.arange(read.size)
+        self._clock += read.size
+        cached = t.cached[head, read]
+        t.reads[head, read] += cached
+        # each head's missed clusters, most tokens first, at most ADMIT_BLOCKS
+        miss = np.nonzero(~cached)[0]
+        miss = miss[np.lexsort((read[miss], -count[miss], head[miss]))]
+        mh = head[miss]
+        rank = np.arange(miss.size) - np.searchsorted(mh, mh, side="left")
+        miss, mh, rank = miss[rank < self.ADMIT_BLOCKS], mh[rank < self.ADMIT_BLOCKS], \
+            rank[rank < self.ADMIT_BLOCKS]
+        n = int(rank.max()) + 1 if rank.size else 0
+        cand = np.zeros((h_n, n), dtype=np.int64)
+        want = np.zeros((h_n, n), dtype=bool)
+        cand[mh, rank] = read[miss]
+        want[mh, rank] = True
+        protected = np.zeros(t.cached.shape, dtype=bool)
+        protected[head, read] = True
+        self.manager.stats.add(cluster_hits=int(cached.sum()),
+                               cluster_misses=int((~cached).sum()))
+        heads, _, cand, blocks = self._admit(cand, want, protected)
         empty = np.zeros(0, dtype=np.int64)
-        if not src:
+        if blocks.size == 0:
             return empty, empty, empty
-        return empty, np.concatenate(src), np.concatenate(dest)
+        sizes = t.size[heads, cand]
+        need = t.n_pages[heads, cand]
+        first_page = np.cumsum(need) - need
+        tok = runs(np.zeros_like(sizes), sizes)
+        which = np.repeat(np.arange(cand.size), sizes)
+        return (empty, t.page_start[heads, cand][which] * page + tok,
+                blocks[first_page[which] + tok // page] * page + tok % page)
 
-    def _evict(self, h: int, clusters: np.ndarray) -> int:
-        """Drop ``clusters`` ([n] ids of head ``h``) from the cache; returns pages freed."""
+    def _evict(self, heads: np.ndarray, clusters: np.ndarray) -> int:
+        """Drop ``clusters`` ([n] ids, of ``heads`` [n]) from the cache; returns pages
+        freed."""
+        if clusters.size == 0:
+            return 0
         t = self.table
-        pages = t.pages_of_many(h, clusters)
+        pages = runs(t.page_start[heads, clusters], t.n_pages[heads, clusters])
         blocks = self.host.page_block[pages].copy()  # a view would read back the -1s
         self.host.page_block[pages] = -1
-        t.cached[h, clusters] = False
-        t.reads[h, clusters] = 0
+        t.cached[heads, clusters] = False
+        t.reads[heads, clusters] = 0
         self.blocks.give(blocks)
         return int(blocks.size)
 
