@@ -210,25 +210,12 @@ def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
 
 
 def test_finished_and_aborted_requests_free_every_byte(tiny_model_dir):
-    with engine(tiny_model_dir, retro=TINY_RETRO) as llm:
-        rt = get_runtime()
-        eng = llm.llm_engine
-        long_a, long_b = random_prompts([2000, 2500], seed=3)
-        eng.add_request("a", long_a, greedy(200))
-        eng.add_request("b", long_b, greedy(30))
-        for _ in range(200):
-            eng.step()
-            if rt.counters.retro_decode_tokens >= 2 * 2 * 10:
-                break
-        assert len(rt.live_requests()) == 2
+    def check(rt):
         host, _ = rt.live_bytes()
         assert host > 2 * 2 * 2000 * 2 * 32 * 4  # both requests' KV in the host tier
-        eng.abort_request(["a"])  # mid-decoding
-        while eng.has_unfinished_requests():
-            eng.step()
-        finish_step(llm)
-        assert rt.live_requests() == []
-        assert rt.live_bytes() == (0, 0)
+
+    with engine(tiny_model_dir, retro=TINY_RETRO) as llm:
+        rt = decode_two_abort_one(llm, check)
         assert rt.counters.requests_released == 2
 
 
