@@ -46,6 +46,7 @@ from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.batched import decode_batch, fused_supported, packed_row  # noqa: E402
 from vllm_retro.index.graph_index import GraphIndex  # noqa: E402
 from vllm_retro.index.padded import MetaViewCache, decode_padded  # noqa: E402
+from vllm_retro.index.pages import PAGE_INDEXES  # noqa: E402
 from vllm_retro.index.pq_index import PQIndex  # noqa: E402
 from vllm_retro.index.saap import SaapIndex, saap_selection  # noqa: E402
 from vllm_retro.index.saap_model import ModelIdentity, random_saap_model  # noqa: E402
@@ -285,6 +286,24 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             st.settle()
         saap_build_s = (time.perf_counter() - t1) / batch
     saap_t: list[float] = []
+    # Quest and StreamingLLM: page policies at their defaults, through their serving path
+    page_indexes: dict[str, list] = {}
+    page_build_s: dict[str, float] = {}
+    page_t: dict[str, list[float]] = {}
+    page_mgr = WaveBufferManager(cfg)
+    for name in ("quest", "streaming"):
+        if name not in args.policies:
+            continue
+        pcfg = cfg.replace(index=name)
+        t1 = time.perf_counter()
+        page_indexes[name] = []
+        for b in range(batch):
+            st = page_mgr.store(f"{name}{b}", HKV, D, dtype, device, layer=name)
+            page_indexes[name].append(PAGE_INDEXES[name].build(
+                keys[b].to(device), values[b].to(device), pcfg, store=st))
+            st.settle()
+        page_build_s[name] = (time.perf_counter() - t1) / batch
+        page_t[name] = []
     saap_views = MetaViewCache()
     pq_views = MetaViewCache()
     pq_t: list[float] = []
@@ -315,6 +334,12 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             sync(device)
             if step >= args.warmup:
                 saap_t.append(time.perf_counter() - c0)
+        for name, pidx in page_indexes.items():  # pages chosen per row, one fused call
+            c0 = time.perf_counter()
+            decode_batch(pidx, qb, SCALE)
+            sync(device)
+            if step >= args.warmup:
+                page_t[name].append(time.perf_counter() - c0)
         if graph_indexes:  # the graph index's serving path (row by row) on the same queries
             c0 = time.perf_counter()
             decode_batch(graph_indexes, qb, SCALE)
@@ -378,6 +403,9 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             for j, (i, c) in enumerate(zip(saap_indexes, counts, strict=True)))
     saap_views.clear()
     saap_mgr.close()
+    page_tokens = {name: statistics.mean(min(i.num_pages, i.num_clusters) * i.page_size
+                                         for i in pidx) for name, pidx in page_indexes.items()}
+    page_mgr.close()
     full_ms, retro_ms = statistics.median(full_t) * 1e3, statistics.median(retro_t) * 1e3
     row = {
         "context": n, "batch": batch, "full_kernel": full_name,
@@ -417,6 +445,12 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
                        "tokens_per_kv_head": saap_tokens,
                        "path": "one classifier pass per layer, then the fused kernel with the "
                                "chosen buckets given"}
+    for name, times in page_t.items():
+        ms = statistics.median(times) * 1e3
+        row[name] = {"ms": ms, "speedup": full_ms / ms,
+                     "index_build_s_per_request": page_build_s[name],
+                     "indexed_tokens_read_per_kv_head": page_tokens[name],
+                     "path": "pages chosen per row, then the fused kernel with them given"}
     if graph_t:
         graph_ms = statistics.median(graph_t) * 1e3
         row["graph"] = {"ms": graph_ms, "speedup": full_ms / graph_ms,
@@ -460,6 +494,13 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         gi = row["graph"]
         print(f"    graph {gi['ms']:8.2f} ms  speedup {gi['speedup']:5.2f}x  (build "
               f"{gi['index_build_s_per_request']:.1f} s/request)", flush=True)
+    for name in ("quest", "streaming"):
+        if name in row:
+            pi = row[name]
+            print(f"    {name} {pi['ms']:8.2f} ms  speedup {pi['speedup']:5.2f}x  (build "
+                  f"{pi['index_build_s_per_request']:.2f} s/request, "
+                  f"{pi['indexed_tokens_read_per_kv_head']:.0f} indexed tokens read)",
+                  flush=True)
     if row["fused_phase_ms_per_step"]:
         print("    fused phases (ms/step, all requests): " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["fused_phase_ms_per_step"].items()), flush=True)
@@ -479,7 +520,7 @@ def main() -> None:
                     help="k-means iterations at index build (build time is not what is timed)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--policies", nargs="+", default=["wave"],
-                    choices=["wave", "pqcache", "saap", "graph"],
+                    choices=["wave", "pqcache", "saap", "graph", "quest", "streaming"],
                     help="indexes timed in the same run (the wave index always is; "
                          "'pqcache' adds PQCache's serving path and build, and a host copy; "
                          "'saap' SAAP (a random router of the default size: its cost), "

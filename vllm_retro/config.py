@@ -17,7 +17,7 @@ from typing import Any
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 ESTIMATORS = ("tilted", "centroid")
 CACHE_POLICIES = ("lru", "lfu")
-INDEXES = ("wave", "pqcache", "saap", "graph")
+INDEXES = ("wave", "pqcache", "saap", "graph", "quest", "streaming")
 
 
 class ConfigError(ValueError):
@@ -72,9 +72,11 @@ class RetroConfig:
     """Which index chooses the tokens a decode step reads: 'wave' (RetroInfer: clusters,
     retrieval and estimation zones), 'pqcache' (PQCache: product-quantised keys, the top
     tokens read exactly; see ``pq_*``), 'saap' (SAAP: trained key buckets and query router,
-    see ``saap_*``) or 'graph' (RetrievalAttention: a query-aware graph over the keys
-    searched per decode query, see ``graph_*``). The steady zone, wave buffer and metrics
-    are shared."""
+    see ``saap_*``), 'graph' (RetrievalAttention: a query-aware graph over the keys
+    searched per decode query, see ``graph_*``), 'quest' (Quest: pages ranked by the
+    bound of q.k from their keys' min and max, see ``quest_*``) or 'streaming'
+    (StreamingLLM: sinks and the most recent tokens, see ``streaming_tokens``). The steady
+    zone, wave buffer and metrics are shared."""
 
     # --- wave index: clustering -------------------------------------------------------------
     cluster_size: int = 16
@@ -166,6 +168,16 @@ class RetroConfig:
     graph_block_tokens: int = 128
     """Graph: tokens per block of the device cache (consecutive positions)."""
 
+    # --- page policies (index='quest' / 'streaming'; Quest, Tang et al. 2024; StreamingLLM) --
+    quest_page_size: int = 16
+    """Quest and streaming: tokens per page, the unit read (Quest's 16)."""
+    quest_token_budget: int = 1024
+    """Quest: indexed tokens read exactly per decode step and KV head, in whole pages, with
+    the steady zone (the paper evaluates 256-4096). At least the context: full attention."""
+    streaming_tokens: int = 1024
+    """Streaming: the most recent indexed tokens read per decode step, in whole pages,
+    beyond the sinks and the local window (StreamingLLM's cache is sinks + recent window)."""
+
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
     """Tokens per page of the host tier and of the device block cache."""
@@ -199,6 +211,9 @@ class RetroConfig:
         _check_int("graph_knn", self.graph_knn, 2, 4096)
         _check_int("graph_train_queries", self.graph_train_queries, 1, 1 << 22)
         _check_int("graph_block_tokens", self.graph_block_tokens, 1, 1 << 16)
+        _check_int("quest_page_size", self.quest_page_size, 1, 1 << 16)
+        _check_int("quest_token_budget", self.quest_token_budget, 0, 1 << 30)
+        _check_int("streaming_tokens", self.streaming_tokens, 0, 1 << 30)
         _check_int("cluster_size", self.cluster_size, 1, 4096)
         _check_int("segment_size", self.segment_size, 16, 1 << 20)
         if self.segment_size < self.cluster_size:

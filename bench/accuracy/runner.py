@@ -33,6 +33,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # each at its defaults
     "saap": {"index": "saap"},
     "graph": {"index": "graph"},
+    # Quest and StreamingLLM at their defaults (1024 indexed tokens read per step)
+    "quest": {"index": "quest"},
+    "streaming": {"index": "streaming"},
 }
 #: KV cache of the CPU engine, GiB (Qwen2.5-0.5B: 12 KiB per token in bf16).
 KVCACHE_GIB = "2"

@@ -2,12 +2,14 @@
 decode kernel); only how the exactly-read tokens are chosen differs. None has an estimation
 zone (the paper's peers have none).
 
-- :class:`QuestIndex`: Quest-style pages of contiguous tokens ranked by the per-dimension
-  min/max upper bound of ``q . k`` (Tang et al., 2024);
+- ``quest``: Quest's pages of contiguous tokens ranked by the per-dimension min/max upper
+  bound of ``q . k`` (Tang et al., 2024): the serving index itself,
+  :class:`~vllm_retro.index.pages.QuestIndex`;
 - ``pqcache``: tokens ranked by product-quantised ``q . k_hat`` (Zhang et al., 2025): the
   serving index itself, :class:`~vllm_retro.index.pq_index.PQIndex`;
-- :class:`StreamingIndex`: StreamingLLM (Xiao et al., 2024), sinks plus a local window
-  widened by the budget (the most recent indexed tokens);
+- ``streaming``: StreamingLLM (Xiao et al., 2024), sinks plus a local window widened by
+  the budget (the most recent pages): the serving index,
+  :class:`~vllm_retro.index.pages.StreamingIndex`;
 - :class:`OracleIndex`: the exact top tokens by ``q . k``, an upper bound for token selection.
 
 **The budget rule.** Every method attends exactly the same steady zone (first
@@ -30,10 +32,10 @@ from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, clusters_per_segment, residual_moments
 from vllm_retro.index.functional import validate_qkv
+from vllm_retro.index.pages import QuestIndex, StreamingIndex
 from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import Selection, WaveIndex
-from vllm_retro.kernels.scoring import group_scores_from_logits
 
 
 def page_clusters(keys: torch.Tensor, values: torch.Tensor, page_size: int) -> Clusters:
@@ -62,55 +64,6 @@ def page_clusters(keys: torch.Tensor, values: torch.Tensor, page_size: int) -> C
         order=torch.arange(m, device=keys.device)[None, :].expand(h, m).contiguous(),
         offsets=offsets[None, :].expand(h, p + 1).contiguous(),
     )
-
-
-class QuestIndex(WaveIndex):
-    """Quest-style page selection: read the top ``num_pages`` pages (plus the steady zone)
-    exactly, ranked by ``sum_d max(q_d * min_d, q_d * max_d)``; GQA groups share pages,
-    ranked by the group's summed softmax of those bounds, as in the wave index."""
-
-    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
-                 page_size: int = 16):
-        if page_size < 1:
-            raise ValueError(f"page_size={page_size}; accepted: a positive integer")
-        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
-        self.page_size = page_size
-        self.num_pages = 0  # pages read exactly per decode step (token budget / page size)
-        self.page_min = torch.empty(num_kv_heads, 0, head_dim, device=device)
-        self.page_max = torch.empty_like(self.page_min)
-
-    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
-        return page_clusters(keys, values, self.page_size)
-
-    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   clusters: Clusters) -> None:
-        super()._add_block(keys, values, start, clusters)
-        h, m, d = keys.shape
-        ps = self.page_size
-        p = math.ceil(m / ps)
-        kf = keys.float()
-        last = kf[:, -1:].expand(h, p * ps - m, d)  # pad with a real key: bounds unchanged
-        kp = torch.cat([kf, last], dim=1).reshape(h, p, ps, d)
-        self.page_min = torch.cat([self.page_min, kp.amin(2)], dim=1)
-        self.page_max = torch.cat([self.page_max, kp.amax(2)], dim=1)
-
-    def select(self, query: torch.Tensor, scale: float) -> Selection:
-        h = self.num_kv_heads
-        q = query.reshape(h, -1, self.head_dim).float()  # [H, G, D]
-        if self.num_clusters == 0 or self.num_pages <= 0:
-            none = torch.empty(h, 0, dtype=torch.int64, device=query.device)
-            return Selection(none, none)
-        bound = torch.maximum(q[:, :, None, :] * self.page_min[:, None],
-                              q[:, :, None, :] * self.page_max[:, None]).sum(-1) * scale
-        scores = group_scores_from_logits(bound, self.sizes > 0)
-        k = min(self.num_pages, self.num_clusters)
-        top = torch.topk(scores, k, dim=1).indices
-        return Selection(top, top[:, :0])
-
-    def set_token_budget(self, tokens: int) -> None:
-        """Read ``round(tokens / page_size)`` pages per decode step."""
-        self.num_pages = max(0, round(tokens / self.page_size))
 
 
 class TokenIndex(WaveIndex):
@@ -154,16 +107,6 @@ class OracleIndex(TokenIndex):
     def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         return kernels.cluster_scores(query, self._scoring_centroids(), self.sizes, scale,
                                       backend=self.backend)
-
-
-class StreamingIndex(TokenIndex):
-    """StreamingLLM: the attention sinks and a local window widened by ``token_budget``
-    tokens, i.e. the most recent indexed tokens; the query plays no part."""
-
-    def token_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        n = self.num_clusters
-        return torch.arange(n, device=query.device, dtype=torch.float32)[None].expand(
-            self.num_kv_heads, n)
 
 
 def retrieval_token_budget(config: RetroConfig, n_indexed: int) -> int:
@@ -240,8 +183,8 @@ def quest_attention(
 ) -> tuple[torch.Tensor, dict]:
     """Quest-style baseline: the steady zone plus ``round(token_budget / page_size)`` pages
     read exactly. Shapes and ``token_budget`` as :func:`baseline_attention`."""
-    return baseline_attention("quest", query, keys, values, token_budget, config, scale,
-                              page_size=page_size)
+    config = (config or RetroConfig()).replace(quest_page_size=page_size)
+    return baseline_attention("quest", query, keys, values, token_budget, config, scale)
 
 
 def pqcache_attention(

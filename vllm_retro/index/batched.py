@@ -27,6 +27,7 @@ from vllm_retro.index.padded import (
     decode_padded,
     padded_supported,
 )
+from vllm_retro.index.pages import QuestIndex, StreamingIndex, page_selection
 from vllm_retro.index.pq_index import PQIndex, decode_pq
 from vllm_retro.index.saap import SaapIndex, saap_selection
 from vllm_retro.index.store import RowAddressedStore
@@ -37,6 +38,15 @@ from vllm_retro.kernels.cpu_decode import fused_path
 _ROW_ADDRESSED: dict[type, bool] = {}
 """Store class -> whether it is a :class:`RowAddressedStore` (a runtime protocol check is
 slow, and it is asked for every row of every layer at every step)."""
+
+
+GIVEN_SELECTION = {
+    SaapIndex: lambda indexes, query, scale: saap_selection(indexes, query),
+    QuestIndex: page_selection,
+    StreamingIndex: page_selection,
+}
+"""Policies that choose whole clusters for all rows of a layer step before they are read
+(``(indexes, query [B, Hq, D], scale) -> (ids [B, H, W] padded with -1, counts)``)."""
 
 
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
@@ -147,8 +157,11 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if all(type(i) is PQIndex for i in indexes):
         decode_pq(indexes, query, scale, out, cache)
         return out
-    if all(type(i) is SaapIndex for i in indexes):  # clusters chosen by the trained router
-        ids, counts = saap_selection(indexes, query)
+    kind = type(indexes[0])
+    if all(type(i) is kind for i in indexes) and kind in GIVEN_SELECTION:
+        # clusters chosen by the policy for all rows (SAAP's trained router, Quest's page
+        # bounds, StreamingLLM's recent pages), then read and attended in one call
+        ids, counts = GIVEN_SELECTION[kind](indexes, query, scale)
         if out.dtype == query.dtype and all(fused_rows(i, query) for i in indexes):
             cpu_decode.decode_packed(
                 query, [packed_row(i, False) for i in indexes], scale, False, out=out,

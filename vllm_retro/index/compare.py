@@ -17,7 +17,7 @@ from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import SaapModel
 from vllm_retro.index.wave_index import DecodeResult, WaveIndex
 
-TOKEN_BASELINES = ("pqcache", "streaming", "oracle")
+TOKEN_BASELINES = ("pqcache", "streaming", "oracle")  # streaming reads pages: same budget rule
 """The baselines run here on top of :func:`compare_policies` (which runs Quest)."""
 
 

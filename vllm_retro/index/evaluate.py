@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.baselines import QuestIndex
+from vllm_retro.index.pages import QuestIndex
 from vllm_retro.index.wave_index import DecodeResult, WaveIndex
 
 Step = Callable[[WaveIndex, torch.Tensor, float, int], DecodeResult]

@@ -21,15 +21,16 @@ from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.wave_index import WaveIndex
 
 
-def position_blocks(keys: torch.Tensor, block: int) -> Clusters:
+def position_blocks(keys: torch.Tensor, block: int, short_first: bool = False) -> Clusters:
     """Cut a block of tokens ([H, M, D] keys) into runs of ``block`` consecutive positions
-    (the last one shorter), each a 'cluster' in token order, identical across heads. Only
-    the layout fields are filled (no centroids or moments: these policies estimate nothing)."""
+    (the last one shorter; the first with ``short_first``, so the newest runs are whole),
+    each a 'cluster' in token order, identical across heads. Only the layout fields are
+    filled (no centroids or moments: these policies estimate nothing)."""
     h, m, d = keys.shape
     dev = keys.device
     c = math.ceil(m / block)
     sizes = torch.full((h, c), block, dtype=torch.int32, device=dev)
-    sizes[:, -1] = m - (c - 1) * block
+    sizes[:, 0 if short_first else -1] = m - (c - 1) * block
     offsets = torch.zeros(h, c + 1, dtype=torch.int64, device=dev)
     offsets[:, 1:] = sizes.long().cumsum(1)
     empty = keys.new_empty(h, 0, d)

@@ -19,6 +19,7 @@ from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import fused_path
 from vllm_retro.index.graph_index import GraphIndex
+from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import load_saap
@@ -170,6 +171,8 @@ class RetroRuntime:
                                     layer=layer)
         elif self.config.index == "graph":  # trained on the prompt's last chunk's queries
             index = GraphIndex.build(keys, values, self.config, store=store, queries=queries)
+        elif self.config.index in PAGE_INDEXES:
+            index = PAGE_INDEXES[self.config.index].build(keys, values, self.config, store=store)
         else:
             index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it

@@ -1,0 +1,173 @@
+"""Page-level policies as serving indexes: Quest and StreamingLLM.
+
+Both cut the indexed KV into pages of ``quest_page_size`` consecutive positions, each a
+cluster of the store (:func:`~vllm_retro.index.token_index.position_blocks`; a block's
+first page is the short one, so the pages next to the window are whole), and read whole
+pages exactly, with the steady zone (sinks + local window); neither estimates anything.
+They differ only in which pages a decode step reads:
+
+- :class:`QuestIndex` (Tang et al., 2024): per page the element-wise min and max of its
+  keys (kept per KV head, in the keys' dtype: 2 rows per page, 1/8 of the KV at 16-token
+  pages); a query head's upper bound of ``q . k`` over a page is
+  ``sum_d max(q_d * min_d, q_d * max_d)``. A KV head's GQA group shares its pages, ranked
+  by the group's summed softmax of those bounds (as the wave index ranks clusters), and the
+  top ``ceil(quest_token_budget / quest_page_size)`` are read.
+- :class:`StreamingIndex` (StreamingLLM, Xiao et al., 2024): the most recent pages, so a
+  step attends the sinks and a recent window widened by ``streaming_tokens``; the query
+  plays no part. The older KV stays in the host tier (never read).
+
+A page count at least the number of pages reads every indexed token: full attention.
+
+Batched decode (:func:`page_selection`): each row's pages are chosen (one scoring call per
+row: each request's page bounds are its own), then every row of the layer goes through one
+fused kernel call with the chosen clusters given, as SAAP's buckets do
+(:func:`~vllm_retro.index.batched.decode_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.clustering import Clusters
+from vllm_retro.index.store import ClusterStore
+from vllm_retro.index.token_index import position_blocks
+from vllm_retro.index.wave_index import GrowingRows, Selection, WaveIndex
+from vllm_retro.kernels.scoring import group_scores_from_logits
+
+
+class PageIndex(WaveIndex):
+    """Pages of ``quest_page_size`` positions as the store's clusters; a subclass ranks them
+    (:meth:`page_scores`) and the top :attr:`num_pages` are read exactly."""
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
+        super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
+        self.page_size = config.quest_page_size
+        self.num_pages = math.ceil(self.default_budget(config) / self.page_size)
+        """Pages read exactly per decode step and KV head."""
+
+    @staticmethod
+    def default_budget(config: RetroConfig) -> int:
+        """Indexed tokens read per step by default (rounded up to whole pages)."""
+        raise NotImplementedError
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Read ``round(tokens / page_size)`` pages per step instead of the default (the
+        attention-level comparison's matched budgets)."""
+        self.num_pages = max(0, round(int(tokens) / self.page_size))
+
+    def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
+        return position_blocks(keys, self.page_size, short_first=True)
+
+    def _add_meta(self, clusters: Clusters) -> None:
+        # only the page sizes: no centroids, value sums or residual model to keep
+        self.fused_view = None
+        self.meta_generation += 1
+        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4 * self._block_pages)
+
+    @property
+    def _block_pages(self) -> int:
+        return math.ceil(self.config.update_segment / self.page_size)
+
+    def meta_nbytes(self) -> int:
+        """Bytes of the per-page rows (with room for later blocks)."""
+        return sum(r.nbytes() for r in self._meta_rows.values())
+
+    def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Rank of every page for a query [num_heads, D]: [H, P] (higher is read first)."""
+        raise NotImplementedError
+
+    def select(self, query: torch.Tensor, scale: float) -> Selection:
+        """The pages read exactly for a query [num_heads, D]: the top :attr:`num_pages` by
+        :meth:`page_scores` ([H, k] ids, highest first), no estimation."""
+        k = min(self.num_pages, self.num_clusters)
+        if k <= 0:
+            none = torch.empty(self.num_kv_heads, 0, dtype=torch.int64, device=query.device)
+            return Selection(none, none)
+        top = torch.topk(self.page_scores(query, scale), k, dim=1).indices
+        return Selection(top, top[:, :0])
+
+
+class QuestIndex(PageIndex):
+    """Quest: pages ranked by the upper bound of ``q . k`` from their keys' per-dimension
+    min and max; see the module docstring."""
+
+    @staticmethod
+    def default_budget(config: RetroConfig) -> int:
+        return config.quest_token_budget
+
+    def _new_meta(self, dtype: torch.dtype, device: torch.device) -> None:
+        super()._new_meta(dtype, device)
+        h, d = self.num_kv_heads, self.head_dim
+        self._meta_rows["page_bounds"] = GrowingRows(
+            torch.empty(h, 0, 2 * d, dtype=dtype, device=device))
+        self.page_bounds = self._meta_rows["page_bounds"].buf
+        """[H, P, 2D] each page's per-dimension max of its keys, then min (keys' dtype)."""
+
+    @property
+    def page_max(self) -> torch.Tensor:
+        """[H, P, D] each page's element-wise max of its keys."""
+        return self.page_bounds[..., :self.head_dim]
+
+    @property
+    def page_min(self) -> torch.Tensor:
+        """[H, P, D] each page's element-wise min of its keys."""
+        return self.page_bounds[..., self.head_dim:]
+
+    def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   clusters: Clusters) -> None:
+        super()._add_block(keys, values, start, clusters)
+        h, m, d = keys.shape
+        p = math.ceil(m / self.page_size)
+        first = keys[:, :1].expand(h, p * self.page_size - m, d)  # a real key: bounds kept
+        pages = torch.cat([first, keys], dim=1).reshape(h, p, self.page_size, d)
+        bounds = torch.cat([pages.amax(2), pages.amin(2)], dim=2)
+        self.page_bounds = self._meta_rows["page_bounds"].append(bounds, 4 * self._block_pages)
+
+    def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The GQA group's summed softmax of each query head's page bounds
+        ``scale * sum_d max(q_d * min_d, q_d * max_d)``: [H, P] fp32."""
+        h = self.num_kv_heads
+        q = query.reshape(h, -1, self.head_dim).to(self.page_bounds.dtype)  # [H, G, D]
+        # max(q_d min_d, q_d max_d) is q_d max_d where q_d >= 0, else q_d min_d: one
+        # matrix product of [q+, q-] with [max, min] in the keys' dtype (fp32 accumulation;
+        # Quest's kernels run in fp16), no [H, G, P, D] temporary
+        split = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=2)
+        bound = torch.bmm(split, self.page_bounds.transpose(1, 2)).float()
+        return group_scores_from_logits(bound * scale, self.sizes > 0)
+
+
+class StreamingIndex(PageIndex):
+    """StreamingLLM: the most recent pages; see the module docstring."""
+
+    @staticmethod
+    def default_budget(config: RetroConfig) -> int:
+        return config.streaming_tokens
+
+    def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The page's position: [H, P] fp32 (the newest page highest)."""
+        p = self.num_clusters
+        return torch.arange(p, device=query.device, dtype=torch.float32)[None].expand(
+            self.num_kv_heads, p)
+
+
+def page_selection(indexes: list[PageIndex], query: torch.Tensor, scale: float
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """The pages each of ``indexes`` (one layer) reads for ``query[b]`` ([B, Hq, D]):
+    (ids [B, H, W] int64 on the query's device, row b's first ``counts[b]`` valid and the
+    rest -1; counts), as :meth:`PageIndex.select` gives each row."""
+    picks = [i.select(query[b], scale).retrieval_ids for b, i in enumerate(indexes)]
+    counts = [int(p.shape[1]) for p in picks]
+    width = max(counts)
+    ids = torch.full((len(indexes), indexes[0].num_kv_heads, width), -1, dtype=torch.int64,
+                     device=query.device)
+    for b, p in enumerate(picks):
+        ids[b, :, :counts[b]] = p
+    return ids, counts
+
+
+PAGE_INDEXES: dict[str, type[PageIndex]] = {"quest": QuestIndex, "streaming": StreamingIndex}
+"""The page policies by their ``RetroConfig.index`` name."""
