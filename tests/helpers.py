@@ -51,3 +51,37 @@ def random_indexes(lengths: list[int], config, heads: int, head_dim: int, dtype:
             if manager else None
         out.append(WaveIndex.build(k, v, config, store=store))
     return out
+
+
+def batched_equals_alone(indexes: list, manager, gen: torch.Generator, query_heads: int,
+                         steps: int = 200, every: int = 7, tol: float = 1e-5,
+                         check=None) -> None:
+    """Decode ``steps`` tokens for a layer's ``indexes`` at once (``append_batch`` then
+    ``decode_batch``, as the route does) and, every ``every`` steps, check each row against
+    its index decoding alone (atol = rtol = ``tol``, no NaN). Then ``check(indexes)`` (a
+    predicate, if given) is true, the stores' invariants hold and, once every index is
+    freed and ``manager`` closed, no byte is left."""
+    from vllm_retro.index.batched import append_batch, decode_batch
+    from vllm_retro.index.padded import MetaViewCache
+
+    first = indexes[0]
+    h, d, dtype, b = first.num_kv_heads, first.head_dim, first.centroids.dtype, len(indexes)
+    views = MetaViewCache()
+    for step in range(steps):
+        keys, values = torch.randn(2, b, h, d, generator=gen).to(dtype)
+        append_batch(indexes, keys, values)
+        q = torch.randn(b, query_heads, d, generator=gen).to(dtype)
+        got = decode_batch(indexes, q, d ** -0.5, cache=views)
+        if step % every == 0:
+            views.join()
+            for r, index in enumerate(indexes):
+                want = index.decode(q[r], d ** -0.5).output
+                assert not got[r].isnan().any()
+                torch.testing.assert_close(got[r], want, atol=tol, rtol=tol)
+    views.clear()
+    assert check is None or check(indexes)
+    for index in indexes:
+        index.store.check_invariants()
+        index.free()
+    manager.close()
+    assert manager.live_bytes() == (0, 0)

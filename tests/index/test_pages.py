@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import batched_equals_alone
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.index.pages import QuestIndex, StreamingIndex
@@ -136,8 +137,6 @@ def test_batched_decode_equals_each_request_decoding_alone(kind, path, dtype):
     fused CPU kernel call with them given, or the exec-buffer path over one layer pool)
     give each request's own output, across update blocks, rows of different lengths and a
     dense one."""
-    from vllm_retro.index.batched import append_batch, decode_batch
-    from vllm_retro.index.padded import MetaViewCache
     from vllm_retro.kernels import cpu_decode
 
     if path == "fused" and not cpu_decode.available():
@@ -152,26 +151,10 @@ def test_batched_decode_equals_each_request_decoding_alone(kind, path, dtype):
         v = torch.randn(H, n, D, generator=gen).to(dtype)
         st = mgr.store(f"r{r}", H, D, dtype, "cpu", layer="L")
         indexes.append(cls.build(k, v, cfg, store=st))
-    views = MetaViewCache()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for step in range(200):
-        keys, values = torch.randn(2, 3, H, D, generator=gen).to(dtype)
-        append_batch(indexes, keys, values)
-        q = torch.randn(3, H * G, D, generator=gen).to(dtype)
-        got = decode_batch(indexes, q, SCALE, cache=views)
-        if step % 7 == 0:
-            views.join()
-            for b, index in enumerate(indexes):
-                want = index.decode(q[b], SCALE).output
-                assert not got[b].isnan().any()
-                torch.testing.assert_close(got[b], want, atol=tol, rtol=tol)
-    assert indexes[0].num_updates >= 1 and not indexes[2].is_dense
-    views.clear()
-    for index in indexes:
-        index.store.check_invariants()
-        index.free()
-    mgr.close()
-    assert mgr.live_bytes() == (0, 0)
+    # the first row crosses an update block; the last, dense at first, gets indexed
+    batched_equals_alone(indexes, mgr, gen, H * G,
+                         check=lambda ix: ix[0].num_updates >= 1 and not ix[2].is_dense,
+                         tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_quest_keeps_two_rows_per_page_and_reads_its_budget():

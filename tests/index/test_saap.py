@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import batched_equals_alone
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.index.saap import SaapIndex
@@ -371,8 +372,6 @@ def test_batched_decode_equals_each_request_decoding_alone(path):
     :func:`decode_given` over one layer pool) give each request's own output, across
     update blocks, with rows of different lengths and a dense one; their stores stay
     consistent and every byte is freed."""
-    from vllm_retro.index.batched import append_batch, decode_batch
-    from vllm_retro.index.padded import MetaViewCache
     from vllm_retro.kernels import cpu_decode
 
     if path == "fused" and not cpu_decode.available():
@@ -386,24 +385,8 @@ def test_batched_decode_equals_each_request_decoding_alone(path):
         k, v = torch.randn(H, n, D, generator=gen), torch.randn(H, n, D, generator=gen)
         st = mgr.store(f"r{r}", H, D, torch.float32, "cpu", layer="L")
         indexes.append(SaapIndex.build(k, v, cfg, store=st, model=m, layer=2))
-    views = MetaViewCache()
-    for step in range(200):
-        keys, values = torch.randn(2, 3, H, D, generator=gen)
-        append_batch(indexes, keys, values)
-        q = torch.randn(3, H * G, D, generator=gen)
-        got = decode_batch(indexes, q, D ** -0.5, cache=views)
-        if step % 7 == 0:
-            views.join()
-            for b, index in enumerate(indexes):
-                want = index.decode(q[b], D ** -0.5).output
-                torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
-    assert indexes[0].num_updates >= 1 and not indexes[2].is_dense
-    views.clear()
-    for index in indexes:
-        index.store.check_invariants()
-        index.free()
-    mgr.close()
-    assert mgr.live_bytes() == (0, 0)
+    batched_equals_alone(indexes, mgr, gen, H * G,
+                         check=lambda ix: ix[0].num_updates >= 1 and not ix[2].is_dense)
 
 
 def test_a_token_budget_visits_the_bucket_count_closest_to_it():
