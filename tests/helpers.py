@@ -85,3 +85,24 @@ def batched_equals_alone(indexes: list, manager, gen: torch.Generator, query_hea
         index.free()
     manager.close()
     assert manager.live_bytes() == (0, 0)
+
+
+
+def decode_steps(index, keys: torch.Tensor, values: torch.Tensor, query_heads: int,
+                 steps: int, gen: torch.Generator, check, every: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``steps`` random tokens as the engine does: append the token's K/V
+    ([H, 1, D] fp32) to ``index``, then decode its query ([query_heads, D]). Every ``every``
+    steps ``check(keys, values, query)`` gets the whole context so far ([H, N, D] each);
+    the other steps only decode. Returns the grown (keys, values)."""
+    h, _, d = keys.shape
+    for step in range(steps):
+        nk, nv = torch.randn(h, 1, d, generator=gen), torch.randn(h, 1, d, generator=gen)
+        index.append(nk, nv)
+        keys, values = torch.cat([keys, nk], 1), torch.cat([values, nv], 1)
+        q = torch.randn(query_heads, d, generator=gen)
+        if step % every == 0:
+            check(keys, values, q)
+        else:
+            index.decode(q, d ** -0.5)
+    return keys, values

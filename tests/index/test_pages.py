@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import batched_equals_alone
+from tests.helpers import batched_equals_alone, decode_steps
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.index.pages import QuestIndex, StreamingIndex
@@ -64,19 +64,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index, pag
     return out
 
 
-def run(index, keys, values, steps, gen, check, every=1):
-    """Append then decode ``steps`` tokens, as the engine does; ``check`` every ``every``."""
-    for step in range(steps):
-        nk, nv = torch.randn(H, 1, D, generator=gen), torch.randn(H, 1, D, generator=gen)
-        index.append(nk, nv)
-        keys, values = torch.cat([keys, nk], 1), torch.cat([values, nv], 1)
-        q = torch.randn(H * G, D, generator=gen)
-        if step % every == 0:
-            check(keys, values, q)
-        else:
-            index.decode(q, SCALE)
-    return keys, values
-
 
 @pytest.mark.parametrize("kind", ["quest", "streaming"])
 def test_decode_is_the_papers_selection_and_exact_attention(kind):
@@ -99,7 +86,8 @@ def test_decode_is_the_papers_selection_and_exact_attention(kind):
         torch.testing.assert_close(index.decode(q, SCALE).output, attend(q, kk, vv, index, want),
                                    atol=1e-5, rtol=1e-5)
 
-    run(index, keys, values, 300, gen, check, every=5)  # two update blocks of 128 tokens
+    # two update blocks of 128 tokens
+    decode_steps(index, keys, values, H * G, 300, gen, check, every=5)
     assert index.num_updates == 2
     index.store.check_invariants()
     index.free()
@@ -122,7 +110,7 @@ def test_a_budget_of_every_token_is_full_attention(kind):
         torch.testing.assert_close(index.decode(q, SCALE).output,
                                    torch.einsum("hn,hnd->hd", p, v2), atol=1e-5, rtol=1e-5)
 
-    run(index, keys, values, 150, gen, full, every=3)
+    decode_steps(index, keys, values, H * G, 150, gen, full, every=3)
     assert index.num_updates == 1
     index.free()
     mgr.close()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import batched_equals_alone
+from tests.helpers import batched_equals_alone, decode_steps
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.index.saap import SaapIndex
@@ -147,21 +147,6 @@ def check_step(m: SaapModel, layer: int, index: SaapIndex, keys: torch.Tensor,
     assert res.selection.estimation_ids.numel() == 0
 
 
-def run(index: SaapIndex, keys: torch.Tensor, values: torch.Tensor, steps: int,
-        gen: torch.Generator, check, every: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode ``steps`` tokens as the engine does: append the token's K/V, then decode its
-    query; ``check`` it every ``every`` steps (each step decodes)."""
-    for step in range(steps):
-        nk, nv = torch.randn(H, 1, D, generator=gen), torch.randn(H, 1, D, generator=gen)
-        index.append(nk, nv)
-        keys, values = torch.cat([keys, nk], 1), torch.cat([values, nv], 1)
-        q = torch.randn(H * G, D, generator=gen)
-        if step % every == 0:
-            check(keys, values, q)
-        else:
-            index.decode(q)
-    return keys, values
-
 
 # ---------------------------------------------------------------------- tests
 
@@ -192,7 +177,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed):
     assert index.layer == 1 and index.num_clusters == C and index.num_blocks == 1
     assert int(index.sizes.sum()) == H * (1500 - 4 - 32)
     # 300 steps: two update blocks (128 tokens) join as 2 x C more clusters
-    run(index, keys, values, 300, gen,
+    decode_steps(index, keys, values, H * G, 300, gen,
         lambda k, v, q: check_step(m, 1, index, k, v, q, CFG.saap_probes), every=3)
     assert index.num_updates == 2 and index.num_blocks == 3 and index.num_clusters == 3 * C
     if backed == "buffer":
@@ -243,7 +228,7 @@ def test_every_bucket_is_full_attention():
         torch.testing.assert_close(out, torch.einsum("hn,hnd->hd", p, vv), atol=1e-5,
                                    rtol=1e-5)
 
-    run(index, keys, values, 150, gen, full)
+    decode_steps(index, keys, values, H * G, 150, gen, full)
     assert index.num_updates == 1
     index.free()
     mgr.close()
