@@ -231,19 +231,17 @@ def test_short_context_and_no_queries(rng):
     assert torch.isfinite(per_head.decode(torch.randn(H * G, D), SCALE).output).all()
 
 
-def test_bad_graph_options_name_the_value_and_range():
-    with pytest.raises(ConfigError, match=r"graph_top_k=0 .*\[1, 1048576\]"):
-        RetroConfig(graph_top_k=0)
-    with pytest.raises(ConfigError, match=r"graph_degree=1 .*\[2, 256\]"):
-        RetroConfig(graph_degree=1)
-    with pytest.raises(ConfigError, match=r"graph_search_ef=0 .*\[1, 1048576\]"):
-        RetroConfig(graph_search_ef=0)
-    with pytest.raises(ConfigError, match=r"graph_knn=1 .*\[2, 4096\]"):
-        RetroConfig(graph_knn=1)
-    with pytest.raises(ConfigError, match=r"graph_train_queries=0 .*\[1, 4194304\]"):
-        RetroConfig(graph_train_queries=0)
-    with pytest.raises(ConfigError, match=r"graph_block_tokens=0 .*\[1, 65536\]"):
-        RetroConfig(graph_block_tokens=0)
+@pytest.mark.parametrize("name,value,accepted", [
+    ("graph_top_k", 0, r"\[1, 1048576\]"), ("graph_degree", 1, r"\[2, 256\]"),
+    ("graph_search_ef", 0, r"\[1, 1048576\]"), ("graph_knn", 1, r"\[2, 4096\]"),
+    ("graph_train_queries", 0, r"\[1, 4194304\]"), ("graph_block_tokens", 0, r"\[1, 65536\]"),
+])
+def test_bad_graph_options_name_the_value_and_range(name, value, accepted):
+    with pytest.raises(ConfigError, match=rf"{name}={value} .*{accepted}"):
+        RetroConfig(**{name: value})
+
+
+def test_graph_is_an_index_choice_and_bad_queries_are_named():
     assert RetroConfig(index="graph").index == "graph"
     with pytest.raises(ValueError, match=r"queries of shape \(3, 10, 64\); accepted"):
         GraphIndex.build(torch.randn(H, 300, D), torch.randn(H, 300, D), CFG,
