@@ -453,6 +453,13 @@ struct GraphArgs {
   const int64_t* ent = nullptr;
   int64_t num_entries = 0;
   const float* invp = nullptr;
+  // graph i's keys: its KV head's rows of `rows` ([Hk, n] int64) into `pool`
+  template <typename T>
+  Keys<T> keys(const torch::Tensor& pool, const torch::Tensor& rows, int64_t i) const {
+    const int64_t n = rows.size(1);
+    return Keys<T>{pool.data_ptr<T>(), rows.data_ptr<int64_t>() + gh[i] * n, pool.size(1),
+                   invp ? invp + gh[i] * n : nullptr};
+  }
 };
 
 GraphArgs graph_args(const torch::Tensor& graph_head, const torch::Tensor& entries,
@@ -497,16 +504,14 @@ torch::Tensor graph_build(torch::Tensor pool, torch::Tensor rows, torch::Tensor 
   const int64_t g = knn.size(0), n = rows.size(1);
   auto adj = torch::empty({g, n, 2 * m}, torch::dtype(torch::kInt32));
   const GraphArgs ga = graph_args(graph_head, entries, inv, rows);
-  const int64_t *ghp = ga.gh, *entp = ga.ent, ne = ga.num_entries;
-  const float* invp = ga.invp;
+  const int64_t *entp = ga.ent, ne = ga.num_entries;
   dispatch_dtype(pool, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     // graphs in parallel (their connectivity phase is sequential), each graph's projection
     // in parallel inside when there are fewer graphs than threads
     at::parallel_for(0, g, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        Keys<T> keys{pool.data_ptr<T>(), rows.data_ptr<int64_t>() + ghp[i] * n, pool.size(1),
-                     invp ? invp + ghp[i] * n : nullptr};
+        const Keys<T> keys = ga.keys<T>(pool, rows, i);
         build_one(keys, n, knn.data_ptr<int32_t>() + i * knn.size(1) * knn.size(2),
                   knn.size(1), knn.size(2), entp + i * ne, ne, m, ef,
                   adj.data_ptr<int32_t>() + i * n * 2 * m);
@@ -528,14 +533,12 @@ void graph_insert(torch::Tensor adj, torch::Tensor pool, torch::Tensor rows,
               "graph_insert: adj must be a contiguous [G, >= n_total, W] int32 tensor");
   const int64_t g = adj.size(0), w = adj.size(2), n = rows.size(1);
   const GraphArgs ga = graph_args(graph_head, entries, inv, rows);
-  const int64_t *ghp = ga.gh, *entp = ga.ent, ne = ga.num_entries;
-  const float* invp = ga.invp;
+  const int64_t *entp = ga.ent, ne = ga.num_entries;
   dispatch_dtype(pool, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     at::parallel_for(0, g, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        Keys<T> keys{pool.data_ptr<T>(), rows.data_ptr<int64_t>() + ghp[i] * n, pool.size(1),
-                     invp ? invp + ghp[i] * n : nullptr};
+        const Keys<T> keys = ga.keys<T>(pool, rows, i);
         insert_one(keys, adj.data_ptr<int32_t>() + i * adj.size(1) * w, w, n_old, n_total,
                    entp + i * ne, ne, m, ef);
       }
