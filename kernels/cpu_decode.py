@@ -54,7 +54,9 @@ class DecodeRow:
     """One row's inputs (all on the CPU, one storage dtype; H KV heads, C clusters)."""
 
     centroids: torch.Tensor
-    """[H, C, D] cluster centroids (last dim contiguous)."""
+    """[H, C, D] cluster centroids (last dim contiguous), or [H, C, 2D] page bounds (each
+    page's key max, then min), scored by Quest's bound ``sum_d max(q_d max_d, q_d min_d)``
+    (then :attr:`n_estimation` must be 0)."""
     value_sums: torch.Tensor
     """[H, C, D] per-cluster sums of values."""
     sizes: torch.Tensor
@@ -404,7 +406,10 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
             top = given[b]
             k = nr = top.shape[1]
         elif k:
-            scores = cluster_scores_ref(q, r.centroids, r.sizes, scale)
+            # page bounds [max, min] (2D wide) are scored by [q+, q-]
+            qs = q if c == 0 or r.centroids.shape[2] == d else torch.cat(
+                [q.clamp(min=0), q.clamp(max=0)], dim=2)
+            scores = cluster_scores_ref(qs, r.centroids, r.sizes, scale)
             top = torch.topk(scores, k, dim=1, sorted=True).indices
         else:
             top = torch.zeros(h, 0, dtype=torch.int64)
@@ -436,7 +441,7 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
             terms = TiltTerms(r.spreads, r.deviates, qvar, vshift)
         n_est = torch.full((h,), est.shape[1], dtype=torch.int64)
         out, lse = tripartite_decode_ref(q, k_exact, v_exact, torch.tensor(n_exact),
-                                         r.centroids, r.value_sums, r.sizes, est, n_est,
+                                         r.centroids[..., :d], r.value_sums, r.sizes, est, n_est,
                                          scale, terms)
         outs.append(out.reshape(-1, d))
         lses.append(lse.reshape(-1))

@@ -2,7 +2,9 @@
 //
 // One call per layer and step: for every (request row b, KV head h) pair, in parallel:
 //   1. cluster scoring: logit[g, c] = scale * q_g . C_c for the G query heads of the group,
-//      score[c] = log(sum_g softmax_c(logit[g])[c]) (-inf for empty clusters);
+//      score[c] = log(sum_g softmax_c(logit[g])[c]) (-inf for empty clusters); with 2D-wide
+//      scoring rows (Quest's page bounds: each page's key max, then min) the logit is the
+//      bound scale * sum_d max(q_d max_d, q_d min_d) = scale * [q+, q-] . [max, min];
 //   2. selection: the top (r_b + e_b) clusters by score, the first r_b retrieved exactly, the
 //      next e_b estimated;
 //   3. attention with one online softmax (fp32) over the steady zone (sinks, window), the
@@ -164,6 +166,7 @@ template <typename T>
 struct RowArgs {
   // per (row) state
   const T* cent = nullptr; int64_t cent_h = 0, cent_c = 0;
+  bool split = false;  // scoring rows are [max, min] page bounds (2D wide): Quest's bound
   const T* vsum = nullptr; int64_t vsum_h = 0, vsum_c = 0;
   const int32_t* sizes = nullptr; int64_t sizes_h = 0, sizes_c = 0;
   const float* spreads = nullptr; int64_t spreads_h = 0, spreads_c = 0;
@@ -401,7 +404,20 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     cptr_raw.resize(C);
     const T** cptr = reinterpret_cast<const T**>(cptr_raw.data());
     for (int64_t c = 0; c < C; ++c) cptr[c] = a.cent + h * a.cent_h + c * a.cent_c;
-    dots(q.data(), G, D, cptr, C, scale, nullptr, logits.data(), C);
+    if (a.split) {
+      // max(q_d max_d, q_d min_d) is q_d max_d where q_d >= 0, else q_d min_d
+      thread_local std::vector<float> qs;
+      qs.resize(size_t(G) * 2 * D);
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) {
+          const float x = q[size_t(g) * D + d];
+          qs[size_t(g) * 2 * D + d] = x > 0.f ? x : 0.f;
+          qs[size_t(g) * 2 * D + D + d] = x < 0.f ? x : 0.f;
+        }
+      dots(qs.data(), G, 2 * D, cptr, C, scale, nullptr, logits.data(), C);
+    } else {
+      dots(q.data(), G, D, cptr, C, scale, nullptr, logits.data(), C);
+    }
     for (int64_t c = 0; c < C; ++c)
       if (sz[c * a.sizes_c] <= 0)
         for (int g = 0; g < G; ++g) logits[size_t(g) * C + c] = kNegInf;
@@ -606,7 +622,8 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
     RowArgs<T>& a = rows[b];
     const torch::Tensor& cent = meta[5 * b], &vsum = meta[5 * b + 1], &sz = meta[5 * b + 2],
                          &sp = meta[5 * b + 3], &dv = meta[5 * b + 4];
-    TORCH_CHECK(cent.size(0) == H && cent.size(2) == D && cent.stride(2) == 1, "retro_cpu: centroids");
+    TORCH_CHECK(cent.size(0) == H && (cent.size(2) == D || cent.size(2) == 2 * D) &&
+                    cent.stride(2) == 1, "retro_cpu: centroids");
     TORCH_CHECK(vsum.stride(2) == 1 && sz.scalar_type() == torch::kInt32, "retro_cpu: value sums / sizes");
     a.C = cent.size(1);
     a.cent = cent.data_ptr<T>(); a.cent_h = cent.stride(0); a.cent_c = cent.stride(1);
@@ -631,6 +648,9 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
     a.head_rows = ints[7 * b]; a.start_mult = ints[7 * b + 1];
     a.n_sink = ints[7 * b + 2]; a.n_win = ints[7 * b + 3]; a.win_first = ints[7 * b + 4];
     a.r = ints[7 * b + 5]; a.e = ints[7 * b + 6];
+    a.split = cent.size(2) == 2 * D;
+    TORCH_CHECK(!a.split || a.e == 0, "retro_cpu: page bounds [H, C, 2D] estimate nothing; "
+                "rows scored by them need e = 0, got ", a.e);
     a.sink_k = rows3<T>(steady[4 * b]); a.sink_v = rows3<T>(steady[4 * b + 1]);
     a.win_k = rows3<T>(steady[4 * b + 2]); a.win_v = rows3<T>(steady[4 * b + 3]);
     a.win_cap = steady[4 * b + 2].size(1);
@@ -860,7 +880,9 @@ void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch:
 }
 
 // See the header comment. Per row b (all lists in row order):
-//   meta[5b..5b+4]   centroids [H, C, D], value sums [H, C, D], sizes [H, C] int32,
+//   meta[5b..5b+4]   centroids [H, C, D] (or Quest's page bounds [H, C, 2D]: each page's key
+//                    max then min, scored by their bound; then e = 0), value sums [H, C, D],
+//                    sizes [H, C] int32,
 //                    spreads [H, C] f32, deviates [H, C] f32
 //   tilt[3b..3b+2]   profile [H, D], key factor [H, D, rank], value factor [H, D, rank] f32
 //                    (empty list when not tilted)

@@ -121,10 +121,11 @@ def test_a_budget_of_every_token_is_full_attention(kind):
 @pytest.mark.parametrize("path", ["fused", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_decode_equals_each_request_decoding_alone(kind, path, dtype):
-    """A layer's page indexes decoded at once (their pages chosen row by row, then one
-    fused CPU kernel call with them given, or the exec-buffer path over one layer pool)
-    give each request's own output, across update blocks, rows of different lengths and a
-    dense one."""
+    """A layer's page indexes decoded at once (Quest's pages scored in the fused CPU kernel;
+    streaming's chosen row by row, then one fused call with them given; or the exec-buffer
+    path over one layer pool) give each request's own output, across update blocks, rows of
+    different lengths and a dense one."""
+    from vllm_retro.index.batched import fused_supported
     from vllm_retro.kernels import cpu_decode
 
     if path == "fused" and not cpu_decode.available():
@@ -139,6 +140,9 @@ def test_batched_decode_equals_each_request_decoding_alone(kind, path, dtype):
         v = torch.randn(H, n, D, generator=gen).to(dtype)
         st = mgr.store(f"r{r}", H, D, dtype, "cpu", layer="L")
         indexes.append(cls.build(k, v, cfg, store=st))
+    query = torch.empty(1, H * G, D, dtype=dtype)
+    assert all(fused_supported(i, query) for i in indexes) == (
+        path == "fused" and kind == "quest")
     # the first row crosses an update block; the last, dense at first, gets indexed
     batched_equals_alone(indexes, mgr, gen, H * G,
                          check=lambda ix: ix[0].num_updates >= 1 and not ix[2].is_dense,

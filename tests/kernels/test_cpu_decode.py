@@ -140,6 +140,47 @@ def test_given_selections_attend_those_clusters_exactly(dtype, tol):
                                  given=[given[0], given[1], given[2] + 1])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (7, 64)])
+def test_page_bounds_are_scored_by_quests_bound(dtype, tol, group, d):
+    """Rows whose scoring rows are page bounds [H, C, 2D] (each page's key max, then min):
+    the kernel ranks pages by the GQA group's summed softmax of Quest's bound
+    ``scale * sum_d max(q_d max_d, q_d min_d)`` (checked in float64, written element-wise
+    from the paper), reads the top r exactly and estimates nothing, as the reference does."""
+    import dataclasses
+
+    rng = torch.Generator().manual_seed(group * 10 + d)
+    h = 2
+    rows = []
+    for c, r, paged in ((300, 12, True), (41, 41, False), (0, 3, True), (90, 5, False)):
+        row = _row(h, d, c, 4, 20, dtype, rng, paged)
+        a, b = torch.randn(2, h, c, d, generator=rng)
+        bounds = torch.cat([torch.maximum(a, b), torch.minimum(a, b)], dim=2).to(dtype)
+        rows.append(dataclasses.replace(row, centroids=bounds, n_retrieval=min(r, c),
+                                        n_estimation=0))
+    q = torch.randn(len(rows), h * group, d, generator=rng).to(dtype)
+    scale = d ** -0.5
+    out, lse, sel = decode_rows(q, rows, scale, False, selection_width=41)
+    ref, ref_lse, ref_sel = decode_rows_ref(q, rows, scale, False)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    for b, row in enumerate(rows):
+        k = row.n_retrieval
+        qd = q[b].double().reshape(h, group, 1, d)
+        hi, lo = row.centroids.double()[:, None].split(d, dim=3)  # [H, 1, C, D]
+        bound = torch.maximum(qd * hi, qd * lo).sum(3) * scale  # [H, G, C]
+        empty = row.sizes == 0
+        bound = bound.masked_fill(empty[:, None], float("-inf"))  # never read
+        score = torch.softmax(bound, dim=2).sum(1).masked_fill(empty, -1.0)
+        want = torch.topk(score, k, dim=1).indices if k else score[:, :0].long()
+        assert torch.equal(sel[b, :, :k].sort(1).values, want.sort(1).values)
+        assert torch.equal(ref_sel[b].sort(1).values, want.sort(1).values)
+    bad = [dataclasses.replace(rows[0], n_estimation=1)]
+    with pytest.raises(RuntimeError, match="page bounds .* need e = 0, got 1"):
+        decode_rows(q[:1], bad, scale, False)
+
+
 def test_phase_split_changes_nothing_and_covers_the_call():
     """With ``phases`` the kernel also reports its wall time split by phase: every phase is
     present and non-negative, the split adds up to the call, and the output is the same."""

@@ -49,10 +49,16 @@ GIVEN_SELECTION = {
 (``(indexes, query [B, Hq, D], scale) -> (ids [B, H, W] padded with -1, counts)``)."""
 
 
+FUSED_SCORING = (WaveIndex, QuestIndex)
+"""Policies whose clusters the fused CPU kernel scores and selects itself
+(:meth:`WaveIndex.fused_scoring`): the wave index's centroids, Quest's page bounds."""
+
+
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
-    """True when ``index`` can decode ``query`` through the fused CPU kernel: a plain
-    :class:`WaveIndex` (not a baseline subclass) and :func:`fused_rows`."""
-    return type(index) is WaveIndex and fused_rows(index, query)
+    """True when ``index`` can decode ``query`` through the fused CPU kernel, scoring
+    included: a plain :class:`WaveIndex` or a :class:`QuestIndex` (:data:`FUSED_SCORING`)
+    and :func:`fused_rows`."""
+    return type(index) in FUSED_SCORING and fused_rows(index, query)
 
 
 def fused_rows(index: WaveIndex, query: torch.Tensor) -> bool:
@@ -72,22 +78,21 @@ def fused_rows(index: WaveIndex, query: torch.Tensor) -> bool:
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
     """The fused kernel's view of one index (tensors referenced, not copied)."""
     cfg = index.config
-    c = index.num_clusters
+    scoring, n_retrieval, n_estimation = index.fused_scoring()
     keys, values, starts, head_rows, mult = index.store.cluster_rows(
         wait=not index.store_settling)
     res = index.residuals
     tilted = cfg.estimator == "tilted"
     win_k, win_v, first, n_win = index.window_ring()
     return cpu_decode.DecodeRow(
-        centroids=index.centroids, value_sums=index.value_sums, sizes=index.sizes,
+        centroids=scoring, value_sums=index.value_sums, sizes=index.sizes,
         spreads=index.spreads, deviates=index.deviates,
         profile=res.profile if tilted else None,
         key_factor=res.key_factor if tilted else None,
         value_factor=res.value_factor if tilted else None,
         kv_keys=keys, kv_values=values, cluster_starts=starts, head_rows=head_rows,
         start_mult=mult, sink_k=index.sink_k, sink_v=index.sink_v, win_k=win_k, win_v=win_v,
-        win_first=first, n_win=n_win, n_retrieval=cfg.num_retrieval(c),
-        n_estimation=cfg.num_estimation(c))
+        win_first=first, n_win=n_win, n_retrieval=n_retrieval, n_estimation=n_estimation)
 
 
 def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
@@ -136,8 +141,9 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, cache: MetaViewCache | None = None
                  ) -> torch.Tensor:
     """Tripartite decode of row ``b``'s query ``query[b]`` ([B, Hq, D]) over ``indexes[b]``:
-    all rows in one fused call when every index supports the fused CPU kernel
-    (:func:`fused_supported`), else all rows through one padded sequence of kernel calls
+    all rows in one fused call when every index supports the fused CPU kernel with its own
+    scoring (:func:`fused_supported`: the wave index's centroids, Quest's page bounds), else
+    all rows through one padded sequence of kernel calls
     (:func:`vllm_retro.index.padded.decode_padded`; ``cache``, held per layer by the caller,
     keeps its meta view across steps) when every index is a plain wave index, else row by
     row through :meth:`WaveIndex.decode` (baselines). PQCache indexes
@@ -158,9 +164,17 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         decode_pq(indexes, query, scale, out, cache)
         return out
     kind = type(indexes[0])
-    if all(type(i) is kind for i in indexes) and kind in GIVEN_SELECTION:
-        # clusters chosen by the policy for all rows (SAAP's trained router, Quest's page
-        # bounds, StreamingLLM's recent pages), then read and attended in one call
+    same = all(type(i) is kind for i in indexes)
+    if (same and kind in FUSED_SCORING and out.dtype == query.dtype
+            and all(fused_rows(i, query) for i in indexes)):
+        tilted = kind is WaveIndex and indexes[0].config.estimator == "tilted"
+        cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
+                                 tilted, out=out,
+                                 windows=[(i.ring_start, i.win_len) for i in indexes])
+        return out
+    if same and kind in GIVEN_SELECTION:
+        # clusters chosen by the policy for all rows (SAAP's trained router, StreamingLLM's
+        # recent pages, Quest's page bounds off the CPU), then read and attended in one call
         ids, counts = GIVEN_SELECTION[kind](indexes, query, scale)
         if out.dtype == query.dtype and all(fused_rows(i, query) for i in indexes):
             cpu_decode.decode_packed(
@@ -172,12 +186,6 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     if all(type(i) is GraphIndex and i.fused(query) for i in indexes):
         decode_graph(indexes, query, scale, out)  # search, choose, attend: one kernel call
-        return out
-    if out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
-        tilted = indexes[0].config.estimator == "tilted"
-        cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
-                                 tilted, out=out,
-                                 windows=[(i.ring_start, i.win_len) for i in indexes])
         return out
     if all(padded_supported(i) for i in indexes):
         return decode_padded(indexes, query, scale, out, cache)

@@ -18,10 +18,12 @@ They differ only in which pages a decode step reads:
 
 A page count at least the number of pages reads every indexed token: full attention.
 
-Batched decode (:func:`page_selection`): each row's pages are chosen (one scoring call per
-row: each request's page bounds are its own), then every row of the layer goes through one
-fused kernel call with the chosen clusters given, as SAAP's buckets do
-(:func:`~vllm_retro.index.batched.decode_batch`).
+Batched decode (:func:`~vllm_retro.index.batched.decode_batch`): on the CPU, Quest's rows
+go through the fused kernel as the wave index's do, which scores each row's page bounds in
+place (:meth:`QuestIndex.fused_scoring`) and reads the top pages, one call per layer.
+StreamingLLM's pages, and Quest's off the fused path, are chosen row by row
+(:func:`page_selection`), then every row of the layer is read in one call with the chosen
+clusters given, as SAAP's buckets are.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class PageIndex(WaveIndex):
         """Read ``round(tokens / page_size)`` pages per step instead of the default (the
         attention-level comparison's matched budgets)."""
         self.num_pages = max(0, round(int(tokens) / self.page_size))
+        self.fused_view = None  # the fused kernel's packed budget
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
         return position_blocks(keys, self.page_size, short_first=True)
@@ -127,16 +130,21 @@ class QuestIndex(PageIndex):
         bounds = torch.cat([pages.amax(2), pages.amin(2)], dim=2)
         self.page_bounds = self._meta_rows["page_bounds"].append(bounds, 4 * self._block_pages)
 
+    def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
+        """The page bounds [H, P, 2D], which the fused CPU kernel scores as
+        :meth:`page_scores` does; the top :attr:`num_pages` read, nothing estimated."""
+        return self.page_bounds, min(self.num_pages, self.num_clusters), 0
+
     def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The GQA group's summed softmax of each query head's page bounds
-        ``scale * sum_d max(q_d * min_d, q_d * max_d)``: [H, P] fp32."""
+        ``scale * sum_d max(q_d * min_d, q_d * max_d)``: [H, P] fp32 (log)."""
         h = self.num_kv_heads
-        q = query.reshape(h, -1, self.head_dim).to(self.page_bounds.dtype)  # [H, G, D]
+        q = query.reshape(h, -1, self.head_dim).float()  # [H, G, D]
         # max(q_d min_d, q_d max_d) is q_d max_d where q_d >= 0, else q_d min_d: one
-        # matrix product of [q+, q-] with [max, min] in the keys' dtype (fp32 accumulation;
-        # Quest's kernels run in fp16), no [H, G, P, D] temporary
+        # matrix product of [q+, q-] with [max, min] in fp32 (as the fused kernel scores),
+        # no [H, G, P, D] temporary
         split = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=2)
-        bound = torch.bmm(split, self.page_bounds.transpose(1, 2)).float()
+        bound = torch.bmm(split, self.page_bounds.float().transpose(1, 2))
         return group_scores_from_logits(bound * scale, self.sizes > 0)
 
 

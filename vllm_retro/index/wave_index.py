@@ -463,6 +463,13 @@ class WaveIndex:
         return self.residuals.nbytes() + sum(r.nbytes() for r in self._meta_rows.values())
 
     # ------------------------------------------------------------------ decode
+    def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
+        """What the fused CPU kernel scores and how much it reads
+        (:func:`vllm_retro.index.batched.decode_row`): (scoring rows [H, C, D], the
+        centroids; clusters read exactly; clusters estimated), as :meth:`select` chooses."""
+        c = self.num_clusters
+        return self.centroids, self.config.num_retrieval(c), self.config.num_estimation(c)
+
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         """Choose the retrieval and estimation clusters for a query [num_heads, D]."""
         h = self.num_kv_heads
