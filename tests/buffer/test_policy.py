@@ -94,3 +94,18 @@ def test_victims_of_all_heads_match_each_head_alone(seed, heads, policy):
             want_c.append(k)
             freed += int(pages[h, k])
     assert got_h.tolist() == want_h and got_c.tolist() == want_c
+
+
+@pytest.mark.parametrize("top", [50, 2**61])  # a packed sort key; stamps too large to pack
+def test_lru_victims_order_by_recency_then_cluster_id(top):
+    """LRU's order is (head, last access, cluster id) ascending, ties of recency (e.g.
+    clusters never read, at 0) by cluster id, however large the stamps."""
+    rng = np.random.default_rng(top % 97)
+    heads, c = 3, 40
+    last = rng.integers(0, 6, (heads, c)) * (top // 5)  # many ties
+    vh, vc = np.nonzero(rng.random((heads, c)) < 0.7)
+    got_h, got_c = victims("lru", last, np.ones_like(last), vh, vc, np.ones_like(vh),
+                           np.full(heads, c))
+    want = sorted(zip(vh.tolist(), vc.tolist(), strict=True),
+                  key=lambda hc: (hc[0], int(last[hc]), hc[1]))
+    assert list(zip(got_h.tolist(), got_c.tolist(), strict=True)) == want

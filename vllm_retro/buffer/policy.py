@@ -39,7 +39,7 @@ def victims(policy: str, last_access: np.ndarray, reads: np.ndarray, heads: np.n
         return heads, clusters
     la = last_access[heads, clusters]
     if policy == "lru":
-        order = np.lexsort((clusters, la, heads))  # the last key sorts first
+        order = _lru_order(heads, la, clusters, last_access.shape)
     else:  # lfu
         order = np.lexsort((clusters, la, reads[heads, clusters], heads))
     heads, clusters, pages = heads[order], clusters[order], pages[order]
@@ -47,6 +47,18 @@ def victims(policy: str, last_access: np.ndarray, reads: np.ndarray, heads: np.n
     first = np.searchsorted(heads, heads, side="left")  # each head's first entry
     take = before - before[first] < deficit[heads]
     return heads[take], clusters[take]
+
+
+def _lru_order(heads: np.ndarray, la: np.ndarray, clusters: np.ndarray,
+               shape: tuple[int, ...]) -> np.ndarray:
+    """The order of (head, last access, cluster id), ascending: one argsort of a packed
+    int64 key when the three fit in 63 bits (always, short of ~10^11 reads per store),
+    else a lexsort (4x slower)."""
+    cb = max(int(shape[1]) - 1, 1).bit_length()
+    lb = max(int(la.max()), 1).bit_length()
+    if max(int(shape[0]) - 1, 1).bit_length() + lb + cb > 63:
+        return np.lexsort((clusters, la, heads))  # the last key sorts first
+    return np.argsort((heads << (lb + cb)) | (la << cb) | clusters)
 
 
 def eviction_order(policy: str, last_access: np.ndarray, reads: np.ndarray,
