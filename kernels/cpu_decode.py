@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vllm_retro.kernels.scoring import cluster_scores_ref
+from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref
 from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
 
 logger = logging.getLogger(__name__)
@@ -406,10 +406,8 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
             top = given[b]
             k = nr = top.shape[1]
         elif k:
-            # page bounds [max, min] (2D wide) are scored by [q+, q-]
-            qs = q if c == 0 or r.centroids.shape[2] == d else torch.cat(
-                [q.clamp(min=0), q.clamp(max=0)], dim=2)
-            scores = cluster_scores_ref(qs, r.centroids, r.sizes, scale)
+            score = cluster_scores_ref if r.centroids.shape[2] == d else page_bound_scores_ref
+            scores = score(q, r.centroids, r.sizes, scale)
             top = torch.topk(scores, k, dim=1, sorted=True).indices
         else:
             top = torch.zeros(h, 0, dtype=torch.int64)

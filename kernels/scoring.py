@@ -40,6 +40,18 @@ def cluster_scores_ref(
     return group_scores_from_logits(logits, sizes > 0)
 
 
+def page_bound_scores_ref(query: torch.Tensor, bounds: torch.Tensor, sizes: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Quest's page scores. query: [R, G, D]; bounds: [R, P, 2D] each page's per-dimension
+    key max, then min; sizes: [R, P] (0 = masked). A query head's logit is the upper bound
+    ``scale * sum_d max(q_d max_d, q_d min_d)``: ``q_d max_d`` where ``q_d >= 0``, else
+    ``q_d min_d``, so one product of ``[q+, q-]`` with ``[max, min]`` (fp32, no
+    [R, G, P, D] temporary). Returns [R, P] fp32 log summed-softmax scores, as
+    :func:`cluster_scores_ref`."""
+    split = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=2)
+    return cluster_scores_ref(split, bounds, sizes, scale)
+
+
 @triton.jit
 def _block_logits(q, CEN, SZ, r, c0, C, sc_r, sc_c, ssz_r, offs_d, dmask,
                   BLOCK_C: tl.constexpr):

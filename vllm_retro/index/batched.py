@@ -165,8 +165,7 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     kind = type(indexes[0])
     same = all(type(i) is kind for i in indexes)
-    if (same and kind in FUSED_SCORING and out.dtype == query.dtype
-            and all(fused_rows(i, query) for i in indexes)):
+    if same and out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
         tilted = kind is WaveIndex and indexes[0].config.estimator == "tilted"
         cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
                                  tilted, out=out,

@@ -37,7 +37,7 @@ from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.token_index import position_blocks
 from vllm_retro.index.wave_index import GrowingRows, Selection, WaveIndex
-from vllm_retro.kernels.scoring import group_scores_from_logits
+from vllm_retro.kernels.scoring import page_bound_scores_ref
 
 
 class PageIndex(WaveIndex):
@@ -138,14 +138,8 @@ class QuestIndex(PageIndex):
     def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The GQA group's summed softmax of each query head's page bounds
         ``scale * sum_d max(q_d * min_d, q_d * max_d)``: [H, P] fp32 (log)."""
-        h = self.num_kv_heads
-        q = query.reshape(h, -1, self.head_dim).float()  # [H, G, D]
-        # max(q_d min_d, q_d max_d) is q_d max_d where q_d >= 0, else q_d min_d: one
-        # matrix product of [q+, q-] with [max, min] in fp32 (as the fused kernel scores),
-        # no [H, G, P, D] temporary
-        split = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=2)
-        bound = torch.bmm(split, self.page_bounds.float().transpose(1, 2))
-        return group_scores_from_logits(bound * scale, self.sizes > 0)
+        q = query.reshape(self.num_kv_heads, -1, self.head_dim)  # [H, G, D]
+        return page_bound_scores_ref(q, self.page_bounds, self.sizes, scale)
 
 
 class StreamingIndex(PageIndex):
