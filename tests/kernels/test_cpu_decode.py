@@ -1,6 +1,8 @@
 """kernels.cpu_decode: the fused batched CPU decode (C++ extension) against its plain-torch
 reference, on random rows of mixed shapes, and on real attention data."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tilted", [True, False])
-@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64)])
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64), (3, 40)])
 def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d):
     rng = torch.Generator().manual_seed(group * 1000 + d + tilted)
     h = 2
@@ -73,6 +75,39 @@ def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d):
         assert (sel[b, :, k:] == -1).all()
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_tied_and_empty_clusters_select_like_the_reference(dtype, tol):
+    """Scores that tie exactly (a zero query scores every cluster alike) are taken in id
+    order up to the budget, and budgets larger than the non-empty clusters reach the empty
+    ones' -inf scores: the kernel's threshold select must give the reference's ranking."""
+    rng = torch.Generator().manual_seed(7)
+    h, d, group = 2, 64, 4
+    rows = []
+    for c, empty in [(400, 0.2), (257, 0.0), (120, 0.9), (64, 0.95), (33, 0.5)]:
+        row = _row(h, d, c, 2, 8, dtype, rng, True, empty_frac=empty)
+        rows.append(dataclasses.replace(row, n_retrieval=c // 7, n_estimation=c // 3))
+    q = torch.randn(len(rows), h * group, d, generator=rng).to(dtype)
+    q[0::2] = 0  # rows 0, 2, 4: every score ties
+    width = max(r.n_retrieval + r.n_estimation for r in rows)
+    out, lse, sel = decode_rows(q, rows, d ** -0.5, True, selection_width=width)
+    ref_out, ref_lse, ref_sel = decode_rows_ref(q, rows, d ** -0.5, True)
+    assert not torch.isnan(out).any()
+    for b, row in enumerate(rows):
+        k = row.n_retrieval + row.n_estimation
+        for hh in range(h):
+            filled = row.sizes[hh] > 0
+            empty = (~filled).nonzero().flatten()
+            # ties go by id (torch.topk in the reference orders them arbitrarily): a zero
+            # query's in id order, then the empty clusters' -inf in id order
+            n_filled = int(filled.sum())
+            ranked = filled.nonzero().flatten() if b % 2 == 0 else ref_sel[b][hh][:n_filled]
+            want = torch.cat([ranked, empty])[:k]
+            assert torch.equal(sel[b, hh, :k], want), f"row {b}, head {hh}"
+        if b % 2:
+            torch.testing.assert_close(out[b].float(), ref_out[b].float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(lse[b], ref_lse[b], rtol=1e-5, atol=1e-5)
 
 
 def test_out_written_in_place_through_strided_views():
