@@ -117,6 +117,11 @@ RETRO_INLINE float log_erfc_pos(float z) {
   return fast_log(t) - z * z + p;
 }
 
+RETRO_INLINE float log_ndtr_neg(float x) {  // log Phi(x) for x <= 0
+  constexpr float kSqrt1_2 = 0.70710678118654752f, kLogHalf = -0.69314718055994531f;
+  return kLogHalf + log_erfc_pos(-x * kSqrt1_2);  // log(erfc(|x| / sqrt 2) / 2)
+}
+
 RETRO_INLINE float log_ndtr(float x) {  // log Phi(x), branch-free (vectorisable)
   constexpr float kSqrt1_2 = 0.70710678118654752f, kLogHalf = -0.69314718055994531f;
   const float le = log_erfc_pos(std::fabs(x) * kSqrt1_2);  // log erfc(|x| / sqrt 2)
@@ -143,7 +148,7 @@ RETRO_INLINE float log_tilt(float v, float a, float tv, float den) {
   const float u = std::max(v, 0.0f) / tv;
   const float su = std::sqrt(u);
   const float l1 = log_ndtr(a - su);
-  const float l2 = log_ndtr(-a - su);
+  const float l2 = log_ndtr_neg(-a - su);  // -a - su < 0: log_ndtr's first branch
   const float num = l1 + fast_log(1.0f - fast_exp(l2 - l1));
   const float out = std::max(0.5f * u + num - den, 0.0f);
   return u > 0 ? out : 0.0f;
