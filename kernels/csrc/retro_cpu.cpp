@@ -37,7 +37,7 @@ constexpr int kPhases = 5;  // scoring, selection, row lookup, exact attention, 
 constexpr int kTile = 32;
 // Software prefetches of scattered rows (retrieved clusters' values, estimated clusters'
 // value sums) go to L2 (locality 1): into L1 they stall on its few miss buffers, and the
-// step took 1.3x longer (32K, batch 8, 2 threads; bench/results/decode_step_cpu_kernel_ab.txt).
+// step took 1.19x longer (32K, batch 8, 2 threads; bench/README.md, "Fused CPU kernel").
 constexpr int kPrefetchLocality = 1;
 
 template <typename T>
