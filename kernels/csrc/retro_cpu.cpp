@@ -166,8 +166,8 @@ RETRO_INLINE float key_value(uint32_t k) {
 
 // The k-th largest of keys[0, n) (1 <= k <= n): a most-significant-digit radix select over
 // digits of 11, 11 and 10 bits, each pass over the previous digit's survivors only (copied
-// into buf, n entries). Exact, O(n), no data-dependent branches per element: ~4x faster than
-// std::nth_element on the C ~ 500-8000 cluster scores of one head.
+// into buf, n entries). Exact, O(n), no data-dependent branches per element; it replaced
+// two std::nth_element calls (the selection phase: 1.03 -> 0.61 ms at 32K, batch 8).
 uint32_t kth_largest_key(const uint32_t* keys, int64_t n, int64_t k, uint32_t* buf) {
   constexpr int kShift[3] = {21, 10, 0};
   constexpr uint32_t kBins[3] = {2048, 2048, 1024};
@@ -551,9 +551,9 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     // The top k by (score desc, id asc), split into the first r (retrieval) and the rest
     // (estimation), each listed in ascending cluster id (memory order, so zone reads
     // stream; the sums are order-independent up to fp32 rounding). No sort: the k-th and
-    // r-th largest scores come from a radix select over their order-preserving bit keys (no
-    // index indirection, no sort), then one pass in id order admits clusters above each threshold and,
-    // in id order, as many ties at it as the ranking would.
+    // r-th largest scores come from a radix select over their order-preserving bit keys,
+    // then one pass in id order admits clusters above each threshold and, in id order, as
+    // many ties at it as the ranking would.
     thread_local std::vector<uint32_t> keys, kbuf;
     keys.resize(C);
     kbuf.resize(C);
