@@ -23,3 +23,15 @@ for group, items in declared.items():
     installed = {e.name: e.value for e in entry_points(group=group)}
     if any(installed.get(name) != value for name, value in items.items()):
         sys.exit(1)
+
+# A console script made from another checkout sharing this venv (VENV_CACHE_DIR) names that
+# checkout's interpreter path in its first line; once that checkout is gone it cannot start.
+bindir = pathlib.Path(sys.executable).parent
+for name in project.get("scripts", {}):
+    script = bindir / name
+    try:
+        first = script.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        sys.exit(1)
+    if not first.startswith("#!") or not pathlib.Path(first[2:].split()[0]).exists():
+        sys.exit(1)

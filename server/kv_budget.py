@@ -87,17 +87,13 @@ def choose_kv_bytes(available_bytes: int, weights: int,
 
 
 def available_memory() -> int:
-    """Bytes free for the engine now: the smaller of the system's available memory and that of
-    the NUMA node vLLM's CPU worker allocates on. vLLM checks the node's figure (on these
-    machines node 0 holds 14 of the 24 GiB), so the system-wide one alone would overshoot."""
-    import psutil
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+    """Bytes free for the engine now (see
+    :func:`vllm_retro.vllm.host_budget.available_host_memory`: the NUMA node's figure,
+    which vLLM checks, when it is the smaller; on these machines node 0 holds 14 of the
+    24 GiB)."""
+    from vllm_retro.vllm.host_budget import available_host_memory
 
-    avail = psutil.virtual_memory().available
-    cpus = get_allowed_cpu_list()
-    if cpus:
-        avail = min(avail, get_memory_node_info(cpus[0].numa_node).available_memory)
-    return avail
+    return available_host_memory()
 
 
 def auto_kv_budget(model_dir: str | Path) -> KVBudget:

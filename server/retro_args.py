@@ -56,7 +56,7 @@ def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
-        elif kind is float:
+        elif kind in (float, float | None):
             kwargs.update(type=float, metavar="FLOAT")
         elif kind in (str, str | None):  # a path (saap_file)
             kwargs.update(type=str, metavar="FILE")

@@ -189,6 +189,11 @@ class RetroConfig:
     """Replacement policy of the device block cache: 'lru' or 'lfu'."""
     async_updates: bool = True
     """Apply cache updates on a background CPU worker, off the decode critical path."""
+    host_memory_gb: float | None = None
+    """Host memory (GiB, all workers) that indexed requests may reserve for their host
+    tiers. A request that does not fit waits in the queue until others finish; one that
+    needs more than the whole budget decodes densely (see vllm_retro.vllm.host_budget).
+    None: 80% of the memory available once the engine has loaded its weights and KV cache."""
 
     # --- execution --------------------------------------------------------------------------
     kernel_backend: str = "auto"
@@ -242,6 +247,9 @@ class RetroConfig:
         if self.cache_pages is not None:
             _check_int("cache_pages", self.cache_pages, 0, 1 << 40)
         _check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        if self.host_memory_gb is not None:
+            _check_float("host_memory_gb", self.host_memory_gb, 0.0, float(1 << 20),
+                         lo_open=True)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
 
     def check_head_dim(self, head_dim: int, index: str | None = None) -> None:

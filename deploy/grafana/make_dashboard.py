@@ -129,6 +129,15 @@ ROWS: list[Row] = [
                (total("vllm_retro:device_tier_bytes"), "device tier")],
               "Host memory held by live requests' KV and index data; device memory held by "
               "retro's block caches, device-side index data and buffers."),
+        Panel("Host-memory budget", "bytes",
+              [(total("vllm_retro:host_budget_bytes"), "budget"),
+               (total("vllm_retro:host_reserved_bytes"), "reserved")],
+              "Host memory indexed requests may reserve, and what they reserve now."),
+        Panel("Requests waiting for host memory", "reqps",
+              [(rate("vllm_retro:host_budget_waited_requests_total"), "waited/s"),
+               (rate("vllm_retro:host_budget_dense_requests_total"), "dense (too large)/s")],
+              "Requests that waited in the queue for host memory; requests too large for "
+              "the whole budget, decoded densely."),
     ]),
     Row("Retro: wave index", [
         Panel("Indexed requests", "reqps",

@@ -189,12 +189,17 @@ def test_client_disconnect_mid_stream_frees_request_state(server: Server) -> Non
         assert sample(held, "vllm_retro:live_requests") == 1
         assert sample(held, "vllm_retro:host_tier_bytes") > 0
         assert sample(held, "vllm_retro:clusters") > 0
+        # its reservation bounds what it holds, within the budget
+        reserved = sample(held, "vllm_retro:host_reserved_bytes")
+        assert sample(held, "vllm_retro:host_tier_bytes") <= reserved
+        assert reserved <= sample(held, "vllm_retro:host_budget_bytes")
     # the connection is closed here, mid-stream
     deadline = time.monotonic() + 30
     while True:
         text = server.metrics()
         freed = (sample(text, "vllm_retro:live_requests") == 0
                  and sample(text, "vllm_retro:host_tier_bytes") == 0
+                 and sample(text, "vllm_retro:host_reserved_bytes") == 0
                  and sample(text, "vllm:num_requests_running") == 0)
         if freed or time.monotonic() > deadline:
             break

@@ -4,7 +4,9 @@ Scheduler side: decides, for every scheduled request, whether this step starts i
 build or switches it to its index (``build_steps`` of its own steps later; see
 :mod:`vllm_retro.vllm.plan`), and which batch slot identifies it (vLLM's attention
 backends see rows, not request ids); records indexed requests for the KV-cache manager;
-reports finished, aborted and preempted requests so workers free their state. Worker side:
+reports finished, aborted and preempted requests so workers free their state; and admits
+requests to indexing within the host-memory budget (:mod:`vllm_retro.vllm.host_budget`:
+a request that does not fit waits in the queue). Worker side:
 hands each step's plan to the per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime`
 before the batch is prepared. No KV is transferred: the wave buffer's host tier is filled
 by the attention backend.
@@ -21,11 +23,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_retro.index.steady import ring_size
 from vllm_retro.vllm import schedule_state
+from vllm_retro.vllm.host_budget import (
+    DEFAULT_SHARE,
+    Admission,
+    GiB,
+    HostBudget,
+    available_host_memory,
+    describe,
+    logger,
+)
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.settings import retro_config
-from vllm_retro.vllm.stats import RetroConnectorStats
+from vllm_retro.vllm.stats import COUNTERS, GAUGES, RetroConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,17 +68,78 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                              self.config.build_steps_on(vllm_config.device_config.device_type))
         self._group: int | None = None
         self._block_size = 0
+        kv_bytes_per_token = 0
         if kv_cache_config is not None:
             for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-                if isinstance(group.kv_cache_spec, RetroAttentionSpec):
-                    self._group, self._block_size = gid, group.kv_cache_spec.block_size
-                    break
+                spec = group.kv_cache_spec
+                if isinstance(spec, RetroAttentionSpec):
+                    if self._group is None:
+                        self._group, self._block_size = gid, spec.block_size
+                    kv_bytes_per_token += (spec.page_size_bytes // spec.block_size
+                                           * len(group.layer_names))
+        self._max_model_len = vllm_config.model_config.max_model_len
+        self.budget: HostBudget | None = None
+        if (role == KVConnectorRole.SCHEDULER and self.config is not None
+                and self._group is not None):
+            self.budget = _host_budget(self.config, vllm_config, kv_bytes_per_token)
+        self._waited: set[str] = set()
+        """Requests that waited for host memory (each is counted once)."""
+        self._dense: set[str] = set()
+        """Requests too large for the whole budget: never indexed."""
+        self.budget_counts = {"host_budget_waited_requests": 0,
+                              "host_budget_dense_requests": 0}
+        """Requests that waited for host memory, and that decoded densely for want of it
+        (each counted once; reported as counters)."""
+        self._budget_reported = dict(self.budget_counts)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Retro never supplies KV from outside the paged cache."""
+        """Retro never supplies KV from outside the paged cache. Called as a request is
+        about to start (or restart after preemption): if its prompt will be indexed, it
+        starts only once its host-memory reservation fits (None: not this step)."""
+        if self.budget is None or self.config is None:
+            return 0, False
+        prompt = request.num_prompt_tokens
+        if prompt < self.config.min_indexed_context or not _decodes_more(
+                request, prompt, self._build_steps):
+            return 0, False  # decoding may still reach the threshold: see _admit_build
+        if self._admit(request, prompt) is Admission.WAIT:
+            return None, False
         return 0, False
+
+    def _admit(self, request: Request, tokens: int) -> Admission:
+        """Reserve host memory for ``request`` (now at ``tokens`` tokens), counting and
+        logging a wait or a dense fallback once per request."""
+        assert self.budget is not None
+        rid = request.request_id
+        if rid in self._dense:
+            return Admission.TOO_LARGE
+        most = _most_tokens(request, tokens, self._max_model_len)
+        verdict = self.budget.reserve(rid, most)
+        if verdict is Admission.TOO_LARGE:
+            self._dense.add(rid)
+            self.budget_counts["host_budget_dense_requests"] += 1
+            logger.warning(
+                "retro: request %s decodes densely: indexing its %d tokens needs up to %s of "
+                "host memory, more than the whole budget of %s (raise --retro-host-memory-gb)",
+                rid, most, describe(self.budget.cost(most)), describe(self.budget.limit_bytes))
+        elif verdict is Admission.WAIT and rid not in self._waited:
+            self._waited.add(rid)
+            self.budget_counts["host_budget_waited_requests"] += 1
+            logger.info(
+                "retro: request %s waits for host memory: needs up to %s, %s of %s reserved",
+                rid, describe(self.budget.cost(most)), describe(self.budget.reserved_bytes),
+                describe(self.budget.limit_bytes))
+        return verdict
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """Drop ``request_id``'s reservation; forget it entirely once ``finished``."""
+        if self.budget is not None:
+            self.budget.release(request_id)
+        self._waited.discard(request_id)
+        if finished:
+            self._dense.discard(request_id)
 
     def on_new_request(self, request: Request) -> None:
         """Track the request (its length decides when it is indexed)."""
@@ -86,6 +159,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in released:
             schedule_state.release(rid, preempted=rid in preempted)
             self._building.pop(rid, None)
+            self._release(rid, finished=rid not in preempted)
         for rid in so.finished_req_ids:
             self._requests.pop(rid, None)
         meta = RetroStepMetadata(released=released)
@@ -109,6 +183,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             switch = built_at is not None and first >= built_at + lag
             build = (not indexed and built_at is None and end >= req.num_tokens
                      and end >= min_ctx and _decodes_more(req, end, lag))
+            if build and self.budget is not None:
+                build = self._admit(req, end) is Admission.ADMITTED
             if switch:
                 # Blocks go once this step (which still reads them to catch up) has run.
                 schedule_state.mark_indexed(rid, end)
@@ -122,18 +198,15 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks are freed at once (no asynchronous save)."""
+        """Blocks are freed at once (no asynchronous save); the request's host-memory
+        reservation is released now, so a waiting request can start at the next step."""
+        self._release(request.request_id, finished=True)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Hybrid-allocator variant of :meth:`request_finished`."""
-        return False, None
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        """Nothing is handed off when a request completes."""
-        return False
+        return self.request_finished(request, [])
 
     # ------------------------------------------------------------------ worker side
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -159,9 +232,19 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metrics
     def get_kv_connector_stats(self) -> RetroConnectorStats | None:
         """Worker side, after every step: this worker's counter increments, gauges and index
-        build times (see :mod:`vllm_retro.vllm.stats`). The scheduler side reports nothing."""
+        build times (see :mod:`vllm_retro.vllm.stats`). Scheduler side: the host-memory
+        budget's gauges and counters (reported under rank 0)."""
         if self.role != KVConnectorRole.WORKER:
-            return None
+            if self.budget is None:
+                return None
+            now = self.budget_counts
+            deltas = {k: v - self._budget_reported[k] for k, v in now.items()}
+            self._budget_reported = dict(now)
+            return RetroConnectorStats(data={
+                COUNTERS: {"0": deltas},
+                GAUGES: {"0": {"host_budget_bytes": self.budget.limit_bytes,
+                               "host_reserved_bytes": self.budget.reserved_bytes}},
+            })
         from vllm_retro.vllm.runtime import get_runtime
 
         return get_runtime().take_stats(_worker_rank())
@@ -192,6 +275,35 @@ def _decodes_more(request: Request, end: int, steps: int) -> bool:
     if max_tokens is None:
         return True
     return end - request.num_prompt_tokens + 1 + steps < max_tokens
+
+
+def _most_tokens(request: Request, tokens: int, max_model_len: int) -> int:
+    """The most tokens ``request`` (at ``tokens`` now) can reach: its prompt plus
+    ``max_tokens``, at least ``tokens``, at most ``max_model_len``."""
+    max_tokens = getattr(request, "max_tokens", None)
+    most = max_model_len if max_tokens is None else request.num_prompt_tokens + max_tokens
+    return max(tokens, min(most, max_model_len))
+
+
+def _host_budget(config: Any, vllm_config: VllmConfig, kv_bytes_per_token: int) -> HostBudget:
+    """The engine's host-memory budget: ``config.host_memory_gb``, or
+    :data:`DEFAULT_SHARE` of the memory available now (the scheduler is built after the
+    workers loaded the weights and allocated vLLM's KV cache). Raw K+V per token is
+    counted over every tensor-parallel worker on this host."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if config.host_memory_gb is not None:
+        limit = int(config.host_memory_gb * GiB)
+    else:
+        limit = int(DEFAULT_SHARE * available_host_memory())
+    budget = HostBudget(limit_bytes=max(1, limit), kv_bytes_per_token=kv_bytes_per_token * tp,
+                        steady_tokens=config.sink_tokens + ring_size(config.local_window,
+                                                                     config.update_segment))
+    logger.info("retro: host-memory budget for indexed requests %s (%s); an index of 32K "
+                "tokens reserves up to %s", describe(budget.limit_bytes),
+                "--retro-host-memory-gb" if config.host_memory_gb is not None
+                else f"{DEFAULT_SHARE:.0%} of the memory available",
+                describe(budget.cost(32768)))
+    return budget
 
 
 def _worker_rank() -> int:

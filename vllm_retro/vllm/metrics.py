@@ -82,6 +82,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "device_tier_bytes", "gauge",
            "Device-memory bytes held by retro (block caches, device-side index data, "
            "execution buffers), all workers.", "device_tier_bytes"),
+    Family(PREFIX + "host_budget_bytes", "gauge",
+           "Host memory indexed requests may reserve (--retro-host-memory-gb, or 80% of the "
+           "memory available at start-up).", "host_budget_bytes"),
+    Family(PREFIX + "host_reserved_bytes", "gauge",
+           "Host memory reserved by the requests being indexed or served through their "
+           "index (each one's longest possible context, see host_budget).",
+           "host_reserved_bytes"),
+    Family(PREFIX + "host_budget_waited_requests_total", "counter",
+           "Requests that waited in the queue for host memory before they started.",
+           "host_budget_waited_requests"),
+    Family(PREFIX + "host_budget_dense_requests_total", "counter",
+           "Requests decoded densely (from vLLM's paged KV) because indexing them would "
+           "need more than the whole host-memory budget.", "host_budget_dense_requests"),
 )
 
 BUILD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
