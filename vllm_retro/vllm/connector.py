@@ -103,7 +103,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = request.num_prompt_tokens
         if prompt < self.config.min_indexed_context or not _decodes_more(
                 request, prompt, self._build_steps):
-            return 0, False  # decoding may still reach the threshold: see _admit_build
+            return 0, False  # may reach the threshold decoding: admitted at its build
         if self._admit(request, prompt) is Admission.WAIT:
             return None, False
         return 0, False
