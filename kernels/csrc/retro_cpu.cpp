@@ -125,7 +125,8 @@ RETRO_INLINE float log_erfc_pos(float z) {
 // max(a0, 1e-3), the truncated variance tv(a) (+inf when a0 <= 0: no correction) and
 // log erf(a / sqrt 2). Below a = 0.25 both come from their Taylor series: the closed forms
 // there subtract nearly equal numbers (tv = 1 - (1 - a^2 / 3 + ...)), which in fp32 gave tv
-// errors of up to 287x at a = 1e-3 (even tv <= 0); the series are within 5e-6 relative.
+// errors of up to 287x at a = 1e-3 (an fp32 emulation; even tv <= 0); the series are
+// within 5e-6 relative.
 RETRO_INLINE void tilt_const(float a0, float& a, float& tv, float& den) {
   constexpr float kSqrt1_2 = 0.70710678118654752f, kInvSqrt2Pi = 0.39894228040143268f;
   constexpr float k2OverSqrtPi = 1.12837916709551257f;
