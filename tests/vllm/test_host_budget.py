@@ -32,6 +32,9 @@ def test_reservations_admit_wait_or_refuse_and_release():
     assert b.reserve("huge", 5000) is Admission.TOO_LARGE  # 22700 > the whole budget
     assert "huge" not in b.held
     b.release("nobody")  # no-op
+    # first come, first served: with an earlier request waiting, one that fits waits too
+    assert b.reserve("c", 100, queued_ahead=True) is Admission.WAIT
+    assert b.reserve("b", 1000, queued_ahead=True) is Admission.ADMITTED  # held already
 
 
 def test_a_budget_must_be_positive():
@@ -63,7 +66,7 @@ def test_available_host_memory_is_within_the_machines():
 
 
 # ---------------------------------------------------------------------------- the engine
-LENGTHS, NEW = [1500, 3000], 100
+LENGTHS, NEW = [1500, 3000, 1500], 100
 
 
 def _connector(llm):
@@ -86,16 +89,18 @@ def _run_stepwise(llm, prompts, max_tokens):
 
 
 @pytest.mark.usefixtures("inprocess")
-def test_a_request_waits_for_room_and_answers_as_alone(tiny_model_dir):
-    # Room for the longer request's reservation, not for both: the second to come waits in
-    # the queue until the first finishes, then is indexed; nothing is served densely, at
-    # most one request is indexed at a time, and each answer is the one it gives alone.
+def test_requests_wait_for_room_in_order_and_answer_as_alone(tiny_model_dir):
+    # Room for the longest request's reservation, or for the two short ones together, not
+    # for a short one beside the long one. The long one (second to come) waits until the
+    # first finishes; the third, which would fit beside the first, waits behind the long
+    # one (first come, first served), so at most one request is indexed at a time. Nothing
+    # is served densely, and each answer is the one it gives alone.
     prompts = random_prompts(LENGTHS, seed=3)
     # the tiny model: 2 layers x 2 KV heads x head_dim 32 x (K, V) x fp32 bytes per token;
     # a steady slot of 4 sinks + 16 window + 2 x 64 ring rows
     probe = HostBudget(1, kv_bytes_per_token=2 * 2 * 32 * 2 * 4, steady_tokens=4 + 16 + 128)
-    need = probe.cost(max(LENGTHS) + NEW)
-    assert probe.cost(min(LENGTHS) + NEW) + need > 1.5 * need
+    need, short = probe.cost(max(LENGTHS) + NEW), probe.cost(min(LENGTHS) + NEW)
+    assert short + need > 1.5 * need >= 2 * short
     retro = {**TINY_RETRO, "host_memory_gb": 1.5 * need / GiB}
     with engine(tiny_model_dir, retro=retro) as llm:
         alone = [list(llm.generate([p], greedy(NEW))[0].outputs[0].token_ids)
@@ -108,10 +113,10 @@ def test_a_request_waits_for_room_and_answers_as_alone(tiny_model_dir):
         c = get_runtime().counters
     assert together == alone
     assert most == 1
-    assert conn.budget_counts == {"host_budget_waited_requests": 1,
+    assert conn.budget_counts == {"host_budget_waited_requests": 2,
                                   "host_budget_dense_requests": 0}
     assert gauges == {"host_budget_bytes": conn.budget.limit_bytes, "host_reserved_bytes": 0}
-    assert c.requests_indexed == 4  # two alone, two together
+    assert c.requests_indexed == 6  # three alone, three together
     assert c.dense_decode_tokens == 0
 
 
@@ -127,7 +132,7 @@ def test_a_request_larger_than_the_budget_decodes_densely_like_stock(tiny_model_
     assert outs == stock
     assert c.requests_indexed == 0 and c.retro_decode_tokens == 0
     assert c.dense_decode_tokens > 0
-    assert counts == {"host_budget_waited_requests": 0, "host_budget_dense_requests": 2}
+    assert counts == {"host_budget_waited_requests": 0, "host_budget_dense_requests": 3}
 
 
 @pytest.mark.real_model

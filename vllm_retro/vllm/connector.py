@@ -84,6 +84,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             self.budget = _host_budget(self.config, vllm_config, kv_bytes_per_token)
         self._waited: set[str] = set()
         """Requests that waited for host memory (each is counted once)."""
+        self._queue: dict[str, float] = {}
+        """Requests waiting for host memory now, with their arrival times."""
         self._dense: set[str] = set()
         """Requests too large for the whole budget: never indexed."""
         self.budget_counts = {"host_budget_waited_requests": 0,
@@ -116,7 +118,13 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         if rid in self._dense:
             return Admission.TOO_LARGE
         most = _most_tokens(request, tokens, self._max_model_len)
-        verdict = self.budget.reserve(rid, most)
+        arrival = request.arrival_time
+        ahead = any(t < arrival for r, t in self._queue.items() if r != rid)
+        verdict = self.budget.reserve(rid, most, queued_ahead=ahead)
+        if verdict is Admission.WAIT:
+            self._queue[rid] = arrival
+        else:
+            self._queue.pop(rid, None)
         if verdict is Admission.TOO_LARGE:
             self._dense.add(rid)
             self.budget_counts["host_budget_dense_requests"] += 1
@@ -138,6 +146,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         if self.budget is not None:
             self.budget.release(request_id)
         self._waited.discard(request_id)
+        self._queue.pop(request_id, None)
         if finished:
             self._dense.discard(request_id)
 

@@ -10,8 +10,9 @@ at the model's length) and admits it only if every reservation fits the budget:
 
 - it fits: the request is scheduled and indexed as usual;
 - it would fit once others finish: it **waits** in vLLM's queue (the connector tells the
-  scheduler it cannot start yet) and starts when reservations are released. Its answer is
-  the one it gives alone: the budget delays requests, it never changes how one is served;
+  scheduler it cannot start yet) and starts when reservations are released, before any
+  indexed request that came after it (first come, first served). Its answer is the one it
+  gives alone: the budget delays requests, it never changes how one is served;
 - it could never fit (more than the whole budget): it is served **densely** from its paged
   blocks, like a short request, with a warning.
 
@@ -87,15 +88,17 @@ class HostBudget:
         tier = TIER_BYTES_PER_KV_BYTE * tokens * self.kv_bytes_per_token
         return int(tier) + self.steady_tokens * self.kv_bytes_per_token
 
-    def reserve(self, request_id: str, tokens: int) -> Admission:
+    def reserve(self, request_id: str, tokens: int, queued_ahead: bool = False) -> Admission:
         """Reserve :meth:`cost` (``tokens``) for ``request_id`` if it fits beside the other
-        reservations; a request already holding a reservation keeps it and is admitted."""
+        reservations and no earlier request is waiting for memory (``queued_ahead``: first
+        come, first served, so a large request is not passed over forever by smaller ones);
+        a request already holding a reservation keeps it and is admitted."""
         if request_id in self.held:
             return Admission.ADMITTED
         need = self.cost(tokens)
         if need > self.limit_bytes:
             return Admission.TOO_LARGE
-        if self.reserved_bytes + need > self.limit_bytes:
+        if queued_ahead or self.reserved_bytes + need > self.limit_bytes:
             return Admission.WAIT
         self.held[request_id] = need
         return Admission.ADMITTED
