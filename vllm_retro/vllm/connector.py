@@ -82,10 +82,9 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         if (role == KVConnectorRole.SCHEDULER and self.config is not None
                 and self._group is not None):
             self.budget = _host_budget(self.config, vllm_config, kv_bytes_per_token)
-        self._waited: set[str] = set()
-        """Requests that waited for host memory (each is counted once)."""
         self._queue: dict[str, float] = {}
-        """Requests waiting for host memory now, with their arrival times."""
+        """Requests waiting for host memory now, with their arrival times (a request enters
+        once per wait: it leaves when admitted, and is not refused again until released)."""
         self._dense: set[str] = set()
         """Requests too large for the whole budget: never indexed."""
         self.budget_counts = {"host_budget_waited_requests": 0,
@@ -121,9 +120,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         arrival = request.arrival_time
         ahead = any(t < arrival for r, t in self._queue.items() if r != rid)
         verdict = self.budget.reserve(rid, most, queued_ahead=ahead)
-        if verdict is Admission.WAIT:
-            self._queue[rid] = arrival
-        else:
+        if verdict is not Admission.WAIT:
             self._queue.pop(rid, None)
         if verdict is Admission.TOO_LARGE:
             self._dense.add(rid)
@@ -132,8 +129,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                 "retro: request %s decodes densely: indexing its %d tokens needs up to %s of "
                 "host memory, more than the whole budget of %s (raise --retro-host-memory-gb)",
                 rid, most, describe(self.budget.cost(most)), describe(self.budget.limit_bytes))
-        elif verdict is Admission.WAIT and rid not in self._waited:
-            self._waited.add(rid)
+        elif verdict is Admission.WAIT and rid not in self._queue:
+            self._queue[rid] = arrival
             self.budget_counts["host_budget_waited_requests"] += 1
             logger.info(
                 "retro: request %s waits for host memory: needs up to %s, %s of %s reserved",
@@ -145,7 +142,6 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         """Drop ``request_id``'s reservation; forget it entirely once ``finished``."""
         if self.budget is not None:
             self.budget.release(request_id)
-        self._waited.discard(request_id)
         self._queue.pop(request_id, None)
         if finished:
             self._dense.discard(request_id)
