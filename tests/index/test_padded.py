@@ -233,6 +233,8 @@ def test_unjoined_step_is_dropped_when_its_store_is_freed():
         q = torch.randn(2, h * 2, d, generator=g)
         decode_padded(indexes, q, d ** -0.5, torch.empty_like(q), cache)  # all misses
     assert all(i.store._step is not None for i in indexes)  # left for the next call
+    for i in indexes:  # the plans run on the worker thread: wait for them (not a join)
+        i.store._pending.result()
     assert mgr.stats.snapshot()["pages_admitted"] > 0
     for i in indexes:
         i.free()
