@@ -1,12 +1,16 @@
-"""The wave buffer's per-step cache update (the worker's job): milliseconds per (request,
-layer) step, at the Llama-3-8B layer shape.
+"""The wave buffer's host-side table work per (request, layer) decode step, at the Llama-3-8B
+layer shape: the mapping-table lookup (on the decode thread) and the cache update (the
+worker's job), compiled (``kernels/csrc/buffer_cpu.cpp``, what serving runs) against the
+numpy reference, in the same run.
 
-One store of 8 KV heads holding a clustered context (16 tokens per cluster on average, the
-default 5% device cache, LRU); each step reads the retrieval zone's clusters
-(``retrieval_budget`` of them per head), 30% of which change from the step before, and the
-update records the reads, evicts and admits (``WaveBufferStore._update``, timed alone, the
-lookup outside). On CUDA this job runs on the worker thread for every (request, layer) of
-every step, so its time x layers x requests must stay below a decode step's.
+Two identical stores of 8 KV heads hold a clustered context (16 tokens per cluster on
+average, the default 5% device cache, LRU); each step reads the retrieval zone's clusters
+(``retrieval_budget`` of them per head), 30% of which change from the step before; each
+store looks them up (into a layer's gather plan) and updates its cache
+(``WaveBufferStore._lookup_into`` / ``_update``, each timed alone). Both must take the same
+decisions (the pages evicted are compared). On CUDA both run for every (request, layer) of
+every step (the lookup on the decode thread, before the gather; the update on the worker
+thread), so their time x layers x requests must stay well below a decode step's.
 
     .venv/bin/python bench/cache_update.py --contexts 8192 32768 131072
 """
@@ -30,38 +34,63 @@ from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 
 HKV, D = 8, 128
+IMPLS = ("compiled", "numpy")
+
+
+def _store(manager: WaveBufferManager, keys: torch.Tensor, c: int, seed: int, compiled: bool):
+    store = manager.store("r", HKV, D, torch.bfloat16, "cpu")
+    if not compiled:
+        store.compiled = None
+    store.stage(keys, keys)
+    g = torch.Generator().manual_seed(seed)
+    store.append(keys, keys, torch.arange(keys.shape[1]), random_clusters(HKV, keys.shape[1], c, g))
+    store.settle()
+    return store
 
 
 def run(context: int, steps: int, seed: int = 0) -> dict:
-    """Median / p90 update ms and the pages evicted over ``steps`` steps at ``context``."""
-    g = torch.Generator().manual_seed(seed)
+    """Median / p90 ms of the lookup and the update, compiled and numpy, and the pages
+    each evicted, over ``steps`` steps at ``context``."""
     c = context // 16
     cfg = RetroConfig()
     r = cfg.num_retrieval(c)
-    keys = torch.randn(HKV, context, D, generator=g).bfloat16()
-    manager = WaveBufferManager(cfg)
-    store = manager.store("r", HKV, D, torch.bfloat16, "cpu")
-    store.stage(keys, keys)
-    store.append(keys, keys, torch.arange(context), random_clusters(HKV, context, c, g))
-    store.settle()
+    keys = torch.randn(HKV, context, D, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    managers = {name: WaveBufferManager(cfg) for name in IMPLS}
+    stores = {name: _store(managers[name], keys, c, seed, name == "compiled") for name in IMPLS}
+    assert stores["compiled"].compiled is not None, "the extension did not build"
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)])
-    times = []
-    for _ in range(steps):
+    width = 4 * r * 16 + 64
+    times: dict[str, dict[str, list[float]]] = {n: {"lookup": [], "update": []} for n in IMPLS}
+    for step in range(steps):
         for h in range(HKV):
             pick = rng.choice(r, int(0.3 * r), replace=False)
             ids[h, pick] = rng.choice(np.setdiff1d(np.arange(c), ids[h]), pick.size,
                                       replace=False)
-        lk = store.table.lookup(ids, store.host.page_block)
-        t = time.perf_counter()
-        store._update(ids, lk, 0)
-        times.append(time.perf_counter() - t)
-    evicted = manager.stats.snapshot()["pages_evicted"]
-    manager.close()
-    ms = [x * 1e3 for x in times[steps // 10:]]
-    return {"context": context, "clusters_per_head": c, "reads_per_head": r,
-            "median_ms": round(statistics.median(ms), 4),
-            "p90_ms": round(float(np.percentile(ms, 90)), 4), "pages_evicted": evicted}
+        for name in IMPLS if step % 2 else IMPLS[::-1]:  # alternate which runs first
+            store = stores[name]
+            kind = np.zeros((HKV, width), dtype=np.int32)
+            src = np.zeros((HKV, width), dtype=np.int64)
+            t0 = time.perf_counter()
+            lk = store._lookup_into(ids, kind, src, 0, 0)
+            t1 = time.perf_counter()
+            store._update(ids, lk, 0)
+            t2 = time.perf_counter()
+            times[name]["lookup"].append(t1 - t0)
+            times[name]["update"].append(t2 - t1)
+    out: dict = {"context": context, "clusters_per_head": c, "reads_per_head": r}
+    for name in IMPLS:
+        out[name] = {"pages_evicted": managers[name].stats.snapshot()["pages_evicted"]}
+        for phase, ts in times[name].items():
+            ms = [x * 1e3 for x in ts[steps // 10:]]
+            out[name][f"{phase}_median_ms"] = round(statistics.median(ms), 4)
+            out[name][f"{phase}_p90_ms"] = round(float(np.percentile(ms, 90)), 4)
+        managers[name].close()
+    for phase in ("lookup", "update"):
+        out[f"{phase}_speedup"] = round(out["numpy"][f"{phase}_median_ms"]
+                                        / out["compiled"][f"{phase}_median_ms"], 2)
+    out["same_decisions"] = out["compiled"]["pages_evicted"] == out["numpy"]["pages_evicted"]
+    return out
 
 
 def main() -> None:
@@ -74,9 +103,14 @@ def main() -> None:
     rows = [run(n, args.steps) for n in args.contexts]
     for row in rows:
         print(f"{row['context']:>7} tokens: {row['clusters_per_head']} clusters/head, "
-              f"{row['reads_per_head']} read/step: update {row['median_ms']:.3f} ms median, "
-              f"{row['p90_ms']:.3f} p90 per (request, layer) step; "
-              f"{row['pages_evicted']} pages evicted")
+              f"{row['reads_per_head']} read/step, per (request, layer) step:")
+        for name in IMPLS:
+            x = row[name]
+            print(f"    {name:>8}: lookup {x['lookup_median_ms']:.3f} ms median "
+                  f"({x['lookup_p90_ms']:.3f} p90), update {x['update_median_ms']:.3f} ms "
+                  f"({x['update_p90_ms']:.3f} p90); {x['pages_evicted']} pages evicted")
+        print(f"    compiled / numpy: lookup {row['lookup_speedup']:.1f}x, update "
+              f"{row['update_speedup']:.1f}x faster; same decisions: {row['same_decisions']}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

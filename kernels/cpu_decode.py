@@ -43,7 +43,8 @@ from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cpu.cpp")
+_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cpu.cpp",
+            _CSRC / "buffer_cpu.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None

@@ -1099,6 +1099,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
     std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
     std::vector<int64_t>, std::vector<int64_t>, int64_t, double, bool);
 
+// buffer_cpu.cpp (the wave buffer's table work)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
+    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+    int64_t, torch::Tensor, torch::Tensor, int64_t, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
+    torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
+    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+    int64_t, torch::Tensor, torch::Tensor, int64_t);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
   m.def("log_tilt_grid", &log_tilt_grid, "The fused kernel's tilted correction (CPU, tests)");
@@ -1108,4 +1117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("graph_insert", &graph_insert, "Insert nodes into graph indexes (CPU)");
   m.def("graph_search", &graph_search, "Best-first graph search per query head (CPU)");
   m.def("graph_decode", &graph_decode, "Graph index decode step: search, choose, attend (CPU)");
+  // the table work runs without the GIL: the update runs on the buffer's worker thread
+  m.def("buffer_lookup", &buffer_lookup, "Wave buffer: one store's mapping-table lookup",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("buffer_update", &buffer_update, "Wave buffer: one store's cache update",
+        py::call_guard<py::gil_scoped_release>());
 }

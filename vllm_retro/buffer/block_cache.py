@@ -7,9 +7,11 @@ the live budgets (:meth:`reserve`), so a head under its budget always finds a fr
 cluster is cached whole or not at all; which clusters stay is the policy's decision (see
 :mod:`vllm_retro.buffer.policy`).
 
-The free list is taken from and refilled by the update worker (admissions, evictions) and
-by the decode thread (growth, a finished request's blocks), under one lock. Growth appends
-blocks, so block ids stay valid.
+The free list is a stack of block ids in one int64 array (:attr:`free_stack`, the first
+:attr:`n_free` entries free, taken from the top), so the update worker's compiled cache
+update takes and gives blocks in place. It is taken from and refilled by the update worker
+(admissions, evictions) and by the decode thread (growth, a finished request's blocks),
+under one lock (:attr:`lock`). Growth appends blocks, so block ids stay valid.
 """
 
 from __future__ import annotations
@@ -32,10 +34,20 @@ class DeviceBlockPool:
         self.stats = stats
         self.k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.free_blocks: list[int] = []
+        self.free_stack = np.zeros(0, dtype=np.int64)
+        """[num_blocks] int64: the free block ids are its first :attr:`n_free` entries."""
+        self.n_free = np.zeros(1, dtype=np.int64)
+        """[1] int64 (an array, so compiled code updates it in place)."""
         self.reserved = 0
         """Sum of the live budgets, in blocks (at most :attr:`num_blocks`)."""
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        """Orders every change of the free list and the pool's arrays."""
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """The free block ids, bottom of the stack first (a copy)."""
+        with self.lock:
+            return self.free_stack[:int(self.n_free[0])].tolist()
 
     @property
     def num_blocks(self) -> int:
@@ -51,7 +63,7 @@ class DeviceBlockPool:
         reallocated, contents kept) when they exceed it. Decode thread only."""
         if blocks <= 0:
             return
-        with self._lock:
+        with self.lock:
             self.reserved += blocks
             short = self.reserved - self.num_blocks
             if short <= 0:
@@ -63,7 +75,12 @@ class DeviceBlockPool:
                                 device=self.k.device)
             self.k = torch.cat([self.k, extra])
             self.v = torch.cat([self.v, extra])
-            self.free_blocks.extend(range(first, first + grow))
+            stack = np.zeros(first + grow, dtype=np.int64)
+            n = int(self.n_free[0])
+            stack[:n] = self.free_stack[:n]
+            stack[n:n + grow] = np.arange(first, first + grow)
+            self.free_stack = stack
+            self.n_free[0] = n + grow
         self.stats.add(device_bytes=self.nbytes() - before)
 
     def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -71,35 +88,42 @@ class DeviceBlockPool:
         pool's device; keys/values [n, D]. Under the lock, so a growth on another thread (a
         background index build) cannot copy the pool while the rows land in the old one."""
         d = self.head_dim
-        with self._lock:
+        with self.lock:
             self.k.view(-1, d).index_copy_(0, rows, keys)
             self.v.view(-1, d).index_copy_(0, rows, values)
 
     def unreserve(self, blocks: int) -> None:
         """A budget of ``blocks`` is gone (its blocks were given back first)."""
-        with self._lock:
+        with self.lock:
             self.reserved -= blocks
 
     def take(self, n: int) -> np.ndarray:
         """``n`` free blocks ([n] int64), off the free list."""
-        with self._lock:
-            if n > len(self.free_blocks):
+        with self.lock:
+            free = int(self.n_free[0])
+            if n > free:
                 raise RuntimeError(f"device block pool: {n} blocks asked, "
-                                   f"{len(self.free_blocks)} free (budgets overcommitted)")
-            out = np.array(self.free_blocks[len(self.free_blocks) - n:], dtype=np.int64)
-            del self.free_blocks[len(self.free_blocks) - n:]
-            return out
+                                   f"{free} free (budgets overcommitted)")
+            self.n_free[0] = free - n
+            return self.free_stack[free - n:free].copy()
 
     def give(self, blocks: np.ndarray) -> None:
         """Put ``blocks`` ([n] ids) back on the free list."""
-        with self._lock:
-            self.free_blocks.extend(blocks.tolist())
+        blocks = np.asarray(blocks, dtype=np.int64)
+        with self.lock:
+            free = int(self.n_free[0])
+            if free + blocks.size > self.free_stack.size:
+                raise RuntimeError(f"device block pool: {blocks.size} blocks given back, "
+                                   f"{free} of {self.free_stack.size} already free")
+            self.free_stack[free:free + blocks.size] = blocks
+            self.n_free[0] = free + blocks.size
 
     def free(self) -> None:
         """Release the pool."""
-        with self._lock:
+        with self.lock:
             self.stats.add(device_bytes=-self.nbytes())
             self.k = self.k[:0].clone()
             self.v = self.v[:0].clone()
-            self.free_blocks = []
+            self.free_stack = np.zeros(0, dtype=np.int64)
+            self.n_free[0] = 0
             self.reserved = 0

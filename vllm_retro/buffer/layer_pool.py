@@ -122,18 +122,17 @@ class LayerPool:
         updates: list[tuple] = []
         try:
             for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
-                rows = slice(j * h, (j + 1) * h)
                 if offsets is None:
-                    lk = st._lookup(ids)
+                    lk = st._lookup_into(ids, kind, src, j * h, ns)
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
                     update = partial(st._update, ids, lk, ns)
                 else:
                     lk = st._lookup_tokens(ids, offsets[j])
                     st._begin_step(ids, lk, ns, None, None, 0)
                     update = partial(st._update_tokens, ids, lk)
-                w = lk.kind.shape[1]
-                kind[rows, ns:ns + w] = lk.kind
-                src[rows, ns:ns + w] = lk.src_row
+                    w = lk.kind.shape[1]
+                    kind[j * h:(j + 1) * h, ns:ns + w] = lk.kind
+                    src[j * h:(j + 1) * h, ns:ns + w] = lk.src_row
                 st._pending = Future()
                 updates.append((update, st._pending))
         except BaseException:

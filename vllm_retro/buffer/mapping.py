@@ -14,8 +14,10 @@ own pending update.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_retro.kernels.gather import HIT, MISS
 
@@ -35,14 +37,18 @@ class Lookup:
     """[H, T] int32 per token slot: 0 padding, 1 device cache, 2 host tier."""
     src_row: np.ndarray
     """[H, T] int64 row in the device pool (hits) or the host pool (misses)."""
-    host_row: np.ndarray
-    """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position."""
+    host_row: np.ndarray | None
+    """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position; None
+    from the compiled lookup (:meth:`ClusterMappingTable.lookup_into`)."""
     totals: np.ndarray
     """[H] int64 tokens per head."""
     cached: np.ndarray
     """[H, R] bool: the cluster was a cache hit."""
     begins: np.ndarray
     """[H, R] int64 first slot of each cluster within the head's retrieved tokens."""
+    counts: np.ndarray | None = None
+    """[4] int64 (hit tokens, miss tokens, cached clusters, host pages of the clusters not
+    cached) when the lookup counted them (the compiled one does)."""
 
 
 class ClusterMappingTable:
@@ -118,6 +124,25 @@ class ClusterMappingTable:
         begins = np.cumsum(sizes, axis=1) - sizes
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
         return Lookup(kind, src_row, host_row, totals, cached, begins)
+
+    def lookup_into(self, module: Any, cluster_ids: np.ndarray, page_block: np.ndarray,
+                    kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> Lookup:
+        """:meth:`lookup` by the compiled extension ``module`` (``buffer_lookup``, without
+        the GIL), written straight into a layer's gather plan: ``kind``/``src`` ([rows, T]
+        int32 / int64, zero where no token goes) get this table's heads at rows ``row0 ..
+        row0 + H`` from column ``col0``. The Lookup's ``kind``/``src_row`` are views of
+        those places, its ``host_row`` None and its ``counts`` set."""
+        h = self.size.shape[0]
+        cached, begins, totals, counts = module.buffer_lookup(
+            torch.from_numpy(cluster_ids), torch.from_numpy(self.page_start),
+            torch.from_numpy(self.size), torch.from_numpy(self.n_pages),
+            torch.from_numpy(self.cached), torch.from_numpy(page_block), self.page_size,
+            torch.from_numpy(kind), torch.from_numpy(src), row0, col0)
+        totals = totals.numpy()
+        w = int(totals.max()) if totals.size else 0
+        rows = slice(row0, row0 + h)
+        return Lookup(kind[rows, col0:col0 + w], src[rows, col0:col0 + w], None, totals,
+                      cached.numpy(), begins.numpy(), counts.numpy())
 
     def lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray,
                       page_block: np.ndarray) -> Lookup:

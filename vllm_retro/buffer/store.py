@@ -34,9 +34,10 @@ from vllm_retro import kernels
 from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, victims
-from vllm_retro.config import RetroConfig
+from vllm_retro.config import CACHE_POLICIES, RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts, fill_steady
+from vllm_retro.kernels import cpu_decode
 from vllm_retro.kernels.gather import HIT, MISS
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class WaveBufferStore:
         """Reads recorded so far: the recency stamp of the next read."""
         self._freed = False
         self._host_pages = np.zeros(self.num_heads, dtype=np.int64)
+        self.compiled = cpu_decode.load()
+        """The compiled extension whose ``buffer_lookup`` / ``buffer_update`` do the decode
+        step's table work (None: numpy, the reference, as when it cannot be built)."""
         pool.attach(self)
 
     @property
@@ -209,6 +213,23 @@ class WaveBufferStore:
         self._sync()
         return self.table.lookup(ids, self.host.page_block)
 
+    def _lookup_into(self, ids: np.ndarray, kind: np.ndarray, src: np.ndarray, row0: int,
+                     col0: int) -> Lookup:
+        """:meth:`_lookup`, writing the tokens' places into a layer's gather plan (``kind``,
+        ``src`` [rows, T]: this store's heads at rows ``row0 ..``, from column ``col0``),
+        compiled when :attr:`compiled` is set."""
+        if self.compiled is None:
+            lk = self._lookup(ids)
+            w = lk.kind.shape[1]
+            kind[row0:row0 + self.num_heads, col0:col0 + w] = lk.kind
+            src[row0:row0 + self.num_heads, col0:col0 + w] = lk.src_row
+            return lk
+        if self._freed:
+            raise RuntimeError("this wave buffer store was freed")
+        self._sync()
+        return self.table.lookup_into(self.compiled, ids, self.host.page_block, kind, src,
+                                      row0, col0)
+
     def _fill(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
               exec_v: torch.Tensor) -> None:
         """Assemble the execution buffer ``exec_k``/``exec_v`` ([H, T_cap, D]) after its
@@ -243,14 +264,17 @@ class WaveBufferStore:
         """Count the step's reads (``tokens``: single-token reads, whose clusters the update
         counts, and whose missed pages are read in part)."""
         row_bytes = 2 * self.head_dim * self.host.k.element_size()
-        hit_tok = int((lk.kind == HIT).sum())
-        miss_tok = int((lk.kind == MISS).sum())
-        clusters = {}
-        if not tokens:
-            clusters = dict(cluster_hits=int(lk.cached.sum()),
-                            cluster_misses=int((~lk.cached).sum()),
-                            pages_h2d=int(np.take_along_axis(self.table.n_pages, ids, 1)[
-                                ~lk.cached].sum()))
+        if lk.counts is not None:  # counted by the compiled lookup
+            hit_tok, miss_tok, cached, pages = lk.counts.tolist()
+            clusters = dict(cluster_hits=cached, cluster_misses=ids.size - cached,
+                            pages_h2d=pages)
+        else:
+            hit_tok = int((lk.kind == HIT).sum())
+            miss_tok = int((lk.kind == MISS).sum())
+            clusters = {} if tokens else dict(
+                cluster_hits=int(lk.cached.sum()), cluster_misses=int((~lk.cached).sum()),
+                pages_h2d=int(np.take_along_axis(self.table.n_pages, ids, 1)[
+                    ~lk.cached].sum()))
         self.manager.stats.add(
             hit_tokens=hit_tok, miss_tokens=miss_tok, bytes_h2d=miss_tok * row_bytes,
             bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes, **clusters,
@@ -259,7 +283,10 @@ class WaveBufferStore:
     def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
         """The cache update of one step (worker thread): record the reads, evict by the
         policy's order, admit the misses that fit, and plan their copies into the cache.
-        Every KV head at once (no per-head or per-cluster Python work)."""
+        Compiled when :attr:`compiled` is set (:meth:`_update_compiled`), else numpy over
+        every KV head at once (no per-head or per-cluster Python work): the reference."""
+        if self.compiled is not None:
+            return self._update_compiled(ids, lk, n_steady)
         t, page = self.table, self.page_size
         h_n, r = ids.shape
         rows = np.arange(h_n)[:, None]
@@ -280,6 +307,24 @@ class WaveBufferStore:
         first_block = np.cumsum(need) - need
         return (heads[which], n_steady + lk.begins[heads, pos][which] + tok,
                 blocks[first_block[which] + tok // page] * page + tok % page)
+
+    def _update_compiled(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
+        """:meth:`_update` by the compiled ``buffer_update`` (the same tables, block pool
+        and plan), without the GIL; the block pool's lock is held throughout, since it takes
+        and gives blocks on the pool's free stack in place."""
+        t = self.table
+        arrays = [ids, lk.cached, lk.begins]
+        tables = [t.page_start, t.n_pages, t.size, t.cached, t.last_access, t.reads,
+                  self.capacity, self.host.page_block]
+        with self.blocks.lock:
+            heads, slots, rows, admitted, evicted = self.compiled.buffer_update(
+                *[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], n_steady,
+                self._clock, *[torch.from_numpy(a) for a in tables], self.page_size,
+                torch.from_numpy(self.blocks.free_stack), torch.from_numpy(self.blocks.n_free),
+                CACHE_POLICIES.index(self.config.cache_policy))
+        self._clock += ids.shape[1]
+        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
+        return heads.numpy(), slots.numpy(), rows.numpy()
 
     def _admit(self, cand: np.ndarray, want: np.ndarray, protected: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,279 @@
+// The wave buffer's host-side table work of one (request, layer) step, in one call each:
+//
+//   buffer_lookup: where every token of the step's retrieval clusters comes from (device
+//     block or host page), written straight into the layer's gather plan, plus the counts
+//     the buffer's statistics take;
+//   buffer_update: the cache update of the step (the LRU / LFU stamps, evictions by the
+//     policy's order, admissions within each KV head's block budget, the admission copies'
+//     plan), on the mapping table's arrays in place.
+//
+// They are the functions of vllm_retro.buffer.mapping.ClusterMappingTable.lookup and
+// WaveBufferStore._update (numpy, the reference; tests compare tables, block pools and plans
+// step by step, bit for bit). In numpy each step is ~40 small array operations per request
+// and layer (0.16 ms lookup + 0.29 ms update at 32K x 8 KV heads); here the loops touch only
+// the step's clusters and the heads' cached clusters. Both run without the GIL, so the update
+// (on the buffer's worker thread) does not hold up the decode thread's Python.
+//
+// Tables are [H, C] row-major arrays shared with numpy (torch.from_numpy views): page_start,
+// n_pages, size, last_access, reads (int64), cached (bool). page_block [P] int64 is the
+// layer's host page -> device block map (-1 none); the device block pool's free list is a
+// stack (free_stack [num_blocks] int64, the first n_free[0] entries free, taken from the top).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename T>
+T* ptr(const torch::Tensor& t, const char* name, torch::ScalarType type) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu(),
+              "buffer: ", name, " must be a contiguous CPU tensor of ", type);
+  return t.data_ptr<T>();
+}
+
+void check_table(const torch::Tensor& t, int64_t H, int64_t C, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == H && t.size(1) == C, "buffer: ", name,
+              " must be [", H, ", ", C, "], got ", t.sizes());
+}
+
+void check_ids(const int64_t* ids, int64_t n, int64_t C) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < C, "cluster id ", ids[i],
+                      " is out of range; accepted: 0 to ", C - 1);
+}
+
+}  // namespace
+
+// Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h:
+// writes kind[row0 + h, col0 + slot] (1 device block, 2 host page) and src[...] (device-pool
+// row for a hit, host-pool row for a miss) over the head's tokens (the caller has zeroed
+// the rest). Returns (cached [H, R] bool: the cluster is cached, begins [H, R] int64: its
+// first slot among the head's tokens, totals [H] int64: tokens per head, counts [4] int64:
+// hit tokens, miss tokens, cached clusters, host pages of the clusters not cached).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
+    torch::Tensor ids, torch::Tensor page_start, torch::Tensor size, torch::Tensor n_pages,
+    torch::Tensor cached, torch::Tensor page_block, int64_t page_size, torch::Tensor kind,
+    torch::Tensor src, int64_t row0, int64_t col0) {
+  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
+  const int64_t H = ids.size(0), R = ids.size(1), C = size.size(1);
+  check_table(page_start, H, C, "page_start");
+  check_table(size, H, C, "size");
+  check_table(n_pages, H, C, "n_pages");
+  check_table(cached, H, C, "cached");
+  const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
+  const int64_t* ps = ptr<int64_t>(page_start, "page_start", torch::kInt64);
+  const int64_t* sz = ptr<int64_t>(size, "size", torch::kInt64);
+  const int64_t* np_ = ptr<int64_t>(n_pages, "n_pages", torch::kInt64);
+  const bool* ca = ptr<bool>(cached, "cached", torch::kBool);
+  const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int32_t* kd = ptr<int32_t>(kind, "kind", torch::kInt32);
+  int64_t* sr = ptr<int64_t>(src, "src", torch::kInt64);
+  TORCH_CHECK(kind.dim() == 2 && src.sizes() == kind.sizes() && row0 >= 0 && col0 >= 0 &&
+                  row0 + H <= kind.size(0), "buffer: the gather plan's rows");
+  check_ids(id, H * R, C);
+  const int64_t T = kind.size(1), P = page_block.numel();
+  auto hit = torch::empty({H, R}, torch::kBool);
+  auto begins = torch::empty({H, R}, torch::kInt64);
+  auto totals = torch::empty({H}, torch::kInt64);
+  auto counts = torch::zeros({4}, torch::kInt64);
+  bool* ho = hit.data_ptr<bool>();
+  int64_t* bo = begins.data_ptr<int64_t>();
+  int64_t* to = totals.data_ptr<int64_t>();
+  int64_t* co = counts.data_ptr<int64_t>();
+  for (int64_t h = 0; h < H; ++h) {
+    int64_t slot = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = id[h * R + r], k = h * C + c, n = sz[k];
+      ho[h * R + r] = ca[k];
+      bo[h * R + r] = slot;
+      co[2] += ca[k];
+      if (!ca[k]) co[3] += np_[k];
+      TORCH_CHECK(col0 + slot + n <= T, "buffer: the gather plan has ", T,
+                  " slots, the step's tokens need ", col0 + slot + n);
+      int32_t* kr = kd + (row0 + h) * T + col0 + slot;
+      int64_t* srr = sr + (row0 + h) * T + col0 + slot;
+      const int64_t first = ps[k] * page_size;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = first + i, page = row / page_size;
+        TORCH_CHECK(page < P, "buffer: host page ", page, " is past the pool (", P, ")");
+        const int64_t block = pb[page];
+        if (block >= 0) {
+          kr[i] = 1;
+          srr[i] = block * page_size + row % page_size;
+          ++co[0];
+        } else {
+          kr[i] = 2;
+          srr[i] = row;
+          ++co[1];
+        }
+      }
+      slot += n;
+    }
+    to[h] = slot;
+  }
+  return {hit, begins, totals, counts};
+}
+
+// One step's cache update of one store (see WaveBufferStore._update, the reference): stamp
+// the reads (last_access = clock + 1 + r in read order, reads += 1 for cached clusters),
+// then per KV head admit the clusters not cached that fit its budget capacity[h] (evicting
+// unread cached clusters by the policy's order: 0 LRU (oldest stamp first), 1 LFU (fewest
+// reads, then oldest); ties by cluster id; admitting greedily in read order when even
+// evicting everything evictable is short), taking device blocks off the free stack after
+// the evicted ones went back on it. Returns the admission copies' plan, one entry per token:
+// (KV head, execution-buffer slot n_steady + begins[h, r] + i, device-pool row), and
+// (pages admitted, pages evicted).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
+    torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
+    int64_t clock, torch::Tensor page_start, torch::Tensor n_pages, torch::Tensor size,
+    torch::Tensor cached, torch::Tensor last_access, torch::Tensor reads,
+    torch::Tensor capacity, torch::Tensor page_block, int64_t page_size,
+    torch::Tensor free_stack, torch::Tensor n_free, int64_t policy) {
+  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
+  TORCH_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy, "; accepted: 0 (lru), 1 (lfu)");
+  const int64_t H = ids.size(0), R = ids.size(1), C = size.size(1);
+  for (auto [t, name] : {std::pair{&page_start, "page_start"}, {&n_pages, "n_pages"},
+                         {&size, "size"}, {&cached, "cached"}, {&last_access, "last_access"},
+                         {&reads, "reads"}})
+    check_table(*t, H, C, name);
+  TORCH_CHECK(hit.sizes() == ids.sizes() && begins.sizes() == ids.sizes() &&
+                  capacity.numel() == H && n_free.numel() == 1, "buffer: update shapes");
+  const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
+  const bool* hi = ptr<bool>(hit, "hit", torch::kBool);
+  const int64_t* be = ptr<int64_t>(begins, "begins", torch::kInt64);
+  const int64_t* ps = ptr<int64_t>(page_start, "page_start", torch::kInt64);
+  const int64_t* np_ = ptr<int64_t>(n_pages, "n_pages", torch::kInt64);
+  const int64_t* sz = ptr<int64_t>(size, "size", torch::kInt64);
+  bool* ca = ptr<bool>(cached, "cached", torch::kBool);
+  int64_t* la = ptr<int64_t>(last_access, "last_access", torch::kInt64);
+  int64_t* rd = ptr<int64_t>(reads, "reads", torch::kInt64);
+  const int64_t* cap = ptr<int64_t>(capacity, "capacity", torch::kInt64);
+  int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
+  int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
+  check_ids(id, H * R, C);
+  const int64_t P = page_block.numel(), stack_cap = free_stack.numel();
+
+  // the stamps, as numpy's fancy assignment makes them (every value from the old table,
+  // the last of repeated ids wins)
+  std::vector<int64_t> new_reads(R);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t* ih = id + h * R;
+    for (int64_t r = 0; r < R; ++r) new_reads[r] = rd[h * C + ih[r]] + hi[h * R + r];
+    for (int64_t r = 0; r < R; ++r) {
+      la[h * C + ih[r]] = clock + 1 + r;
+      rd[h * C + ih[r]] = new_reads[r];
+    }
+  }
+
+  // what each head wants: its misses that fit its budget at all, in read order
+  std::vector<int64_t> need(H * R, 0), room(H), want(H, 0);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t k = h * C + id[h * R + r], n = np_[k];
+      if (!hi[h * R + r] && n > 0 && n <= cap[h]) need[h * R + r] = n;
+      want[h] += need[h * R + r];
+    }
+    int64_t held = 0;
+    for (int64_t c = 0; c < C; ++c) held += ca[h * C + c] ? np_[h * C + c] : 0;
+    room[h] = cap[h] - held;
+  }
+
+  // evictions, head by head in head order, each head's in the policy's order
+  std::vector<char> read_now(C);
+  std::vector<int64_t> order, given;
+  int64_t evicted = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    if (want[h] <= room[h]) continue;
+    std::fill(read_now.begin(), read_now.end(), 0);
+    for (int64_t r = 0; r < R; ++r) read_now[id[h * R + r]] = 1;
+    order.clear();
+    int64_t evictable = 0;
+    for (int64_t c = 0; c < C; ++c)
+      if (ca[h * C + c] && !read_now[c]) {
+        order.push_back(c);
+        evictable += np_[h * C + c];
+      }
+    const int64_t budget = room[h] + evictable;
+    if (want[h] > budget) {  // admit greedily in read order: each miss that still fits
+      int64_t used = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        int64_t& n = need[h * R + r];
+        if (n == 0) continue;
+        if (used + n <= budget) used += n;
+        else n = 0;
+      }
+      want[h] = used;
+    }
+    const int64_t deficit = want[h] - room[h];
+    if (deficit <= 0) continue;
+    const int64_t* lh = la + h * C;
+    const int64_t* rh = rd + h * C;
+    if (policy == 0)
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return lh[a] != lh[b] ? lh[a] < lh[b] : a < b;
+      });
+    else
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        if (rh[a] != rh[b]) return rh[a] < rh[b];
+        return lh[a] != lh[b] ? lh[a] < lh[b] : a < b;
+      });
+    int64_t freed = 0;
+    for (int64_t c : order) {
+      if (freed >= deficit) break;
+      const int64_t k = h * C + c;
+      for (int64_t p = ps[k]; p < ps[k] + np_[k]; ++p) {
+        TORCH_CHECK(p < P && pb[p] >= 0, "buffer: cached cluster ", c, " of head ", h,
+                    " has an unmapped page ", p);
+        given.push_back(pb[p]);
+        pb[p] = -1;
+      }
+      ca[k] = false;
+      rd[k] = 0;
+      freed += np_[k];
+    }
+    evicted += freed;
+  }
+  TORCH_CHECK(nf[0] + int64_t(given.size()) <= stack_cap, "buffer: the free list overflows (",
+              nf[0], " + ", given.size(), " blocks, ", stack_cap, " in the pool)");
+  std::copy(given.begin(), given.end(), fs + nf[0]);
+  nf[0] += int64_t(given.size());
+
+  // admissions: head-major, read order; blocks off the top of the stack, in stack order
+  const int64_t total = std::accumulate(need.begin(), need.end(), int64_t{0});
+  TORCH_CHECK(total <= nf[0], "device block pool: ", total, " blocks asked, ", nf[0],
+              " free (budgets overcommitted)");
+  const int64_t* blocks = fs + nf[0] - total;
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < H * R; ++i)
+    if (need[i]) tokens += sz[(i / R) * C + id[i]];
+  auto heads_t = torch::empty({tokens}, torch::kInt64);
+  auto slots_t = torch::empty({tokens}, torch::kInt64);
+  auto rows_t = torch::empty({tokens}, torch::kInt64);
+  int64_t* ho = heads_t.data_ptr<int64_t>();
+  int64_t* so = slots_t.data_ptr<int64_t>();
+  int64_t* ro = rows_t.data_ptr<int64_t>();
+  int64_t b = 0, t = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = need[h * R + r];
+      if (n == 0) continue;
+      const int64_t k = h * C + id[h * R + r];
+      for (int64_t p = 0; p < n; ++p) pb[ps[k] + p] = blocks[b + p];
+      ca[k] = true;
+      rd[k] = 1;
+      for (int64_t i = 0; i < sz[k]; ++i, ++t) {
+        ho[t] = h;
+        so[t] = n_steady + be[h * R + r] + i;
+        ro[t] = blocks[b + i / page_size] * page_size + i % page_size;
+      }
+      b += n;
+    }
+  nf[0] -= total;
+  return {heads_t, slots_t, rows_t, total, evicted};
+}
