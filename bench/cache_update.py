@@ -62,6 +62,9 @@ def run(context: int, steps: int, seed: int = 0) -> dict:
     ids = np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)])
     width = 4 * r * 16 + 64
     times: dict[str, dict[str, list[float]]] = {n: {"lookup": [], "update": []} for n in IMPLS}
+    # each store's gather plan, kept across steps as the layer pool keeps it
+    plans = {n: (np.zeros((HKV, width), dtype=np.int32), np.zeros((HKV, width), dtype=np.int64))
+             for n in IMPLS}
     for step in range(steps):
         for h in range(HKV):
             pick = rng.choice(r, int(0.3 * r), replace=False)
@@ -69,8 +72,7 @@ def run(context: int, steps: int, seed: int = 0) -> dict:
                                       replace=False)
         for name in IMPLS if step % 2 else IMPLS[::-1]:  # alternate which runs first
             store = stores[name]
-            kind = np.zeros((HKV, width), dtype=np.int32)
-            src = np.zeros((HKV, width), dtype=np.int64)
+            kind, src = plans[name]
             t0 = time.perf_counter()
             lk = store._lookup_into(ids, kind, src, 0, 0)
             t1 = time.perf_counter()

@@ -14,10 +14,12 @@
 // the step's clusters and the heads' cached clusters. Both run without the GIL, so the update
 // (on the buffer's worker thread) does not hold up the decode thread's Python.
 //
-// Tables are [H, C] row-major arrays shared with numpy (torch.from_numpy views): page_start,
-// n_pages, size, last_access, reads (int64), cached (bool). page_block [P] int64 is the
-// layer's host page -> device block map (-1 none); the device block pool's free list is a
-// stack (free_stack [num_blocks] int64, the first n_free[0] entries free, taken from the top).
+// Tables are shared with numpy (torch.from_numpy views): records [H, C, 8] int64, one
+// 64-byte record per (KV head, cluster) holding page_start, n_pages, size, last_access, reads
+// (vllm_retro.buffer.mapping.RECORD_FIELDS, in that order), and cached [H, C] bool.
+// page_block [P] int64 is the layer's host page -> device block map (-1 none); the device
+// block pool's free list is a stack (free_stack [num_blocks] int64, the first n_free[0]
+// entries free, taken from the top).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -36,9 +38,18 @@ T* ptr(const torch::Tensor& t, const char* name, torch::ScalarType type) {
   return t.data_ptr<T>();
 }
 
-void check_table(const torch::Tensor& t, int64_t H, int64_t C, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == H && t.size(1) == C, "buffer: ", name,
-              " must be [", H, ", ", C, "], got ", t.sizes());
+// a cluster's record: its fields' positions (mapping.RECORD_FIELDS) and its width
+constexpr int64_t kPageStart = 0, kPages = 1, kSize = 2, kLastAccess = 3, kReads = 4;
+constexpr int64_t kWidth = 8;
+
+void check_tables(const torch::Tensor& ids, const torch::Tensor& records,
+                  const torch::Tensor& cached) {
+  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
+  const int64_t H = ids.size(0);
+  TORCH_CHECK(records.dim() == 3 && records.size(0) == H && records.size(2) == kWidth,
+              "buffer: records must be [", H, ", C, ", kWidth, "], got ", records.sizes());
+  TORCH_CHECK(cached.dim() == 2 && cached.size(0) == H && cached.size(1) == records.size(1),
+              "buffer: cached must be [H, C] as the records, got ", cached.sizes());
 }
 
 void check_ids(const int64_t* ids, int64_t n, int64_t C) {
@@ -50,25 +61,18 @@ void check_ids(const int64_t* ids, int64_t n, int64_t C) {
 }  // namespace
 
 // Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h:
-// writes kind[row0 + h, col0 + slot] (1 device block, 2 host page) and src[...] (device-pool
-// row for a hit, host-pool row for a miss) over the head's tokens (the caller has zeroed
-// the rest). Returns (cached [H, R] bool: the cluster is cached, begins [H, R] int64: its
+// writes row row0 + h of kind ([rows, T] int32) whole: from column col0 one entry per token
+// (1 device block, 2 host page), 0 elsewhere; and src[row0 + h, col0 + slot] ([rows, T]
+// int64) per token (device-pool row for a hit, host-pool row for a miss). Returns (cached [H, R] bool: the cluster is cached, begins [H, R] int64: its
 // first slot among the head's tokens, totals [H] int64: tokens per head, counts [4] int64:
 // hit tokens, miss tokens, cached clusters, host pages of the clusters not cached).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
-    torch::Tensor ids, torch::Tensor page_start, torch::Tensor size, torch::Tensor n_pages,
-    torch::Tensor cached, torch::Tensor page_block, int64_t page_size, torch::Tensor kind,
-    torch::Tensor src, int64_t row0, int64_t col0) {
-  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
-  const int64_t H = ids.size(0), R = ids.size(1), C = size.size(1);
-  check_table(page_start, H, C, "page_start");
-  check_table(size, H, C, "size");
-  check_table(n_pages, H, C, "n_pages");
-  check_table(cached, H, C, "cached");
+    torch::Tensor ids, torch::Tensor records, torch::Tensor cached, torch::Tensor page_block,
+    int64_t page_size, torch::Tensor kind, torch::Tensor src, int64_t row0, int64_t col0) {
+  check_tables(ids, records, cached);
+  const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
   const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
-  const int64_t* ps = ptr<int64_t>(page_start, "page_start", torch::kInt64);
-  const int64_t* sz = ptr<int64_t>(size, "size", torch::kInt64);
-  const int64_t* np_ = ptr<int64_t>(n_pages, "n_pages", torch::kInt64);
+  const int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
   const bool* ca = ptr<bool>(cached, "cached", torch::kBool);
   const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int32_t* kd = ptr<int32_t>(kind, "kind", torch::kInt32);
@@ -76,6 +80,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lo
   TORCH_CHECK(kind.dim() == 2 && src.sizes() == kind.sizes() && row0 >= 0 && col0 >= 0 &&
                   row0 + H <= kind.size(0), "buffer: the gather plan's rows");
   check_ids(id, H * R, C);
+  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
   const int64_t T = kind.size(1), P = page_block.numel();
   auto hit = torch::empty({H, R}, torch::kBool);
   auto begins = torch::empty({H, R}, torch::kInt64);
@@ -87,33 +92,36 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lo
   int64_t* co = counts.data_ptr<int64_t>();
   for (int64_t h = 0; h < H; ++h) {
     int64_t slot = 0;
+    std::fill(kd + (row0 + h) * T, kd + (row0 + h) * T + col0, 0);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = id[h * R + r], k = h * C + c, n = sz[k];
+      const int64_t c = id[h * R + r], k = h * C + c;
+      const int64_t* cr = rec + k * kWidth;
+      const int64_t n = cr[kSize];
       ho[h * R + r] = ca[k];
       bo[h * R + r] = slot;
       co[2] += ca[k];
-      if (!ca[k]) co[3] += np_[k];
+      if (!ca[k]) co[3] += cr[kPages];
       TORCH_CHECK(col0 + slot + n <= T, "buffer: the gather plan has ", T,
                   " slots, the step's tokens need ", col0 + slot + n);
       int32_t* kr = kd + (row0 + h) * T + col0 + slot;
       int64_t* srr = sr + (row0 + h) * T + col0 + slot;
-      const int64_t first = ps[k] * page_size;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = first + i, page = row / page_size;
-        TORCH_CHECK(page < P, "buffer: host page ", page, " is past the pool (", P, ")");
-        const int64_t block = pb[page];
-        if (block >= 0) {
-          kr[i] = 1;
-          srr[i] = block * page_size + row % page_size;
-          ++co[0];
-        } else {
-          kr[i] = 2;
-          srr[i] = row;
-          ++co[1];
+      const int64_t first = cr[kPageStart];
+      TORCH_CHECK(first >= 0 && first + cr[kPages] <= P && cr[kPages] * page_size >= n,
+                  "buffer: cluster ", c, " of head ", h, " lies outside the host pool");
+      // page by page (a cluster starts on a page boundary): no division per token
+      for (int64_t i0 = 0, page = first; i0 < n; i0 += page_size, ++page) {
+        const int64_t block = pb[page], m = std::min(page_size, n - i0);
+        const int32_t code = block >= 0 ? 1 : 2;
+        const int64_t base = block >= 0 ? block * page_size : page * page_size;
+        for (int64_t i = 0; i < m; ++i) {
+          kr[i0 + i] = code;
+          srr[i0 + i] = base + i;
         }
+        co[block >= 0 ? 0 : 1] += m;
       }
       slot += n;
     }
+    std::fill(kd + (row0 + h) * T + col0 + slot, kd + (row0 + h + 1) * T, 0);
     to[h] = slot;
   }
   return {hit, begins, totals, counts};
@@ -130,33 +138,27 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lo
 // (pages admitted, pages evicted).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
-    int64_t clock, torch::Tensor page_start, torch::Tensor n_pages, torch::Tensor size,
-    torch::Tensor cached, torch::Tensor last_access, torch::Tensor reads,
-    torch::Tensor capacity, torch::Tensor page_block, int64_t page_size,
-    torch::Tensor free_stack, torch::Tensor n_free, int64_t policy) {
-  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
+    int64_t clock, torch::Tensor records, torch::Tensor cached, torch::Tensor capacity,
+    torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
+    torch::Tensor n_free, int64_t policy) {
+  check_tables(ids, records, cached);
   TORCH_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy, "; accepted: 0 (lru), 1 (lfu)");
-  const int64_t H = ids.size(0), R = ids.size(1), C = size.size(1);
-  for (auto [t, name] : {std::pair{&page_start, "page_start"}, {&n_pages, "n_pages"},
-                         {&size, "size"}, {&cached, "cached"}, {&last_access, "last_access"},
-                         {&reads, "reads"}})
-    check_table(*t, H, C, name);
+  const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
   TORCH_CHECK(hit.sizes() == ids.sizes() && begins.sizes() == ids.sizes() &&
                   capacity.numel() == H && n_free.numel() == 1, "buffer: update shapes");
   const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
   const bool* hi = ptr<bool>(hit, "hit", torch::kBool);
   const int64_t* be = ptr<int64_t>(begins, "begins", torch::kInt64);
-  const int64_t* ps = ptr<int64_t>(page_start, "page_start", torch::kInt64);
-  const int64_t* np_ = ptr<int64_t>(n_pages, "n_pages", torch::kInt64);
-  const int64_t* sz = ptr<int64_t>(size, "size", torch::kInt64);
+  int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
   bool* ca = ptr<bool>(cached, "cached", torch::kBool);
-  int64_t* la = ptr<int64_t>(last_access, "last_access", torch::kInt64);
-  int64_t* rd = ptr<int64_t>(reads, "reads", torch::kInt64);
+  // field f of cluster c of head h
+  auto F = [&](int64_t h, int64_t c, int64_t f) -> int64_t& { return rec[(h * C + c) * kWidth + f]; };
   const int64_t* cap = ptr<int64_t>(capacity, "capacity", torch::kInt64);
   int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
   int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
   check_ids(id, H * R, C);
+  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
   const int64_t P = page_block.numel(), stack_cap = free_stack.numel();
 
   // the stamps, as numpy's fancy assignment makes them (every value from the old table,
@@ -164,10 +166,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
   std::vector<int64_t> new_reads(R);
   for (int64_t h = 0; h < H; ++h) {
     const int64_t* ih = id + h * R;
-    for (int64_t r = 0; r < R; ++r) new_reads[r] = rd[h * C + ih[r]] + hi[h * R + r];
+    for (int64_t r = 0; r < R; ++r) new_reads[r] = F(h, ih[r], kReads) + hi[h * R + r];
     for (int64_t r = 0; r < R; ++r) {
-      la[h * C + ih[r]] = clock + 1 + r;
-      rd[h * C + ih[r]] = new_reads[r];
+      F(h, ih[r], kLastAccess) = clock + 1 + r;
+      F(h, ih[r], kReads) = new_reads[r];
     }
   }
 
@@ -175,12 +177,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
   std::vector<int64_t> need(H * R, 0), room(H), want(H, 0);
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t k = h * C + id[h * R + r], n = np_[k];
+      const int64_t n = F(h, id[h * R + r], kPages);
       if (!hi[h * R + r] && n > 0 && n <= cap[h]) need[h * R + r] = n;
       want[h] += need[h * R + r];
     }
     int64_t held = 0;
-    for (int64_t c = 0; c < C; ++c) held += ca[h * C + c] ? np_[h * C + c] : 0;
+    for (int64_t c = 0; c < C; ++c) held += ca[h * C + c] ? F(h, c, kPages) : 0;
     room[h] = cap[h] - held;
   }
 
@@ -197,7 +199,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     for (int64_t c = 0; c < C; ++c)
       if (ca[h * C + c] && !read_now[c]) {
         order.push_back(c);
-        evictable += np_[h * C + c];
+        evictable += F(h, c, kPages);
       }
     const int64_t budget = room[h] + evictable;
     if (want[h] > budget) {  // admit greedily in read order: each miss that still fits
@@ -212,30 +214,31 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     }
     const int64_t deficit = want[h] - room[h];
     if (deficit <= 0) continue;
-    const int64_t* lh = la + h * C;
-    const int64_t* rh = rd + h * C;
     if (policy == 0)
       std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return lh[a] != lh[b] ? lh[a] < lh[b] : a < b;
+        const int64_t la = F(h, a, kLastAccess), lb = F(h, b, kLastAccess);
+        return la != lb ? la < lb : a < b;
       });
     else
       std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        if (rh[a] != rh[b]) return rh[a] < rh[b];
-        return lh[a] != lh[b] ? lh[a] < lh[b] : a < b;
+        const int64_t ra = F(h, a, kReads), rb = F(h, b, kReads);
+        if (ra != rb) return ra < rb;
+        const int64_t la = F(h, a, kLastAccess), lb = F(h, b, kLastAccess);
+        return la != lb ? la < lb : a < b;
       });
     int64_t freed = 0;
     for (int64_t c : order) {
       if (freed >= deficit) break;
-      const int64_t k = h * C + c;
-      for (int64_t p = ps[k]; p < ps[k] + np_[k]; ++p) {
+      const int64_t first = F(h, c, kPageStart), pages = F(h, c, kPages);
+      for (int64_t p = first; p < first + pages; ++p) {
         TORCH_CHECK(p < P && pb[p] >= 0, "buffer: cached cluster ", c, " of head ", h,
                     " has an unmapped page ", p);
         given.push_back(pb[p]);
         pb[p] = -1;
       }
-      ca[k] = false;
-      rd[k] = 0;
-      freed += np_[k];
+      ca[h * C + c] = false;
+      F(h, c, kReads) = 0;
+      freed += pages;
     }
     evicted += freed;
   }
@@ -251,7 +254,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
   const int64_t* blocks = fs + nf[0] - total;
   int64_t tokens = 0;
   for (int64_t i = 0; i < H * R; ++i)
-    if (need[i]) tokens += sz[(i / R) * C + id[i]];
+    if (need[i]) tokens += F(i / R, id[i], kSize);
   auto heads_t = torch::empty({tokens}, torch::kInt64);
   auto slots_t = torch::empty({tokens}, torch::kInt64);
   auto rows_t = torch::empty({tokens}, torch::kInt64);
@@ -263,14 +266,18 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = need[h * R + r];
       if (n == 0) continue;
-      const int64_t k = h * C + id[h * R + r];
-      for (int64_t p = 0; p < n; ++p) pb[ps[k] + p] = blocks[b + p];
-      ca[k] = true;
-      rd[k] = 1;
-      for (int64_t i = 0; i < sz[k]; ++i, ++t) {
-        ho[t] = h;
-        so[t] = n_steady + be[h * R + r] + i;
-        ro[t] = blocks[b + i / page_size] * page_size + i % page_size;
+      const int64_t c = id[h * R + r];
+      for (int64_t p = 0; p < n; ++p) pb[F(h, c, kPageStart) + p] = blocks[b + p];
+      ca[h * C + c] = true;
+      F(h, c, kReads) = 1;
+      const int64_t size = F(h, c, kSize), slot0 = n_steady + be[h * R + r];
+      for (int64_t i0 = 0, p = 0; i0 < size; i0 += page_size, ++p) {
+        const int64_t base = blocks[b + p] * page_size, m = std::min(page_size, size - i0);
+        for (int64_t i = 0; i < m; ++i, ++t) {
+          ho[t] = h;
+          so[t] = slot0 + i0 + i;
+          ro[t] = base + i;
+        }
       }
       b += n;
     }

@@ -1101,12 +1101,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
 
 // buffer_cpu.cpp (the wave buffer's table work)
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
-    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-    int64_t, torch::Tensor, torch::Tensor, int64_t, int64_t);
+    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor,
+    torch::Tensor, int64_t, int64_t);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
-    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-    int64_t, torch::Tensor, torch::Tensor, int64_t);
+    torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");

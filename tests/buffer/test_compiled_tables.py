@@ -68,13 +68,16 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
         buf._sync()
         ref = buf.table.lookup(ids, buf.host.page_block)
         w = ref.kind.shape[1]
-        kind = np.zeros((h + 2, ns + w + 3), dtype=np.int32)
-        src = np.zeros((h + 2, ns + w + 3), dtype=np.int64)
+        # a plan reused from an earlier step: the lookup owns rows 1 .. h and writes their
+        # kind whole (0 where no token goes), their src at the tokens only
+        kind = np.full((h + 2, ns + w + 3), 7, dtype=np.int32)
+        src = np.full((h + 2, ns + w + 3), 7, dtype=np.int64)
         got = buf.table.lookup_into(mod, ids, buf.host.page_block, kind, src, 1, ns)
-        want_kind = np.zeros_like(kind)
-        want_src = np.zeros_like(src)
+        want_kind = np.full_like(kind, 7)
+        want_src = np.where(ref.kind > 0, ref.src_row, 7)
+        want_src = np.pad(want_src, ((1, 1), (ns, 3)), constant_values=7)
+        want_kind[1:1 + h] = 0
         want_kind[1:1 + h, ns:ns + w] = ref.kind
-        want_src[1:1 + h, ns:ns + w] = ref.src_row
         assert np.array_equal(kind, want_kind) and np.array_equal(src, want_src)
         for f in ("cached", "begins", "totals"):
             assert np.array_equal(getattr(got, f), getattr(ref, f)), f"step {step}: {f}"

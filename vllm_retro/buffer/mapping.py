@@ -51,33 +51,69 @@ class Lookup:
     cached) when the lookup counted them (the compiled one does)."""
 
 
+RECORD_FIELDS = ("page_start", "n_pages", "size", "last_access", "reads")
+"""The int64 fields of a cluster's record, in order (kernels/csrc/buffer_cpu.cpp reads
+them by these positions)."""
+RECORD_WIDTH = 8
+"""int64 slots per record (the fields, then padding): one 64-byte cache line per
+cluster."""
+
+
 class ClusterMappingTable:
-    """Cluster descriptors of one request's layer."""
+    """Cluster descriptors of one request's layer.
+
+    The int64 fields are one record per (KV head, cluster) in :attr:`records` ([H, C, 8]),
+    so a step that touches a cluster reads one cache line rather than one per field (the
+    step's clusters are scattered over tables of up to ~0.5 MB per field at 128K tokens);
+    :attr:`page_start` and the other fields are [H, C] views of it. :attr:`cached` is a
+    separate [H, C] bool array (numpy masks by it)."""
 
     def __init__(self, num_heads: int, page_size: int):
         self.page_size = page_size
-        self.page_start = np.zeros((num_heads, 0), dtype=np.int64)
-        self.n_pages = np.zeros((num_heads, 0), dtype=np.int64)
-        self.size = np.zeros((num_heads, 0), dtype=np.int64)
+        self.records = np.zeros((num_heads, 0, RECORD_WIDTH), dtype=np.int64)
+        """[H, C, 8] int64: per cluster its :data:`RECORD_FIELDS`, then padding."""
         self.cached = np.zeros((num_heads, 0), dtype=bool)
-        self.last_access = np.zeros((num_heads, 0), dtype=np.int64)
-        self.reads = np.zeros((num_heads, 0), dtype=np.int64)
+
+    @property
+    def page_start(self) -> np.ndarray:
+        """[H, C] int64 view: first host page of each cluster."""
+        return self.records[..., 0]
+
+    @property
+    def n_pages(self) -> np.ndarray:
+        """[H, C] int64 view: host pages of each cluster."""
+        return self.records[..., 1]
+
+    @property
+    def size(self) -> np.ndarray:
+        """[H, C] int64 view: tokens of each cluster."""
+        return self.records[..., 2]
+
+    @property
+    def last_access(self) -> np.ndarray:
+        """[H, C] int64 view: the recency stamp of each cluster's last read (0: never)."""
+        return self.records[..., 3]
+
+    @property
+    def reads(self) -> np.ndarray:
+        """[H, C] int64 view: reads of each cluster while cached (0: not cached)."""
+        return self.records[..., 4]
 
     @property
     def num_clusters(self) -> int:
         """Clusters per head."""
-        return int(self.size.shape[1])
+        return int(self.records.shape[1])
 
     def add_clusters(self, page_start: np.ndarray, n_pages: np.ndarray, size: np.ndarray
                      ) -> None:
-        """Append clusters ([H, c] arrays: first host page, pages, tokens)."""
+        """Append clusters ([H, c] arrays: first host page, pages, tokens). The records and
+        the cached flags are replaced by new arrays (a reader holding the old ones keeps
+        valid descriptors of the clusters before)."""
         h, c = size.shape
-        self.page_start = np.concatenate([self.page_start, page_start], axis=1)
-        self.n_pages = np.concatenate([self.n_pages, n_pages], axis=1)
-        self.size = np.concatenate([self.size, size], axis=1)
+        new = np.zeros((h, c, RECORD_WIDTH), dtype=np.int64)
+        new[..., 0], new[..., 1], new[..., 2] = page_start, n_pages, size
+        self.records = np.concatenate([self.records, new], axis=1)
         self.cached = np.concatenate([self.cached, np.zeros((h, c), dtype=bool)], axis=1)
-        self.last_access = np.concatenate([self.last_access, np.zeros((h, c), np.int64)], axis=1)
-        self.reads = np.concatenate([self.reads, np.zeros((h, c), np.int64)], axis=1)
 
     def cached_pages(self) -> np.ndarray:
         """Device blocks each head's cached clusters hold ([H] int64)."""
@@ -128,14 +164,14 @@ class ClusterMappingTable:
     def lookup_into(self, module: Any, cluster_ids: np.ndarray, page_block: np.ndarray,
                     kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> Lookup:
         """:meth:`lookup` by the compiled extension ``module`` (``buffer_lookup``, without
-        the GIL), written straight into a layer's gather plan: ``kind``/``src`` ([rows, T]
-        int32 / int64, zero where no token goes) get this table's heads at rows ``row0 ..
-        row0 + H`` from column ``col0``. The Lookup's ``kind``/``src_row`` are views of
-        those places, its ``host_row`` None and its ``counts`` set."""
+        the GIL), written straight into a layer's gather plan ``kind``/``src`` ([rows, T]
+        int32 / int64): this table's heads own rows ``row0 .. row0 + H``, whose ``kind`` is
+        written whole (the tokens from column ``col0``, 0 elsewhere) and whose ``src`` is
+        written at the tokens. The Lookup's ``kind``/``src_row`` are views of those places
+        (valid until the plan is reused), its ``host_row`` None and its ``counts`` set."""
         h = self.size.shape[0]
         cached, begins, totals, counts = module.buffer_lookup(
-            torch.from_numpy(cluster_ids), torch.from_numpy(self.page_start),
-            torch.from_numpy(self.size), torch.from_numpy(self.n_pages),
+            torch.from_numpy(cluster_ids), torch.from_numpy(self.records),
             torch.from_numpy(self.cached), torch.from_numpy(page_block), self.page_size,
             torch.from_numpy(kind), torch.from_numpy(src), row0, col0)
         totals = totals.numpy()

@@ -216,11 +216,13 @@ class WaveBufferStore:
     def _lookup_into(self, ids: np.ndarray, kind: np.ndarray, src: np.ndarray, row0: int,
                      col0: int) -> Lookup:
         """:meth:`_lookup`, writing the tokens' places into a layer's gather plan (``kind``,
-        ``src`` [rows, T]: this store's heads at rows ``row0 ..``, from column ``col0``),
-        compiled when :attr:`compiled` is set."""
+        ``src`` [rows, T]: this store's heads own rows ``row0 ..``, their tokens from column
+        ``col0``; see :meth:`ClusterMappingTable.lookup_into`), compiled when
+        :attr:`compiled` is set."""
         if self.compiled is None:
             lk = self._lookup(ids)
             w = lk.kind.shape[1]
+            kind[row0:row0 + self.num_heads] = 0
             kind[row0:row0 + self.num_heads, col0:col0 + w] = lk.kind
             src[row0:row0 + self.num_heads, col0:col0 + w] = lk.src_row
             return lk
@@ -314,8 +316,7 @@ class WaveBufferStore:
         and gives blocks on the pool's free stack in place."""
         t = self.table
         arrays = [ids, lk.cached, lk.begins]
-        tables = [t.page_start, t.n_pages, t.size, t.cached, t.last_access, t.reads,
-                  self.capacity, self.host.page_block]
+        tables = [t.records, t.cached, self.capacity, self.host.page_block]
         with self.blocks.lock:
             heads, slots, rows, admitted, evicted = self.compiled.buffer_update(
                 *[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], n_steady,
