@@ -15,7 +15,10 @@ execution buffer of all the layer's rows with one gather call over the two pools
 (:meth:`gather_batch`) and copies all their admissions into the block pool with one call
 (:meth:`join_batch`), whatever the number of requests, and hands the worker one job for all
 their cache updates. The per-request work left is the steady-zone copies and host-side table
-work: each request's mapping-table lookup and its update within that job (numpy).
+work: each request's mapping-table lookup (written straight into the layer's gather plan,
+kept across steps) and its update within that job, one compiled call each
+(``kernels/csrc/buffer_cpu.cpp``, without the GIL; numpy when the extension cannot be
+built).
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 

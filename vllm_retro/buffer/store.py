@@ -12,7 +12,8 @@ Per decode step (RetroInfer §4.3):
    (host->device); then submit the cache update to the worker and return.
 2. the caller runs attention on the execution buffer while the worker records the reads in
    the mapping table, picks evictions by the policy's order and maps admitted clusters to
-   blocks (vectorised per head: no per-cluster Python work);
+   blocks (one compiled call, ``buffer_update``; numpy over all heads at once is the
+   reference);
 3. ``step_done``: take the worker's decision and copy the admitted clusters from the
    execution buffer into their blocks, before anything reuses that buffer.
 

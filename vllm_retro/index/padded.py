@@ -9,9 +9,9 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
    largest zone size among the rows;
 2. **one device->host transfer**: every row's retrieval ids and their sizes, together;
 3. the fill of the layer's one execution buffer [R, T_max, D]: per request, its steady zone
-   (copies) and its mapping-table lookup (numpy, on the host), then, when the stores share
-   one layer pool (the wave buffer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as
-   in serving), **one gather call** for every row's cache hits and host misses (else one
+   (copies) and its mapping-table lookup (one compiled call on the host), then, when the
+   stores share one layer pool (the wave buffer's
+   :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as in serving), **one gather call** for every row's cache hits and host misses (else one
    per request); the cache updates go to the wave buffer's worker (one job for the layer
    when the stores share a pool);
 4. the tilted estimator's query terms for all rows (three batched products);
@@ -25,8 +25,8 @@ The padded view is a copy of the batch's meta indexes, built when the batch's se
 or any of their meta indexes (:attr:`WaveIndex.meta_generation`) changes — a request joining
 or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
 the caller holds per layer. What stays per request in steps 3 and 6 is host-side table work
-(lookups and updates, numpy) and the steady-zone copies (each index owns its window
-buffers); none of it waits for the device.
+(a lookup and an update per request, each one call into the C++ extension) and the
+steady-zone copies (each index owns its window buffers); none of it waits for the device.
 
 What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (static
 shapes, given a padded T_max bucket); not step 3, whose shapes follow the host-side lookup.
