@@ -491,7 +491,10 @@ class WaveBufferStore:
             self._sync()
         d = self.head_dim
         return (self.host.k.view(-1, d), self.host.v.view(-1, d),
-                torch.from_numpy(self.table.page_start), 0, self.page_size)
+                # a contiguous copy of the records' column (the PQ kernel indexes it
+                # densely); callers keep it until the layout or the index changes
+                torch.from_numpy(np.ascontiguousarray(self.table.page_start)), 0,
+                self.page_size)
 
     @property
     def layout_generation(self) -> int:

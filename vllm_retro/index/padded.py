@@ -11,9 +11,9 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
 3. the fill of the layer's one execution buffer [R, T_max, D]: per request, its steady zone
    (copies) and its mapping-table lookup (one compiled call on the host), then, when the
    stores share one layer pool (the wave buffer's
-   :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as in serving), **one gather call** for every row's cache hits and host misses (else one
-   per request); the cache updates go to the wave buffer's worker (one job for the layer
-   when the stores share a pool);
+   :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as in serving), **one gather call**
+   for every row's cache hits and host misses (else one per request); the cache updates
+   go to the wave buffer's worker (one job for the layer when the stores share a pool);
 4. the tilted estimator's query terms for all rows (three batched products);
 5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``;
 6. joining the cache updates at the start of this layer's next call, so the worker's
