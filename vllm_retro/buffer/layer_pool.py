@@ -134,10 +134,7 @@ class LayerPool:
                     lk = st._lookup_tokens(ids, offsets[j])
                     st._begin_step(ids, lk, ns, None, None, 0)
                     update = partial(st._update_tokens, ids, lk)
-                    w = lk.kind.shape[1]
-                    kind[j * h:(j + 1) * h] = 0
-                    kind[j * h:(j + 1) * h, ns:ns + w] = lk.kind
-                    src[j * h:(j + 1) * h, ns:ns + w] = lk.src_row
+                    lk.write_into(kind, src, j * h, ns)
                 st._pending = Future()
                 updates.append((update, st._pending))
         except BaseException:

@@ -48,7 +48,16 @@ class Lookup:
     """[H, R] int64 first slot of each cluster within the head's retrieved tokens."""
     counts: np.ndarray | None = None
     """[4] int64 (hit tokens, miss tokens, cached clusters, host pages of the clusters not
-    cached) when the lookup counted them (the compiled one does)."""
+    cached): set by cluster lookups, None for token reads."""
+
+    def write_into(self, kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> None:
+        """Write this lookup into a layer's gather plan (``kind``/``src`` [rows, T]): its
+        heads own rows ``row0 ..``, ``kind`` written whole (the tokens from column ``col0``,
+        0 elsewhere), ``src`` at the tokens (as the compiled lookup writes them)."""
+        h, w = self.kind.shape
+        kind[row0:row0 + h] = 0
+        kind[row0:row0 + h, col0:col0 + w] = self.kind
+        src[row0:row0 + h, col0:col0 + w] = self.src_row
 
 
 RECORD_FIELDS = ("page_start", "n_pages", "size", "last_access", "reads")
@@ -57,6 +66,12 @@ them by these positions)."""
 RECORD_WIDTH = 8
 """int64 slots per record (the fields, then padding): one 64-byte cache line per
 cluster."""
+
+
+def _record_field(name: str, what: str) -> property:
+    """The [H, C] int64 view of field ``name`` of :attr:`ClusterMappingTable.records`."""
+    i = RECORD_FIELDS.index(name)
+    return property(lambda self: self.records[..., i], doc=f"[H, C] int64 view: {what}.")
 
 
 class ClusterMappingTable:
@@ -74,30 +89,12 @@ class ClusterMappingTable:
         """[H, C, 8] int64: per cluster its :data:`RECORD_FIELDS`, then padding."""
         self.cached = np.zeros((num_heads, 0), dtype=bool)
 
-    @property
-    def page_start(self) -> np.ndarray:
-        """[H, C] int64 view: first host page of each cluster."""
-        return self.records[..., 0]
-
-    @property
-    def n_pages(self) -> np.ndarray:
-        """[H, C] int64 view: host pages of each cluster."""
-        return self.records[..., 1]
-
-    @property
-    def size(self) -> np.ndarray:
-        """[H, C] int64 view: tokens of each cluster."""
-        return self.records[..., 2]
-
-    @property
-    def last_access(self) -> np.ndarray:
-        """[H, C] int64 view: the recency stamp of each cluster's last read (0: never)."""
-        return self.records[..., 3]
-
-    @property
-    def reads(self) -> np.ndarray:
-        """[H, C] int64 view: reads of each cluster while cached (0: not cached)."""
-        return self.records[..., 4]
+    page_start = _record_field("page_start", "first host page of each cluster")
+    n_pages = _record_field("n_pages", "host pages of each cluster")
+    size = _record_field("size", "tokens of each cluster")
+    last_access = _record_field("last_access",
+                                "the recency stamp of each cluster's last read (0: never)")
+    reads = _record_field("reads", "reads of each cluster while cached (0: not cached)")
 
     @property
     def num_clusters(self) -> int:
@@ -111,7 +108,8 @@ class ClusterMappingTable:
         valid descriptors of the clusters before)."""
         h, c = size.shape
         new = np.zeros((h, c, RECORD_WIDTH), dtype=np.int64)
-        new[..., 0], new[..., 1], new[..., 2] = page_start, n_pages, size
+        for name, value in (("page_start", page_start), ("n_pages", n_pages), ("size", size)):
+            new[..., RECORD_FIELDS.index(name)] = value
         self.records = np.concatenate([self.records, new], axis=1)
         self.cached = np.concatenate([self.cached, np.zeros((h, c), dtype=bool)], axis=1)
 
@@ -159,7 +157,10 @@ class ClusterMappingTable:
                            np.maximum(host_row, 0))
         begins = np.cumsum(sizes, axis=1) - sizes
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
-        return Lookup(kind, src_row, host_row, totals, cached, begins)
+        pages = np.take_along_axis(self.n_pages, cluster_ids, axis=1)[~cached].sum()
+        counts = np.array([(kind == HIT).sum(), (kind == MISS).sum(), cached.sum(), pages],
+                          dtype=np.int64)
+        return Lookup(kind, src_row, host_row, totals, cached, begins, counts)
 
     def lookup_into(self, module: Any, cluster_ids: np.ndarray, page_block: np.ndarray,
                     kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> Lookup:

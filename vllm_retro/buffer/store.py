@@ -207,11 +207,15 @@ class WaveBufferStore:
         the fill as in :meth:`gather`, and the cache update is submitted the same way."""
         self._fill(cluster_ids, self._lookup(cluster_ids), n_steady, dst_k, dst_v)
 
-    def _lookup(self, ids: np.ndarray) -> Lookup:
-        """Wait for this store's previous update, then look ``ids`` ([H, R]) up."""
+    def _ready(self) -> None:
+        """Before a lookup: the store is live and its previous update is done."""
         if self._freed:
             raise RuntimeError("this wave buffer store was freed")
         self._sync()
+
+    def _lookup(self, ids: np.ndarray) -> Lookup:
+        """Wait for this store's previous update, then look ``ids`` ([H, R]) up."""
+        self._ready()
         return self.table.lookup(ids, self.host.page_block)
 
     def _lookup_into(self, ids: np.ndarray, kind: np.ndarray, src: np.ndarray, row0: int,
@@ -222,14 +226,9 @@ class WaveBufferStore:
         :attr:`compiled` is set."""
         if self.compiled is None:
             lk = self._lookup(ids)
-            w = lk.kind.shape[1]
-            kind[row0:row0 + self.num_heads] = 0
-            kind[row0:row0 + self.num_heads, col0:col0 + w] = lk.kind
-            src[row0:row0 + self.num_heads, col0:col0 + w] = lk.src_row
+            lk.write_into(kind, src, row0, col0)
             return lk
-        if self._freed:
-            raise RuntimeError("this wave buffer store was freed")
-        self._sync()
+        self._ready()
         return self.table.lookup_into(self.compiled, ids, self.host.page_block, kind, src,
                                       row0, col0)
 
@@ -260,24 +259,22 @@ class WaveBufferStore:
         execution buffer; None: the host tier, for token reads); the caller submits the
         update (:meth:`_update` or :meth:`_update_tokens`) and sets :attr:`_pending` to its
         future."""
-        self._count(ids, lk, n_steady, tokens=exec_k is None)
+        self._count(ids, lk, n_steady)
         self._step = (exec_k, exec_v, row0)
 
-    def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int, tokens: bool) -> None:
-        """Count the step's reads (``tokens``: single-token reads, whose clusters the update
-        counts, and whose missed pages are read in part)."""
+    def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
+        """Count the step's reads (cluster reads by the lookup's counts; single-token reads,
+        whose missed pages are read in part, by their slots, their clusters by their
+        update)."""
         row_bytes = 2 * self.head_dim * self.host.k.element_size()
-        if lk.counts is not None:  # counted by the compiled lookup
+        clusters = {}
+        if lk.counts is not None:  # a cluster lookup counted its reads
             hit_tok, miss_tok, cached, pages = lk.counts.tolist()
             clusters = dict(cluster_hits=cached, cluster_misses=ids.size - cached,
                             pages_h2d=pages)
-        else:
+        else:  # token reads: their update counts the clusters
             hit_tok = int((lk.kind == HIT).sum())
             miss_tok = int((lk.kind == MISS).sum())
-            clusters = {} if tokens else dict(
-                cluster_hits=int(lk.cached.sum()), cluster_misses=int((~lk.cached).sum()),
-                pages_h2d=int(np.take_along_axis(self.table.n_pages, ids, 1)[
-                    ~lk.cached].sum()))
         self.manager.stats.add(
             hit_tokens=hit_tok, miss_tokens=miss_tok, bytes_h2d=miss_tok * row_bytes,
             bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes, **clusters,
@@ -400,9 +397,7 @@ class WaveBufferStore:
 
     def _lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray) -> Lookup:
         """Wait for this store's previous update, then look the tokens up."""
-        if self._freed:
-            raise RuntimeError("this wave buffer store was freed")
-        self._sync()
+        self._ready()
         return self.table.lookup_tokens(cluster_ids, offsets, self.host.page_block)
 
     def _update_tokens(self, cluster_ids: np.ndarray, lk: Lookup) -> Plan:
