@@ -6,7 +6,9 @@ numpy reference, in the same run.
 Two identical stores of 8 KV heads hold a clustered context (16 tokens per cluster on
 average, the default 5% device cache, LRU); each step reads the retrieval zone's clusters
 (``retrieval_budget`` of them per head), 30% of which change from the step before; each
-store looks them up (into a layer's gather plan) and updates its cache
+store looks them up (into a layer's gather plan, as runs of consecutive rows), after a
+sweep through 64 MB that leaves its tables as cold as serving finds them (every layer's and
+request's tables are touched once per step), and updates its cache
 (``WaveBufferStore._lookup_into`` / ``_update``, each timed alone). Both must take the same
 decisions (the pages evicted are compared). On CUDA both run for every (request, layer) of
 every step (the lookup on the decode thread, before the gather; the update on the worker
@@ -48,9 +50,11 @@ def _store(manager: WaveBufferManager, keys: torch.Tensor, c: int, seed: int, co
     return store
 
 
-def run(context: int, steps: int, seed: int = 0) -> dict:
+def run(context: int, steps: int, seed: int = 0, sweep_mb: int = 64) -> dict:
     """Median / p90 ms of the lookup and the update, compiled and numpy, and the pages
-    each evicted, over ``steps`` steps at ``context``."""
+    each evicted, over ``steps`` steps at ``context``; before each lookup a sweep through
+    ``sweep_mb`` MB pushes the tables out of the caches, as the other layers' and requests'
+    steps do in serving (0: no sweep)."""
     c = context // 16
     cfg = RetroConfig()
     r = cfg.num_retrieval(c)
@@ -60,11 +64,11 @@ def run(context: int, steps: int, seed: int = 0) -> dict:
     assert stores["compiled"].compiled is not None, "the extension did not build"
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)])
-    width = 4 * r * 16 + 64
     times: dict[str, dict[str, list[float]]] = {n: {"lookup": [], "update": []} for n in IMPLS}
     # each store's gather plan, kept across steps as the layer pool keeps it
-    plans = {n: (np.zeros((HKV, width), dtype=np.int32), np.zeros((HKV, width), dtype=np.int64))
-             for n in IMPLS}
+    plans = {n: np.zeros((HKV * 4 * r * 16, 3), dtype=np.int64) for n in IMPLS}
+    runs: dict[str, list[tuple[int, int]]] = {n: [] for n in IMPLS}
+    sweep = np.ones(sweep_mb << 17)  # float64: sweep_mb MB
     for step in range(steps):
         for h in range(HKV):
             pick = rng.choice(r, int(0.3 * r), replace=False)
@@ -72,15 +76,22 @@ def run(context: int, steps: int, seed: int = 0) -> dict:
                                       replace=False)
         for name in IMPLS if step % 2 else IMPLS[::-1]:  # alternate which runs first
             store = stores[name]
-            kind, src = plans[name]
+            # the execution buffer's slots: the most tokens of any head (as decode_padded)
+            t_cap = int(store.table.size[np.arange(HKV)[:, None], ids].sum(axis=1).max())
+            sweep.sum()
             t0 = time.perf_counter()
-            lk = store._lookup_into(ids, kind, src, 0, 0)
+            lk = store._lookup_into(ids, plans[name], 0, 0, 0, t_cap)
             t1 = time.perf_counter()
+            runs[name].append((len(lk.runs), int(lk.counts[:2].sum())))
             store._update(ids, lk, 0)
             t2 = time.perf_counter()
             times[name]["lookup"].append(t1 - t0)
             times[name]["update"].append(t2 - t1)
-    out: dict = {"context": context, "clusters_per_head": c, "reads_per_head": r}
+    out: dict = {"context": context, "clusters_per_head": c, "reads_per_head": r,
+                 "sweep_mb": sweep_mb}
+    n_runs, n_tokens = np.array(runs["compiled"]).sum(axis=0)
+    out["plan_runs_per_step"] = round(float(n_runs) / steps, 1)
+    out["plan_tokens_per_step"] = round(float(n_tokens) / steps, 1)
     for name in IMPLS:
         out[name] = {"pages_evicted": managers[name].stats.snapshot()["pages_evicted"]}
         for phase, ts in times[name].items():
@@ -100,9 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sweep-mb", type=int, default=64,
+                    help="MB swept through the caches before each lookup (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [run(n, args.steps) for n in args.contexts]
+    rows = [run(n, args.steps, sweep_mb=args.sweep_mb) for n in args.contexts]
     for row in rows:
         print(f"{row['context']:>7} tokens: {row['clusters_per_head']} clusters/head, "
               f"{row['reads_per_head']} read/step, per (request, layer) step:")
@@ -111,6 +124,8 @@ def main() -> None:
             print(f"    {name:>8}: lookup {x['lookup_median_ms']:.3f} ms median "
                   f"({x['lookup_p90_ms']:.3f} p90), update {x['update_median_ms']:.3f} ms "
                   f"({x['update_p90_ms']:.3f} p90); {x['pages_evicted']} pages evicted")
+        print(f"    gather plan: {row['plan_runs_per_step']:.0f} runs for "
+              f"{row['plan_tokens_per_step']:.0f} tokens per step")
         print(f"    compiled / numpy: lookup {row['lookup_speedup']:.1f}x, update "
               f"{row['update_speedup']:.1f}x faster; same decisions: {row['same_decisions']}")
     if args.out:

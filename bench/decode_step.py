@@ -160,23 +160,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def h2d_bandwidth(device: torch.device, rows: int = 1 << 16) -> dict[str, float]:
-    """GB/s of the gather kernel reading scattered pinned host rows vs a plain copy_ of the
-    same bytes (contiguous pinned -> device)."""
+def h2d_bandwidth(device: torch.device, rows: int = 1 << 16, run: int = 16
+                  ) -> dict[str, float]:
+    """GB/s of the gather kernel reading scattered pinned host rows, in runs of ``run``
+    consecutive rows (a cluster's tokens), vs a plain copy_ of the same bytes (contiguous
+    pinned -> device)."""
     from vllm_retro import kernels
 
     host_k = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()
     host_v = torch.randn(rows * 4, D).to(torch.bfloat16).pin_memory()
-    src = torch.randperm(rows * 4)[:rows].reshape(HKV, -1)
-    kind = torch.full(src.shape, 2, dtype=torch.int32)
-    dst_k = torch.empty(HKV, src.shape[1], D, dtype=torch.bfloat16, device=device)
+    n = rows // run
+    runs = torch.stack([torch.arange(n) * run, torch.randperm(rows * 4 // run)[:n] * run,
+                        torch.full((n,), -run)], dim=1)
+    dst_k = torch.empty(rows, D, dtype=torch.bfloat16, device=device)
     dst_v = torch.empty_like(dst_k)
     empty = torch.empty(1, D, dtype=torch.bfloat16, device=device)
     nbytes = 2 * rows * D * 2
 
     def gather() -> None:
-        kernels.gather_rows(dst_k, dst_v, 0, empty, empty, host_k, host_v, kind, src,
-                            backend="triton")
+        kernels.gather_runs(dst_k, dst_v, empty, empty, host_k, host_v, runs, backend="triton")
 
     plain_src = torch.randn(2, rows, D).to(torch.bfloat16).pin_memory()
     plain_dst = torch.empty(2, rows, D, dtype=torch.bfloat16, device=device)

@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from vllm_retro.kernels.gather import gather_rows_ref, gather_rows_triton
+from vllm_retro.kernels.gather import gather_runs_ref, gather_runs_triton
 from vllm_retro.kernels.kmeans import (
     available_cpu,
     kmeans_assign_cpu,
@@ -37,7 +37,7 @@ from vllm_retro.kernels.tripartite_attention import (
 __all__ = [
     "TiltTerms",
     "cluster_scores",
-    "gather_rows",
+    "gather_runs",
     "kmeans_assign",
     "resolve_backend",
     "scatter_sum",
@@ -110,12 +110,12 @@ def tripartite_decode(
     return tripartite_decode_torch(*args)
 
 
-def gather_rows(dst_k: Tensor, dst_v: Tensor, offset: int, dev_k: Tensor, dev_v: Tensor,
-                host_k: Tensor, host_v: Tensor, kind: Tensor, src_row: Tensor,
-                backend: str = "auto") -> None:
-    """Dispatching :func:`kernels.gather.gather_rows_ref` (in place, on ``dst_k``'s device)."""
-    args = (dst_k, dst_v, offset, dev_k, dev_v, host_k, host_v, kind, src_row)
+def gather_runs(dst_k: Tensor, dst_v: Tensor, dev_k: Tensor, dev_v: Tensor, host_k: Tensor,
+                host_v: Tensor, runs: Tensor, backend: str = "auto") -> None:
+    """Dispatching :func:`kernels.gather.gather_runs_ref` (in place, on ``dst_k``'s device;
+    ``runs`` [N, 3] int64, see :mod:`kernels.gather`)."""
+    args = (dst_k, dst_v, dev_k, dev_v, host_k, host_v, runs)
     if resolve_backend(backend, dst_k.device) == "triton":
-        gather_rows_triton(*args)
+        gather_runs_triton(*args)
     else:
-        gather_rows_ref(*args)
+        gather_runs_ref(*args)

@@ -1,14 +1,19 @@
-"""Execution-buffer gather: copy token rows from the device block cache or the host tier.
+"""Execution-buffer gather: copy runs of token rows from the device block cache or the host
+tier.
 
-For every slot ``(h, t)`` of the destination with ``kind[h, t] != 0`` one K row and one V row
-are copied::
+The plan is a list of runs, ``runs`` [N, 3] int64, one per maximal stretch of consecutive
+source rows in one pool going to consecutive destination rows::
 
-    kind == 1 (cache hit):  dst[h, offset + t] = dev[src_row[h, t]]    device -> device
-    kind == 2 (miss):       dst[h, offset + t] = host[src_row[h, t]]   host -> device
+    (dst, src, n), n > 0 (cache hits):  dst_rows[dst : dst + n]  = dev[src : src + n]
+    (dst, src, n), n < 0 (misses):      dst_rows[dst : dst + |n|] = host[src : src + |n|]
 
-``dev`` and ``host`` are flat row pools ``[rows, D]`` (pages flattened). On CUDA the Triton
-kernel reads the host pool directly from pinned memory (unified addressing), so misses cost
-one PCIe read and no staging copy.
+``dst_rows`` is the destination viewed as rows ``[-1, D]`` (an execution buffer [rows, T_cap,
+D]: row ``r * T_cap + slot``); ``dev`` and ``host`` are flat row pools ``[rows, D]`` (pages
+flattened). A cluster's tokens lie in consecutive host rows and, page by page, in device
+blocks, so a run is usually a whole cluster or a page: the plan is ~1/16 the size of one
+entry per token, and so is the host-side work that writes it and the copy that sends it to
+the device. On CUDA the Triton kernel reads the host pool directly from pinned memory
+(unified addressing), so misses cost one PCIe read and no staging copy.
 """
 
 from __future__ import annotations
@@ -18,73 +23,92 @@ import torch
 from vllm_retro.kernels._common import block_size, tl, triton
 
 HIT, MISS = 1, 2
+"""Per-token kinds of a lookup (:class:`vllm_retro.buffer.mapping.Lookup`): device cache,
+host tier (0: padding)."""
+
+RUN_FIELDS = ("dst", "src", "count")
+"""The columns of a gather plan's runs: destination row, source row, signed row count (> 0
+from the device pool, < 0 from the host pool)."""
 
 
-def gather_rows_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, offset: int,
-                    dev_k: torch.Tensor, dev_v: torch.Tensor,
-                    host_k: torch.Tensor, host_v: torch.Tensor,
-                    kind: torch.Tensor, src_row: torch.Tensor) -> None:
-    """In-place torch gather. dst_k, dst_v: [H, T_cap, D] contiguous; dev_*: [R_dev, D];
-    host_*: [R_host, D]; kind, src_row: [H, T] (T + offset <= T_cap). Slots of kind 0 are
-    untouched."""
-    h, cap, d = dst_k.shape
-    flat_k, flat_v = dst_k.view(h * cap, d), dst_v.view(h * cap, d)
-    for code, src_k, src_v in ((HIT, dev_k, dev_v), (MISS, host_k, host_v)):
-        hh, tt = torch.nonzero(kind == code, as_tuple=True)
-        if hh.numel() == 0:
+def _expand(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (dst, src) of ``runs`` [N, 3] (whatever their sign), run after run."""
+    length = runs[:, 2].abs()
+    first = torch.cumsum(length, 0) - length
+    step = torch.arange(int(length.sum()), device=runs.device) - torch.repeat_interleave(
+        first, length)
+    return (torch.repeat_interleave(runs[:, 0], length) + step,
+            torch.repeat_interleave(runs[:, 1], length) + step)
+
+
+def gather_runs_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, dev_k: torch.Tensor,
+                    dev_v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                    runs: torch.Tensor) -> None:
+    """In-place torch gather. dst_k, dst_v: contiguous [..., D] (viewed as rows); dev_*:
+    [R_dev, D]; host_*: [R_host, D]; runs: [N, 3] int64 (see the module docstring). Rows no
+    run names are untouched."""
+    d = dst_k.shape[-1]
+    flat_k, flat_v = dst_k.view(-1, d), dst_v.view(-1, d)
+    runs = runs.to("cpu", torch.int64)
+    for hit, src_k, src_v in ((True, dev_k, dev_v), (False, host_k, host_v)):
+        part = runs[runs[:, 2] > 0] if hit else runs[runs[:, 2] < 0]
+        if part.shape[0] == 0:
             continue
-        rows = src_row[hh, tt].to(src_k.device)
-        dst = (hh * cap + tt + offset).to(dst_k.device)
-        flat_k.index_copy_(0, dst, src_k.index_select(0, rows).to(dst_k.device))
-        flat_v.index_copy_(0, dst, src_v.index_select(0, rows).to(dst_v.device))
+        dst, src = _expand(part)
+        src, dst = src.to(src_k.device), dst.to(dst_k.device)
+        flat_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device))
+        flat_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device))
 
 
 @triton.jit
-def _gather_rows_kernel(
-    DK, DV, DEVK, DEVV, HK, HV, KIND, SRC,
-    T, D, offset,
-    sd_h, sd_t, sk_h,
+def _gather_runs_kernel(
+    DK, DV, DEVK, DEVV, HK, HV, RUNS, D,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    tb = tl.program_id(1)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.program_id(0)
+    dst0 = tl.load(RUNS + i * 3)
+    src0 = tl.load(RUNS + i * 3 + 1)
+    n = tl.load(RUNS + i * 3 + 2)
+    length = tl.abs(n)
+    # the run's rows in its pool (the other pool's mask is empty): vector masks only
+    n_dev = tl.where(n > 0, length, 0)
+    n_host = length - n_dev
     d = tl.arange(0, BLOCK_D)
-    tmask = t < T
     dmask = d < D
-    kind = tl.load(KIND + h * sk_h + t, mask=tmask, other=0)
-    row = tl.load(SRC + h * sk_h + t, mask=tmask, other=0).to(tl.int64)
-    hit = (kind == 1)[:, None] & dmask[None, :]
-    miss = (kind == 2)[:, None] & dmask[None, :]
-    src = row[:, None] * D + d[None, :]
-    k = tl.load(DEVK + src, mask=hit, other=0.0) + tl.load(HK + src, mask=miss, other=0.0)
-    v = tl.load(DEVV + src, mask=hit, other=0.0) + tl.load(HV + src, mask=miss, other=0.0)
-    dst = h * sd_h + (t[:, None] + offset) * sd_t + d[None, :]
-    tl.store(DK + dst, k, mask=hit | miss)
-    tl.store(DV + dst, v, mask=hit | miss)
+    for t0 in range(0, length, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        m = (t < length)[:, None] & dmask[None, :]
+        on_dev = (t < n_dev)[:, None] & dmask[None, :]
+        on_host = (t < n_host)[:, None] & dmask[None, :]
+        src = (src0 + t)[:, None] * D + d[None, :]
+        k = tl.where(on_dev, tl.load(DEVK + src, mask=on_dev, other=0.0),
+                     tl.load(HK + src, mask=on_host, other=0.0))
+        v = tl.where(on_dev, tl.load(DEVV + src, mask=on_dev, other=0.0),
+                     tl.load(HV + src, mask=on_host, other=0.0))
+        dst = (dst0 + t)[:, None] * D + d[None, :]
+        tl.store(DK + dst, k, mask=m)
+        tl.store(DV + dst, v, mask=m)
 
 
-def gather_rows_triton(dst_k: torch.Tensor, dst_v: torch.Tensor, offset: int,
-                       dev_k: torch.Tensor, dev_v: torch.Tensor,
-                       host_k: torch.Tensor, host_v: torch.Tensor,
-                       kind: torch.Tensor, src_row: torch.Tensor) -> None:
-    """Triton version of :func:`gather_rows_ref` (same arguments and effect). The host pools
-    must be pinned (or, under the interpreter, ordinary CPU tensors)."""
-    h, t = kind.shape
-    if h == 0 or t == 0:
+def gather_runs_triton(dst_k: torch.Tensor, dst_v: torch.Tensor, dev_k: torch.Tensor,
+                       dev_v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                       runs: torch.Tensor) -> None:
+    """Triton version of :func:`gather_runs_ref` (same arguments and effect): one program
+    per run. The host pools must be pinned (or, under the interpreter, ordinary CPU
+    tensors)."""
+    if runs.dim() != 2 or runs.shape[1] != len(RUN_FIELDS):
+        raise ValueError(f"runs must be [N, 3], got {list(runs.shape)}")
+    if runs.shape[0] == 0:
         return
-    d = dst_k.shape[2]
+    d = dst_k.shape[-1]
     for name, x in (("dst_k", dst_k), ("dst_v", dst_v), ("dev_k", dev_k), ("dev_v", dev_v),
                     ("host_k", host_k), ("host_v", host_v)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if x.shape[-1] != d:
             raise ValueError(f"{name} has head_dim {x.shape[-1]}, expected {d}")
-    kind = kind.to(dst_k.device, torch.int32).contiguous()
-    src_row = src_row.to(dst_k.device, torch.int64).contiguous()
-    block_t = 32
-    _gather_rows_kernel[(h, triton.cdiv(t, block_t))](
-        dst_k, dst_v, dev_k, dev_v, host_k, host_v, kind, src_row,
-        t, d, offset, dst_k.stride(0), dst_k.stride(1), kind.stride(0),
-        BLOCK_T=block_t, BLOCK_D=block_size(d),
+    runs = runs.to(dst_k.device, torch.int64).contiguous()
+    _gather_runs_kernel[(runs.shape[0],)](
+        dst_k, dst_v, dev_k, dev_v, host_k, host_v, runs, d,
+        BLOCK_T=16, BLOCK_D=block_size(d),
     )

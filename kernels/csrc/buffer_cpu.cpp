@@ -1,8 +1,8 @@
 // The wave buffer's host-side table work of one (request, layer) step, in one call each:
 //
 //   buffer_lookup: where every token of the step's retrieval clusters comes from (device
-//     block or host page), written straight into the layer's gather plan, plus the counts
-//     the buffer's statistics take;
+//     block or host page), written straight into the layer's gather plan as runs of
+//     consecutive rows, plus the counts the buffer's statistics take;
 //   buffer_update: the cache update of the step (the LRU / LFU stamps, evictions by the
 //     policy's order, admissions within each KV head's block budget, the admission copies'
 //     plan), on the mapping table's arrays in place.
@@ -41,6 +41,8 @@ T* ptr(const torch::Tensor& t, const char* name, torch::ScalarType type) {
 // a cluster's record: its fields' positions (mapping.RECORD_FIELDS) and its width
 constexpr int64_t kPageStart = 0, kPages = 1, kSize = 2, kLastAccess = 3, kReads = 4;
 constexpr int64_t kWidth = 8;
+// clusters ahead whose records the lookup prefetches
+constexpr int64_t kAhead = 16;
 
 void check_tables(const torch::Tensor& ids, const torch::Tensor& records,
                   const torch::Tensor& cached) {
@@ -60,28 +62,34 @@ void check_ids(const int64_t* ids, int64_t n, int64_t C) {
 
 }  // namespace
 
-// Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h:
-// writes row row0 + h of kind ([rows, T] int32) whole: from column col0 one entry per token
-// (1 device block, 2 host page), 0 elsewhere; and src[row0 + h, col0 + slot] ([rows, T]
-// int64) per token (device-pool row for a hit, host-pool row for a miss). Returns (cached [H, R] bool: the cluster is cached, begins [H, R] int64: its
-// first slot among the head's tokens, totals [H] int64: tokens per head, counts [4] int64:
-// hit tokens, miss tokens, cached clusters, host pages of the clusters not cached).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
+// Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h, and
+// write them into a layer's gather plan (kernels/gather.py) as runs from entry `at` of plan
+// ([N, 3] int64): (destination row (row0 + h) * t_cap + col0 + slot, source row, signed
+// count: > 0 device-pool rows of cached pages, < 0 host-pool rows), one run per maximal
+// stretch of a head's consecutive slots whose source rows are consecutive in one pool (a
+// missed cluster is one run: its pages are consecutive; a cached one, one per stretch of
+// consecutive blocks). Returns (cached [H, R] bool: the cluster is cached, begins [H, R]
+// int64: its first slot among the head's tokens, totals [H] int64: tokens per head, counts
+// [4] int64: hit tokens, miss tokens, cached clusters, host pages of the clusters not
+// cached, and the number of runs written).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
     torch::Tensor ids, torch::Tensor records, torch::Tensor cached, torch::Tensor page_block,
-    int64_t page_size, torch::Tensor kind, torch::Tensor src, int64_t row0, int64_t col0) {
+    int64_t page_size, torch::Tensor plan, int64_t at, int64_t row0, int64_t col0,
+    int64_t t_cap) {
   check_tables(ids, records, cached);
   const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
   const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
   const int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
   const bool* ca = ptr<bool>(cached, "cached", torch::kBool);
   const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
-  int32_t* kd = ptr<int32_t>(kind, "kind", torch::kInt32);
-  int64_t* sr = ptr<int64_t>(src, "src", torch::kInt64);
-  TORCH_CHECK(kind.dim() == 2 && src.sizes() == kind.sizes() && row0 >= 0 && col0 >= 0 &&
-                  row0 + H <= kind.size(0), "buffer: the gather plan's rows");
+  int64_t* pl = ptr<int64_t>(plan, "plan", torch::kInt64);
+  TORCH_CHECK(plan.dim() == 2 && plan.size(1) == 3, "buffer: the gather plan must be [N, 3]");
+  TORCH_CHECK(at >= 0 && at <= plan.size(0) && row0 >= 0 && col0 >= 0 && col0 <= t_cap,
+              "buffer: the gather plan's place (at ", at, ", row0 ", row0, ", col0 ", col0,
+              ", t_cap ", t_cap, ")");
   check_ids(id, H * R, C);
   TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
-  const int64_t T = kind.size(1), P = page_block.numel();
+  const int64_t P = page_block.numel(), cap = plan.size(0);
   auto hit = torch::empty({H, R}, torch::kBool);
   auto begins = torch::empty({H, R}, torch::kInt64);
   auto totals = torch::empty({H}, torch::kInt64);
@@ -90,10 +98,25 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lo
   int64_t* bo = begins.data_ptr<int64_t>();
   int64_t* to = totals.data_ptr<int64_t>();
   int64_t* co = counts.data_ptr<int64_t>();
+  int64_t n_runs = at;
   for (int64_t h = 0; h < H; ++h) {
     int64_t slot = 0;
-    std::fill(kd + (row0 + h) * T, kd + (row0 + h) * T + col0, 0);
+    int64_t* run = nullptr;  // the head's open run, extended while its rows continue
+    int64_t next_src = -1;
     for (int64_t r = 0; r < R; ++r) {
+      // the tables are cold (every layer's and request's are touched once per step): ask
+      // for the clusters ahead (over all heads), records first, then a cached cluster's
+      // device blocks
+      const int64_t f = h * R + r;
+      if (f + kAhead < H * R) {
+        const int64_t k2 = (f + kAhead) / R * C + id[f + kAhead];
+        __builtin_prefetch(rec + k2 * kWidth);
+        __builtin_prefetch(ca + k2);
+      }
+      if (f + kAhead / 2 < H * R) {
+        const int64_t k2 = (f + kAhead / 2) / R * C + id[f + kAhead / 2];
+        if (ca[k2]) __builtin_prefetch(pb + rec[k2 * kWidth + kPageStart]);
+      }
       const int64_t c = id[h * R + r], k = h * C + c;
       const int64_t* cr = rec + k * kWidth;
       const int64_t n = cr[kSize];
@@ -101,30 +124,34 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lo
       bo[h * R + r] = slot;
       co[2] += ca[k];
       if (!ca[k]) co[3] += cr[kPages];
-      TORCH_CHECK(col0 + slot + n <= T, "buffer: the gather plan has ", T,
+      TORCH_CHECK(col0 + slot + n <= t_cap, "buffer: the execution buffer has ", t_cap,
                   " slots, the step's tokens need ", col0 + slot + n);
-      int32_t* kr = kd + (row0 + h) * T + col0 + slot;
-      int64_t* srr = sr + (row0 + h) * T + col0 + slot;
       const int64_t first = cr[kPageStart];
       TORCH_CHECK(first >= 0 && first + cr[kPages] <= P && cr[kPages] * page_size >= n,
                   "buffer: cluster ", c, " of head ", h, " lies outside the host pool");
       // page by page (a cluster starts on a page boundary): no division per token
+      // (a cluster not cached has no page mapped: its rows are host rows, unread)
       for (int64_t i0 = 0, page = first; i0 < n; i0 += page_size, ++page) {
-        const int64_t block = pb[page], m = std::min(page_size, n - i0);
-        const int32_t code = block >= 0 ? 1 : 2;
+        const int64_t block = ca[k] ? pb[page] : -1, m = std::min(page_size, n - i0);
+        const int64_t sign = block >= 0 ? 1 : -1;
         const int64_t base = block >= 0 ? block * page_size : page * page_size;
-        for (int64_t i = 0; i < m; ++i) {
-          kr[i0 + i] = code;
-          srr[i0 + i] = base + i;
+        if (run != nullptr && base == next_src && (run[2] > 0) == (sign > 0)) {
+          run[2] += sign * m;
+        } else {
+          TORCH_CHECK(n_runs < cap, "buffer: the gather plan has room for ", cap, " runs");
+          run = pl + 3 * n_runs++;
+          run[0] = (row0 + h) * t_cap + col0 + slot + i0;
+          run[1] = base;
+          run[2] = sign * m;
         }
+        next_src = base + m;
         co[block >= 0 ? 0 : 1] += m;
       }
       slot += n;
     }
-    std::fill(kd + (row0 + h) * T + col0 + slot, kd + (row0 + h + 1) * T, 0);
     to[h] = slot;
   }
-  return {hit, begins, totals, counts};
+  return {hit, begins, totals, counts, n_runs - at};
 }
 
 // One step's cache update of one store (see WaveBufferStore._update, the reference): stamp

@@ -1100,9 +1100,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
     std::vector<int64_t>, std::vector<int64_t>, int64_t, double, bool);
 
 // buffer_cpu.cpp (the wave buffer's table work)
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup(
-    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor,
-    torch::Tensor, int64_t, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
+    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, int64_t,
+    int64_t, int64_t, int64_t);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
     torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);

@@ -43,6 +43,25 @@ def _assert_same(before: dict, a: dict, b: dict, msg: str) -> None:
             assert np.array_equal(a[key], b[key]), f"{msg}: {key}"
 
 
+def _runs_by_definition(kind: np.ndarray, src: np.ndarray, row0: int, col0: int,
+                        t_cap: int) -> np.ndarray:
+    """The runs of per-token places, token by token: a token extends the run before it iff
+    it is the next slot of the same head, from the same pool, at the next source row."""
+    runs: list[list[int]] = []
+    last = None  # (head, slot, kind, src) of the token before
+    for h in range(kind.shape[0]):
+        for t in range(kind.shape[1]):
+            k, s = int(kind[h, t]), int(src[h, t])
+            if k == 0:
+                continue
+            if last == (h, t - 1, k, s - 1):
+                runs[-1][2] += 1 if k == 1 else -1
+            else:
+                runs.append([(row0 + h) * t_cap + col0 + t, s, 1 if k == 1 else -1])
+            last = (h, t, k, s)
+    return np.array(runs, dtype=np.int64).reshape(-1, 3)
+
+
 def test_the_extension_builds():
     """The compiled path is what serving uses: it must build here (CI), not fall back."""
     assert cpu_decode.load() is not None, cpu_decode._error
@@ -61,29 +80,31 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
     mgr, buf, _, _ = _stores(cfg, h, m, c, 16, rng)
     mod = buf.compiled
     assert mod is not None
-    admitted = evicted = 0
+    admitted = evicted = mixed = 0
     for step in range(60):
         ids = _ids(c, int(torch.randint(1, 16, (1,), generator=rng)), h, rng).numpy()
         ns = int(torch.randint(0, 5, (1,), generator=rng))
         buf._sync()
         ref = buf.table.lookup(ids, buf.host.page_block)
         w = ref.kind.shape[1]
-        # a plan reused from an earlier step: the lookup owns rows 1 .. h and writes their
-        # kind whole (0 where no token goes), their src at the tokens only
-        kind = np.full((h + 2, ns + w + 3), 7, dtype=np.int32)
-        src = np.full((h + 2, ns + w + 3), 7, dtype=np.int64)
-        got = buf.table.lookup_into(mod, ids, buf.host.page_block, kind, src, 1, ns)
-        want_kind = np.full_like(kind, 7)
-        want_src = np.where(ref.kind > 0, ref.src_row, 7)
-        want_src = np.pad(want_src, ((1, 1), (ns, 3)), constant_values=7)
-        want_kind[1:1 + h] = 0
-        want_kind[1:1 + h, ns:ns + w] = ref.kind
-        assert np.array_equal(kind, want_kind) and np.array_equal(src, want_src)
+        t_cap = ns + w + int(torch.randint(0, 4, (1,), generator=rng))
+        # a plan reused from an earlier step: the lookup writes its runs from entry `at`
+        # (rows 1 .. h of the execution buffer) and touches nothing else
+        at = int(torch.randint(0, 5, (1,), generator=rng))
+        plan = np.full((at + h * w + 3, 3), 7, dtype=np.int64)
+        got = buf.table.lookup_into(mod, ids, buf.host.page_block, plan, at, 1, ns, t_cap)
+        want = _runs_by_definition(ref.kind, ref.src_row, 1, ns, t_cap)
+        assert np.array_equal(got.runs, want), f"step {step}: runs"
+        assert np.array_equal(ref.plan(1, ns, t_cap), want), f"step {step}: numpy runs"
+        assert (plan[:at] == 7).all() and (plan[at + len(want):] == 7).all()
+        assert len(want) == 0 or np.shares_memory(got.runs, plan)
         for f in ("cached", "begins", "totals"):
             assert np.array_equal(getattr(got, f), getattr(ref, f)), f"step {step}: {f}"
         pages = int(np.take_along_axis(buf.table.n_pages, ids, 1)[~ref.cached].sum())
         assert got.counts.tolist() == [int((ref.kind == 1).sum()), int((ref.kind == 2).sum()),
                                        int(ref.cached.sum()), pages]
+        if ref.cached.any() and (~ref.cached).any():
+            mixed += 1
         before = _state(buf)
         plan = buf._update(ids, got, ns)
         compiled = _state(buf)
@@ -98,7 +119,7 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
         admitted += plan[0].size
         evicted += compiled["stats"]["pages_evicted"] - before["stats"]["pages_evicted"]
     if cache.get("cache_pages", 1) > 0:
-        assert admitted > 0
+        assert admitted > 0 and mixed > 0
     if cache.get("cache_pages") in (2, 9):
         assert evicted > 0
     mgr.close()
@@ -109,14 +130,23 @@ def test_bad_ids_and_an_overcommitted_pool_are_clear_errors(rng):
     mgr, buf, _, _ = _stores(RetroConfig(page_size=4, cache_pages=8), h, m, c, 16, rng)
     buf._sync()
     bad = np.array([[0, 30], [1, 2]])
-    kind = np.zeros((h, 200), dtype=np.int32)
-    src = np.zeros((h, 200), dtype=np.int64)
+    plan = np.zeros((400, 3), dtype=np.int64)
     with pytest.raises(ValueError, match="cluster id 30 is out of range; accepted: 0 to 29"):
-        buf.table.lookup_into(buf.compiled, bad, buf.host.page_block, kind, src, 0, 0)
+        buf.table.lookup_into(buf.compiled, bad, buf.host.page_block, plan, 0, 0, 0, 200)
     with pytest.raises(ValueError, match="cluster id 30 is out of range; accepted: 0 to 29"):
         buf.table.lookup(bad, buf.host.page_block)
     ids = _ids(c, 3, h, rng).numpy()
     lk = buf.table.lookup(ids, buf.host.page_block)
+    need = int(lk.totals.max())
+    mod = buf.compiled
+    for compiled in (mod, None):  # the same errors either way
+        buf.compiled = compiled
+        with pytest.raises(RuntimeError, match=f"the execution buffer has {need + 1} slots, "
+                                               f"the step's tokens need {need + 2}"):
+            buf._lookup_into(ids, plan, 0, 0, 2, need + 1)
+        with pytest.raises(RuntimeError, match="the gather plan has room for 1 runs"):
+            buf._lookup_into(ids, plan[:1], 0, 0, 0, need)
+    buf.compiled = mod
     buf.blocks.n_free[0] = 0  # as if another store had taken every block past its budget
     for compiled in (buf.compiled, None):
         buf.compiled = compiled

@@ -78,8 +78,7 @@ class LayerPool:
         self.stores: set[WaveBufferStore] = set()
         self._on_empty = on_empty
         self._lock = threading.Lock()
-        self._plan_kind = np.empty(0, dtype=np.int32)
-        self._plan_src = np.empty(0, dtype=np.int64)
+        self._plan_runs = np.empty((0, 3), dtype=np.int64)
 
     def attach(self, store: WaveBufferStore) -> None:
         """Register a new store of this layer."""
@@ -122,19 +121,22 @@ class LayerPool:
         Per store: the host-side lookup; then one gather call and one worker job for every
         store's cache update."""
         h, t_cap = self.num_heads, exec_k.shape[1]
-        kind, src = self._plan(len(stores) * h, t_cap)
+        # a store's runs are at most its tokens: H rows of at most t_cap each
+        plan = self._plan(len(stores) * h * t_cap)
+        at = 0
         updates: list[tuple] = []
         try:
             for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
                 if offsets is None:
-                    lk = st._lookup_into(ids, kind, src, j * h, ns)
+                    lk = st._lookup_into(ids, plan, at, j * h, ns, t_cap)
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
                     update = partial(st._update, ids, lk, ns)
                 else:
-                    lk = st._lookup_tokens(ids, offsets[j])
+                    lk = st._lookup_tokens(ids, offsets[j]).write_into(plan, at, j * h, ns,
+                                                                      t_cap)
                     st._begin_step(ids, lk, ns, None, None, 0)
                     update = partial(st._update_tokens, ids, lk)
-                    lk.write_into(kind, src, j * h, ns)
+                at += len(lk.runs)
                 st._pending = Future()
                 updates.append((update, st._pending))
         except BaseException:
@@ -145,25 +147,27 @@ class LayerPool:
         # one worker job for the layer's step: every store's update in turn, each delivered
         # to that store's own future (a store waits only for its part)
         stores[0].manager.worker.submit(lambda: _run_updates(updates))
-        d = self.head_dim
-        kernels.gather_rows(
-            exec_k, exec_v, 0, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
-            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(kind),
-            torch.from_numpy(src), backend=stores[0].config.kernel_backend,
-        )
+        self.gather(plan[:at], exec_k, exec_v, stores[0].config.kernel_backend)
 
-    def _plan(self, rows: int, t_cap: int) -> tuple[np.ndarray, np.ndarray]:
-        """The gather plan's arrays for this step, ``kind`` [rows, t_cap] int32 and ``src``
-        [rows, t_cap] int64, contiguous and not cleared: each store's lookup writes its own
-        rows. Kept across steps (grown by >= 1.5x), since fresh arrays of this size (~0.5 MB
-        at 8 requests x 8 KV heads x 700 slots) cost a page fault per 4 KiB every step."""
-        need = rows * t_cap
-        if self._plan_kind.size < need:
-            size = max(need, 3 * self._plan_kind.size // 2)
-            self._plan_kind = np.empty(size, dtype=np.int32)
-            self._plan_src = np.empty(size, dtype=np.int64)
-        return (self._plan_kind[:need].reshape(rows, t_cap),
-                self._plan_src[:need].reshape(rows, t_cap))
+    def gather(self, runs: np.ndarray, dst_k: torch.Tensor, dst_v: torch.Tensor,
+               backend: str) -> None:
+        """Copy the gather plan's ``runs`` ([N, 3] int64, :mod:`vllm_retro.kernels.gather`)
+        from this layer's device block pool and host pool into ``dst_k``/``dst_v`` (viewed
+        as rows)."""
+        d = self.head_dim
+        kernels.gather_runs(dst_k, dst_v, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
+                            self.host.k.view(-1, d), self.host.v.view(-1, d),
+                            torch.from_numpy(runs), backend=backend)
+
+    def _plan(self, entries: int) -> np.ndarray:
+        """The gather plan's array for this step, [>= entries, 3] int64 runs, not cleared:
+        each store's lookup writes its own runs after the ones before. Kept across steps
+        (grown by >= 1.5x), since a fresh array costs a page fault per 4 KiB every step;
+        only the entries written are ever touched."""
+        if len(self._plan_runs) < entries:
+            size = max(entries, 3 * len(self._plan_runs) // 2)
+            self._plan_runs = np.empty((size, 3), dtype=np.int64)
+        return self._plan_runs
 
     def join_batch(self, stores: Sequence[WaveBufferStore]) -> None:
         """Join the cache updates of ``stores``' last steps (see

@@ -13,7 +13,7 @@ own pending update.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,35 +29,77 @@ def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - begin, counts)
 
 
+def token_runs(kind: np.ndarray, src_row: np.ndarray, row0: int, col0: int, t_cap: int
+               ) -> np.ndarray:
+    """The gather plan's runs (:mod:`vllm_retro.kernels.gather`, [N, 3] int64) of per-token
+    places ``kind``/``src_row`` ([H, T]: 0 padding, HIT device-pool row, MISS host-pool row)
+    whose head h goes to execution-buffer row ``row0 + h`` ([rows, t_cap]) from slot
+    ``col0``: one run per maximal stretch of a head's consecutive slots with consecutive
+    source rows in one pool (as the compiled lookup writes them)."""
+    hh, tt = np.nonzero(kind)
+    k, s = kind[hh, tt], src_row[hh, tt]
+    start = np.ones(hh.size, dtype=bool)
+    start[1:] = ((hh[1:] != hh[:-1]) | (tt[1:] != tt[:-1] + 1) | (k[1:] != k[:-1])
+                 | (s[1:] != s[:-1] + 1))
+    first = np.flatnonzero(start)
+    length = np.diff(np.append(first, hh.size))
+    out = np.empty((first.size, 3), dtype=np.int64)
+    out[:, 0] = (row0 + hh[first]) * t_cap + col0 + tt[first]
+    out[:, 1] = s[first]
+    out[:, 2] = np.where(k[first] == HIT, length, -length)
+    return out
+
+
 @dataclass(frozen=True)
 class Lookup:
-    """Where the tokens of one step's retrieval clusters come from."""
+    """Where the tokens of one step's retrieval clusters come from: per token (numpy
+    lookups) or as runs in a layer's gather plan (the compiled lookup)."""
 
-    kind: np.ndarray
-    """[H, T] int32 per token slot: 0 padding, 1 device cache, 2 host tier."""
-    src_row: np.ndarray
-    """[H, T] int64 row in the device pool (hits) or the host pool (misses)."""
-    host_row: np.ndarray | None
-    """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position; None
-    from the compiled lookup (:meth:`ClusterMappingTable.lookup_into`)."""
     totals: np.ndarray
     """[H] int64 tokens per head."""
     cached: np.ndarray
     """[H, R] bool: the cluster was a cache hit."""
     begins: np.ndarray
     """[H, R] int64 first slot of each cluster within the head's retrieved tokens."""
+    kind: np.ndarray | None = None
+    """[H, T] int32 per token slot: 0 padding, 1 device cache, 2 host tier (numpy
+    lookups)."""
+    src_row: np.ndarray | None = None
+    """[H, T] int64 row in the device pool (hits) or the host pool (misses) (numpy
+    lookups)."""
+    host_row: np.ndarray | None = None
+    """[H, T] int64 host row of every slot (-1 padding), e.g. for its token position (numpy
+    lookups)."""
     counts: np.ndarray | None = None
     """[4] int64 (hit tokens, miss tokens, cached clusters, host pages of the clusters not
     cached): set by cluster lookups, None for token reads."""
+    runs: np.ndarray | None = None
+    """[N, 3] int64: this lookup's runs in the gather plan it was written into (a view,
+    valid until the plan is reused; the compiled lookup)."""
 
-    def write_into(self, kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> None:
-        """Write this lookup into a layer's gather plan (``kind``/``src`` [rows, T]): its
-        heads own rows ``row0 ..``, ``kind`` written whole (the tokens from column ``col0``,
-        0 elsewhere), ``src`` at the tokens (as the compiled lookup writes them)."""
-        h, w = self.kind.shape
-        kind[row0:row0 + h] = 0
-        kind[row0:row0 + h, col0:col0 + w] = self.kind
-        src[row0:row0 + h, col0:col0 + w] = self.src_row
+    def plan(self, row0: int, col0: int, t_cap: int) -> np.ndarray:
+        """This lookup's gather-plan runs ([N, 3] int64) for execution-buffer rows ``row0
+        ..`` ([rows, t_cap]) from slot ``col0``: see :func:`token_runs`."""
+        if self.kind is None or self.src_row is None:
+            if self.runs is None:
+                raise ValueError("this lookup has neither per-token places nor runs")
+            return self.runs
+        return token_runs(self.kind, self.src_row, row0, col0, t_cap)
+
+    def write_into(self, plan: np.ndarray, at: int, row0: int, col0: int, t_cap: int
+                   ) -> Lookup:
+        """Write :meth:`plan`'s runs into a layer's gather plan ``plan`` ([N, 3] int64) from
+        entry ``at``, as the compiled lookup does (same checks); returns this lookup with
+        ``runs`` the view of them."""
+        need = col0 + (int(self.totals.max()) if self.totals.size else 0)
+        if need > t_cap:
+            raise RuntimeError(f"buffer: the execution buffer has {t_cap} slots, the step's "
+                               f"tokens need {need}")
+        runs = self.plan(row0, col0, t_cap)
+        if at + len(runs) > len(plan):
+            raise RuntimeError(f"buffer: the gather plan has room for {len(plan)} runs")
+        plan[at:at + len(runs)] = runs
+        return replace(self, runs=plan[at:at + len(runs)])
 
 
 RECORD_FIELDS = ("page_start", "n_pages", "size", "last_access", "reads")
@@ -160,26 +202,22 @@ class ClusterMappingTable:
         pages = np.take_along_axis(self.n_pages, cluster_ids, axis=1)[~cached].sum()
         counts = np.array([(kind == HIT).sum(), (kind == MISS).sum(), cached.sum(), pages],
                           dtype=np.int64)
-        return Lookup(kind, src_row, host_row, totals, cached, begins, counts)
+        return Lookup(totals, cached, begins, kind, src_row, host_row, counts)
 
     def lookup_into(self, module: Any, cluster_ids: np.ndarray, page_block: np.ndarray,
-                    kind: np.ndarray, src: np.ndarray, row0: int, col0: int) -> Lookup:
+                    plan: np.ndarray, at: int, row0: int, col0: int, t_cap: int) -> Lookup:
         """:meth:`lookup` by the compiled extension ``module`` (``buffer_lookup``, without
-        the GIL), written straight into a layer's gather plan ``kind``/``src`` ([rows, T]
-        int32 / int64): this table's heads own rows ``row0 .. row0 + H``, whose ``kind`` is
-        written whole (the tokens from column ``col0``, 0 elsewhere) and whose ``src`` is
-        written at the tokens. The Lookup's ``kind``/``src_row`` are views of those places
-        (valid until the plan is reused), its ``host_row`` None and its ``counts`` set."""
-        h = self.size.shape[0]
-        cached, begins, totals, counts = module.buffer_lookup(
+        the GIL), written straight into a layer's gather plan ``plan`` ([N, 3] int64 runs,
+        :mod:`vllm_retro.kernels.gather`) from entry ``at``: this table's head h goes to
+        execution-buffer row ``row0 + h`` ([rows, t_cap]) from slot ``col0``. The runs are
+        those :func:`token_runs` makes of :meth:`lookup`'s places; the Lookup's ``runs`` is
+        a view of them, its per-token fields None and its ``counts`` set."""
+        cached, begins, totals, counts, n = module.buffer_lookup(
             torch.from_numpy(cluster_ids), torch.from_numpy(self.records),
             torch.from_numpy(self.cached), torch.from_numpy(page_block), self.page_size,
-            torch.from_numpy(kind), torch.from_numpy(src), row0, col0)
-        totals = totals.numpy()
-        w = int(totals.max()) if totals.size else 0
-        rows = slice(row0, row0 + h)
-        return Lookup(kind[rows, col0:col0 + w], src[rows, col0:col0 + w], None, totals,
-                      cached.numpy(), begins.numpy(), counts.numpy())
+            torch.from_numpy(plan), at, row0, col0, t_cap)
+        return Lookup(totals.numpy(), cached.numpy(), begins.numpy(), counts=counts.numpy(),
+                      runs=plan[at:at + n])
 
     def lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray,
                       page_block: np.ndarray) -> Lookup:
@@ -204,4 +242,4 @@ class ClusterMappingTable:
         totals = np.full(h, k, dtype=np.int64)
         cached = np.take_along_axis(self.cached, cluster_ids, axis=1)
         begins = np.broadcast_to(np.arange(k, dtype=np.int64), (h, k))
-        return Lookup(kind, src_row, host_row, totals, cached, begins)
+        return Lookup(totals, cached, begins, kind, src_row, host_row)

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_retro import kernels
 from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, victims
@@ -218,19 +217,17 @@ class WaveBufferStore:
         self._ready()
         return self.table.lookup(ids, self.host.page_block)
 
-    def _lookup_into(self, ids: np.ndarray, kind: np.ndarray, src: np.ndarray, row0: int,
-                     col0: int) -> Lookup:
-        """:meth:`_lookup`, writing the tokens' places into a layer's gather plan (``kind``,
-        ``src`` [rows, T]: this store's heads own rows ``row0 ..``, their tokens from column
-        ``col0``; see :meth:`ClusterMappingTable.lookup_into`), compiled when
-        :attr:`compiled` is set."""
+    def _lookup_into(self, ids: np.ndarray, plan: np.ndarray, at: int, row0: int, col0: int,
+                     t_cap: int) -> Lookup:
+        """:meth:`_lookup`, writing the tokens' places into a layer's gather plan (``plan``
+        [N, 3] int64 runs from entry ``at``; this store's head h goes to execution-buffer
+        row ``row0 + h`` of ``t_cap`` slots from slot ``col0``; see
+        :meth:`ClusterMappingTable.lookup_into`), compiled when :attr:`compiled` is set."""
         if self.compiled is None:
-            lk = self._lookup(ids)
-            lk.write_into(kind, src, row0, col0)
-            return lk
+            return self._lookup(ids).write_into(plan, at, row0, col0, t_cap)
         self._ready()
-        return self.table.lookup_into(self.compiled, ids, self.host.page_block, kind, src,
-                                      row0, col0)
+        return self.table.lookup_into(self.compiled, ids, self.host.page_block, plan, at,
+                                      row0, col0, t_cap)
 
     def _fill(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
               exec_v: torch.Tensor) -> None:
@@ -238,13 +235,13 @@ class WaveBufferStore:
         first ``n_steady`` rows (the steady zone, already there): cache hits and host
         misses; then submit the step's cache update to the worker (joined by
         :meth:`step_done`)."""
-        d = self.head_dim
-        kernels.gather_rows(
-            exec_k, exec_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
-            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(lk.kind),
-            torch.from_numpy(lk.src_row), backend=self.config.kernel_backend,
-        )
+        self._gather(lk.plan(0, n_steady, exec_k.shape[1]), exec_k, exec_v)
         self._submit(ids, lk, n_steady, exec_k, exec_v, 0)
+
+    def _gather(self, runs: np.ndarray, dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
+        """Copy the gather plan's ``runs`` ([N, 3] int64) from the layer's pools into
+        ``dst_k``/``dst_v``."""
+        self.pool.gather(runs, dst_k, dst_v, self.config.kernel_backend)
 
     def _submit(self, ids: np.ndarray, lk: Lookup, n_steady: int, exec_k: torch.Tensor,
                 exec_v: torch.Tensor, row0: int) -> None:
@@ -385,12 +382,7 @@ class WaveBufferStore:
         misses from the host tier; the cache update (whole clusters, from the host tier) is
         submitted to the worker and joined by :meth:`step_done`."""
         lk = self._lookup_tokens(cluster_ids, offsets)
-        d = self.head_dim
-        kernels.gather_rows(
-            dst_k, dst_v, n_steady, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
-            self.host.k.view(-1, d), self.host.v.view(-1, d), torch.from_numpy(lk.kind),
-            torch.from_numpy(lk.src_row), backend=self.config.kernel_backend,
-        )
+        self._gather(lk.plan(0, n_steady, dst_k.shape[1]), dst_k, dst_v)
         self._begin_step(cluster_ids, lk, n_steady, None, None, 0)
         self._pending = self.manager.worker.submit(
             lambda: self._update_tokens(cluster_ids, lk))
