@@ -18,6 +18,7 @@ the device. On CUDA the Triton kernel reads the host pool directly from pinned m
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_retro.kernels._common import block_size, tl, triton
@@ -31,14 +32,11 @@ RUN_FIELDS = ("dst", "src", "count")
 from the device pool, < 0 from the host pool)."""
 
 
-def _expand(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _expand(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (dst, src) of ``runs`` [N, 3] (whatever their sign), run after run."""
-    length = runs[:, 2].abs()
-    first = torch.cumsum(length, 0) - length
-    step = torch.arange(int(length.sum()), device=runs.device) - torch.repeat_interleave(
-        first, length)
-    return (torch.repeat_interleave(runs[:, 0], length) + step,
-            torch.repeat_interleave(runs[:, 1], length) + step)
+    length = np.abs(runs[:, 2])
+    step = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    return np.repeat(runs[:, 0], length) + step, np.repeat(runs[:, 1], length) + step
 
 
 def gather_runs_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, dev_k: torch.Tensor,
@@ -49,12 +47,12 @@ def gather_runs_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, dev_k: torch.Tenso
     run names are untouched."""
     d = dst_k.shape[-1]
     flat_k, flat_v = dst_k.view(-1, d), dst_v.view(-1, d)
-    runs = runs.to("cpu", torch.int64)
+    plan = runs.to("cpu", torch.int64).numpy()  # expanded on the host: numpy's repeat is fast
     for hit, src_k, src_v in ((True, dev_k, dev_v), (False, host_k, host_v)):
-        part = runs[runs[:, 2] > 0] if hit else runs[runs[:, 2] < 0]
+        part = plan[plan[:, 2] > 0] if hit else plan[plan[:, 2] < 0]
         if part.shape[0] == 0:
             continue
-        dst, src = _expand(part)
+        dst, src = (torch.from_numpy(x) for x in _expand(part))
         src, dst = src.to(src_k.device), dst.to(dst_k.device)
         flat_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device))
         flat_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device))

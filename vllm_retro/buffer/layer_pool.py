@@ -16,9 +16,9 @@ execution buffer of all the layer's rows with one gather call over the two pools
 (:meth:`join_batch`), whatever the number of requests, and hands the worker one job for all
 their cache updates. The per-request work left is the steady-zone copies and host-side table
 work: each request's mapping-table lookup (written straight into the layer's gather plan,
-kept across steps) and its update within that job, one compiled call each
-(``kernels/csrc/buffer_cpu.cpp``, without the GIL; numpy when the extension cannot be
-built).
+kept across steps, as runs of consecutive rows: :mod:`vllm_retro.kernels.gather`) and its
+update within that job, one compiled call each (``kernels/csrc/buffer_cpu.cpp``, without the
+GIL; numpy when the extension cannot be built).
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 
