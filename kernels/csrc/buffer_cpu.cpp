@@ -2,7 +2,9 @@
 //
 //   buffer_lookup: where every token of the step's retrieval clusters comes from (device
 //     block or host page), written straight into the layer's gather plan as runs of
-//     consecutive rows, plus the counts the buffer's statistics take;
+//     consecutive rows, plus the counts the buffer's statistics take; buffer_lookup_batch
+//     does it for every store of a layer's step in one call, the stores in parallel (the
+//     batched decode path's one lookup per layer step);
 //   buffer_update: the cache update of the step (the LRU / LFU stamps, evictions by the
 //     policy's order, admissions within each KV head's block budget, the admission copies'
 //     plan), on the mapping table's arrays in place.
@@ -22,7 +24,10 @@
 // entries free, taken from the top).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -60,44 +65,14 @@ void check_ids(const int64_t* ids, int64_t n, int64_t C) {
                       " is out of range; accepted: 0 to ", C - 1);
 }
 
-}  // namespace
-
-// Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h, and
-// write them into a layer's gather plan (kernels/gather.py) as runs from entry `at` of plan
-// ([N, 3] int64): (destination row (row0 + h) * t_cap + col0 + slot, source row, signed
-// count: > 0 device-pool rows of cached pages, < 0 host-pool rows), one run per maximal
-// stretch of a head's consecutive slots whose source rows are consecutive in one pool (a
-// missed cluster is one run: its pages are consecutive; a cached one, one per stretch of
-// consecutive blocks). Returns (cached [H, R] bool: the cluster is cached, begins [H, R]
-// int64: its first slot among the head's tokens, totals [H] int64: tokens per head, counts
-// [4] int64: hit tokens, miss tokens, cached clusters, host pages of the clusters not
-// cached, and the number of runs written).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
-    torch::Tensor ids, torch::Tensor records, torch::Tensor cached, torch::Tensor page_block,
-    int64_t page_size, torch::Tensor plan, int64_t at, int64_t row0, int64_t col0,
-    int64_t t_cap) {
-  check_tables(ids, records, cached);
-  const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
-  const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
-  const int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
-  const bool* ca = ptr<bool>(cached, "cached", torch::kBool);
-  const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
-  int64_t* pl = ptr<int64_t>(plan, "plan", torch::kInt64);
-  TORCH_CHECK(plan.dim() == 2 && plan.size(1) == 3, "buffer: the gather plan must be [N, 3]");
-  TORCH_CHECK(at >= 0 && at <= plan.size(0) && row0 >= 0 && col0 >= 0 && col0 <= t_cap,
-              "buffer: the gather plan's place (at ", at, ", row0 ", row0, ", col0 ", col0,
-              ", t_cap ", t_cap, ")");
-  check_ids(id, H * R, C);
-  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
-  const int64_t P = page_block.numel(), cap = plan.size(0);
-  auto hit = torch::empty({H, R}, torch::kBool);
-  auto begins = torch::empty({H, R}, torch::kInt64);
-  auto totals = torch::empty({H}, torch::kInt64);
-  auto counts = torch::zeros({4}, torch::kInt64);
-  bool* ho = hit.data_ptr<bool>();
-  int64_t* bo = begins.data_ptr<int64_t>();
-  int64_t* to = totals.data_ptr<int64_t>();
-  int64_t* co = counts.data_ptr<int64_t>();
+// One store's lookup (see buffer_lookup) into plan entries [at, cap): heads h = 0..H-1 of
+// ids ([H, R] int64) go to execution-buffer rows row0 + h. Writes hit / begins ([H * R]),
+// totals ([H]) and adds to counts ([4]); returns the entry after the last run written.
+int64_t lookup_store(const int64_t* id, int64_t H, int64_t R, const int64_t* rec,
+                     const bool* ca, int64_t C, const int64_t* pb, int64_t P,
+                     int64_t page_size, int64_t* pl, int64_t at, int64_t cap, int64_t row0,
+                     int64_t col0, int64_t t_cap, bool* ho, int64_t* bo, int64_t* to,
+                     int64_t* co) {
   int64_t n_runs = at;
   for (int64_t h = 0; h < H; ++h) {
     int64_t slot = 0;
@@ -151,7 +126,120 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
     }
     to[h] = slot;
   }
-  return {hit, begins, totals, counts, n_runs - at};
+  return n_runs;
+}
+
+void check_place(const torch::Tensor& plan, int64_t at, int64_t row0, int64_t col0,
+                 int64_t t_cap, int64_t page_size) {
+  TORCH_CHECK(plan.dim() == 2 && plan.size(1) == 3, "buffer: the gather plan must be [N, 3]");
+  TORCH_CHECK(at >= 0 && at <= plan.size(0) && row0 >= 0 && col0 >= 0 && col0 <= t_cap,
+              "buffer: the gather plan's place (at ", at, ", row0 ", row0, ", col0 ", col0,
+              ", t_cap ", t_cap, ")");
+  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
+}
+
+}  // namespace
+
+// Locate every token of the clusters ids[h, :] ([H, R] int64), in order, for KV head h, and
+// write them into a layer's gather plan (kernels/gather.py) as runs from entry `at` of plan
+// ([N, 3] int64): (destination row (row0 + h) * t_cap + col0 + slot, source row, signed
+// count: > 0 device-pool rows of cached pages, < 0 host-pool rows), one run per maximal
+// stretch of a head's consecutive slots whose source rows are consecutive in one pool (a
+// missed cluster is one run: its pages are consecutive; a cached one, one per stretch of
+// consecutive blocks). Returns (cached [H, R] bool: the cluster is cached, begins [H, R]
+// int64: its first slot among the head's tokens, totals [H] int64: tokens per head, counts
+// [4] int64: hit tokens, miss tokens, cached clusters, host pages of the clusters not
+// cached, and the number of runs written).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
+    torch::Tensor ids, torch::Tensor records, torch::Tensor cached, torch::Tensor page_block,
+    int64_t page_size, torch::Tensor plan, int64_t at, int64_t row0, int64_t col0,
+    int64_t t_cap) {
+  check_tables(ids, records, cached);
+  const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
+  const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
+  const int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
+  const bool* ca = ptr<bool>(cached, "cached", torch::kBool);
+  const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int64_t* pl = ptr<int64_t>(plan, "plan", torch::kInt64);
+  check_place(plan, at, row0, col0, t_cap, page_size);
+  check_ids(id, H * R, C);
+  auto hit = torch::empty({H, R}, torch::kBool);
+  auto begins = torch::empty({H, R}, torch::kInt64);
+  auto totals = torch::empty({H}, torch::kInt64);
+  auto counts = torch::zeros({4}, torch::kInt64);
+  const int64_t end = lookup_store(id, H, R, rec, ca, C, pb, page_block.numel(), page_size, pl,
+                                   at, plan.size(0), row0, col0, t_cap, hit.data_ptr<bool>(),
+                                   begins.data_ptr<int64_t>(), totals.data_ptr<int64_t>(),
+                                   counts.data_ptr<int64_t>());
+  return {hit, begins, totals, counts, end - at};
+}
+
+// buffer_lookup for every store of a layer's step in one call: store j's ids[j] ([H, R_j]
+// int64; every store has H heads) over its tables records[j] / cached[j], all in one host
+// pool (page_block), its head h going to execution-buffer row j * H + h from slot col0[j].
+// The stores are looked up in parallel (torch's intra-op threads), store j writing its runs
+// into its own region of plan (entries from j * H * t_cap: a head's runs are at most its
+// slots), then the regions are closed up so that the plan's first sum(n_runs) entries hold
+// every store's runs in store order. Returns (cached [sum_j H * R_j] bool and begins (same)
+// int64, store after store, each store's [H, R_j] row-major; totals [B, H] int64; counts
+// [B, 4] int64; n_runs [B] int64).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> records,
+                    std::vector<torch::Tensor> cached, torch::Tensor page_block,
+                    int64_t page_size, torch::Tensor plan, std::vector<int64_t> col0,
+                    int64_t t_cap) {
+  const int64_t B = int64_t(ids.size());
+  TORCH_CHECK(int64_t(records.size()) == B && int64_t(cached.size()) == B &&
+                  int64_t(col0.size()) == B,
+              "buffer: ids, records, cached and col0 must have one entry per store, got ", B,
+              ", ", records.size(), ", ", cached.size(), ", ", col0.size());
+  const int64_t H = B && ids[0].dim() == 2 ? ids[0].size(0) : 0;
+  std::vector<int64_t> first(B + 1, 0);  // store j's cached / begins from first[j]
+  for (int64_t j = 0; j < B; ++j) {
+    TORCH_CHECK(ids[j].dim() == 2 && ids[j].size(0) == H, "buffer: store ", j, "'s ids are ",
+                ids[j].sizes(), "; every store has store 0's ", H, " heads");
+    check_tables(ids[j], records[j], cached[j]);
+    ptr<int64_t>(ids[j], "ids", torch::kInt64);
+    ptr<int64_t>(records[j], "records", torch::kInt64);
+    ptr<bool>(cached[j], "cached", torch::kBool);
+    check_ids(ids[j].data_ptr<int64_t>(), ids[j].numel(), records[j].size(1));
+    check_place(plan, 0, j * H, col0[j], t_cap, page_size);
+    first[j + 1] = first[j] + ids[j].numel();
+  }
+  const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int64_t* pl = ptr<int64_t>(plan, "plan", torch::kInt64);
+  const int64_t region = H * t_cap;
+  TORCH_CHECK(plan.size(0) >= B * region, "buffer: the gather plan has room for ",
+              plan.size(0), " runs, the batch needs room for ", B * region);
+  auto hit = torch::empty({first[B]}, torch::kBool);
+  auto begins = torch::empty({first[B]}, torch::kInt64);
+  auto totals = torch::empty({B, H}, torch::kInt64);
+  auto counts = torch::zeros({B, 4}, torch::kInt64);
+  auto n_runs = torch::empty({B}, torch::kInt64);
+  bool* ho = hit.data_ptr<bool>();
+  int64_t* bo = begins.data_ptr<int64_t>();
+  int64_t* to = totals.data_ptr<int64_t>();
+  int64_t* co = counts.data_ptr<int64_t>();
+  int64_t* no = n_runs.data_ptr<int64_t>();
+  const int64_t P = page_block.numel();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = b0; j < b1; ++j) {
+      const auto& rj = records[j];
+      const int64_t end = lookup_store(
+          ids[j].data_ptr<int64_t>(), H, ids[j].size(1), rj.data_ptr<int64_t>(),
+          cached[j].data_ptr<bool>(), rj.size(1), pb, P, page_size, pl, j * region,
+          (j + 1) * region, j * H, col0[j], t_cap, ho + first[j], bo + first[j], to + j * H,
+          co + 4 * j);
+      no[j] = end - j * region;
+    }
+  });
+  // close the regions up (store order; each region moves down, never past the next one)
+  int64_t at = no[0];
+  for (int64_t j = 1; j < B; ++j) {
+    std::memmove(pl + 3 * at, pl + 3 * j * region, sizeof(int64_t) * 3 * no[j]);
+    at += no[j];
+  }
+  return {hit, begins, totals, counts, n_runs};
 }
 
 // One step's cache update of one store (see WaveBufferStore._update, the reference): stamp

@@ -1103,6 +1103,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
     torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, int64_t,
     int64_t, int64_t, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
+                    std::vector<int64_t>, int64_t);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
     torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);
@@ -1118,6 +1122,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("graph_decode", &graph_decode, "Graph index decode step: search, choose, attend (CPU)");
   // the table work runs without the GIL: the update runs on the buffer's worker thread
   m.def("buffer_lookup", &buffer_lookup, "Wave buffer: one store's mapping-table lookup",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("buffer_lookup_batch", &buffer_lookup_batch,
+        "Wave buffer: the lookups of every store of a layer's step, in parallel",
         py::call_guard<py::gil_scoped_release>());
   m.def("buffer_update", &buffer_update, "Wave buffer: one store's cache update",
         py::call_guard<py::gil_scoped_release>());

@@ -14,11 +14,13 @@ So the batched decode path (:func:`vllm_retro.index.padded.decode_padded`) fills
 execution buffer of all the layer's rows with one gather call over the two pools
 (:meth:`gather_batch`) and copies all their admissions into the block pool with one call
 (:meth:`join_batch`), whatever the number of requests, and hands the worker one job for all
-their cache updates. The per-request work left is the steady-zone copies and host-side table
-work: each request's mapping-table lookup (written straight into the layer's gather plan,
-kept across steps, as runs of consecutive rows: :mod:`vllm_retro.kernels.gather`) and its
-update within that job, one compiled call each (``kernels/csrc/buffer_cpu.cpp``, without the
-GIL; numpy when the extension cannot be built).
+their cache updates. The mapping-table lookups of all requests are one compiled call too
+(``buffer_lookup_batch``, ``kernels/csrc/buffer_cpu.cpp``: the requests in parallel on
+torch's intra-op threads, without the GIL), written straight into the layer's gather plan
+(kept across steps, as runs of consecutive rows: :mod:`vllm_retro.kernels.gather`). The
+per-request work left is the steady-zone copies and each request's cache update within the
+worker's job (one compiled call each; numpy, lookups included, when the extension cannot be
+built).
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 
@@ -45,6 +47,7 @@ import torch
 from vllm_retro import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
+from vllm_retro.buffer.mapping import ClusterMappingTable
 from vllm_retro.buffer.stats import BufferStats
 
 if TYPE_CHECKING:
@@ -118,16 +121,28 @@ class LayerPool:
         ``offsets`` given: single tokens instead of whole clusters, token i of head h being
         token ``offsets[j][h, i]`` of cluster ``cluster_ids[j][h, i]`` (see
         :meth:`WaveBufferStore.gather_tokens_into`).
-        Per store: the host-side lookup; then one gather call and one worker job for every
-        store's cache update."""
+        One host-side lookup call for all stores (compiled: the stores in parallel; numpy,
+        or token reads: one per store), one gather call and one worker job for every store's
+        cache update."""
         h, t_cap = self.num_heads, exec_k.shape[1]
         # a store's runs are at most its tokens: H rows of at most t_cap each
         plan = self._plan(len(stores) * h * t_cap)
         at = 0
         updates: list[tuple] = []
+        batched = None
+        if offsets is None and all(st.compiled is not None for st in stores):
+            for st in stores:
+                st._ready()
+            batched = ClusterMappingTable.lookup_batch_into(
+                stores[0].compiled, [st.table for st in stores], cluster_ids,
+                self.host.page_block, plan, n_steady, t_cap)
         try:
             for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
-                if offsets is None:
+                if batched is not None:
+                    lk = batched[j]
+                    st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
+                    update = partial(st._update, ids, lk, ns)
+                elif offsets is None:
                     lk = st._lookup_into(ids, plan, at, j * h, ns, t_cap)
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
                     update = partial(st._update, ids, lk, ns)

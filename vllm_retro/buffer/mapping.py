@@ -13,6 +13,7 @@ own pending update.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -218,6 +219,35 @@ class ClusterMappingTable:
             torch.from_numpy(plan), at, row0, col0, t_cap)
         return Lookup(totals.numpy(), cached.numpy(), begins.numpy(), counts=counts.numpy(),
                       runs=plan[at:at + n])
+
+    @staticmethod
+    def lookup_batch_into(module: Any, tables: Sequence[ClusterMappingTable],
+                          cluster_ids: Sequence[np.ndarray], page_block: np.ndarray,
+                          plan: np.ndarray, col0: Sequence[int], t_cap: int) -> list[Lookup]:
+        """:meth:`lookup_into` for every store of a layer's step in one compiled call
+        (``buffer_lookup_batch``: the stores in parallel on torch's intra-op threads,
+        without the GIL). Table j looks ``cluster_ids[j]`` ([H, R_j] int64; every table has
+        H heads) up, its head h going to execution-buffer row ``j * H + h`` ([rows, t_cap])
+        from slot ``col0[j]``; ``page_block`` is the host pool they all live in; ``plan``
+        ([>= len(tables) * H * t_cap, 3] int64: each table's runs are written into a region
+        of its own first) ends up holding every table's runs from entry 0, table after
+        table. The Lookups are those :meth:`lookup_into` returns, one per table."""
+        if not tables:
+            return []
+        cached, begins, totals, counts, n_runs = module.buffer_lookup_batch(
+            [torch.from_numpy(i) for i in cluster_ids],
+            [torch.from_numpy(t.records) for t in tables],
+            [torch.from_numpy(t.cached) for t in tables], torch.from_numpy(page_block),
+            tables[0].page_size, torch.from_numpy(plan), list(col0), t_cap)
+        cached, begins, totals, counts = (x.numpy() for x in (cached, begins, totals, counts))
+        out, at, first = [], 0, 0
+        for j, (ids, n) in enumerate(zip(cluster_ids, n_runs.tolist(), strict=True)):
+            end = first + ids.size
+            out.append(Lookup(totals[j], cached[first:end].reshape(ids.shape),
+                              begins[first:end].reshape(ids.shape), counts=counts[j],
+                              runs=plan[at:at + n]))
+            at, first = at + n, end
+        return out
 
     def lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray,
                       page_block: np.ndarray) -> Lookup:
