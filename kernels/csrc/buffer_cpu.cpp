@@ -288,6 +288,24 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     }
   }
 
+  // each head's cached clusters (ascending ids; head h's from held_from[h]): found by a
+  // scan of the flags, then their records read with the ones kAhead further asked for (the
+  // records are cold and scattered: one line per cached cluster)
+  std::vector<int64_t> held_ids, held_from(H + 1, 0);
+  for (int64_t h = 0; h < H; ++h) {
+    held_from[h] = int64_t(held_ids.size());
+    const bool* row = ca + h * C;
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {  // 8 flags (bytes 0 / 1) at a time: most words are all 0
+      uint64_t w;
+      std::memcpy(&w, row + c, 8);
+      for (; w != 0; w &= w - 1) held_ids.push_back(c + __builtin_ctzll(w) / 8);
+    }
+    for (; c < C; ++c)
+      if (row[c]) held_ids.push_back(c);
+  }
+  held_from[H] = int64_t(held_ids.size());
+
   // what each head wants: its misses that fit its budget at all, in read order
   std::vector<int64_t> need(H * R, 0), room(H), want(H, 0);
   for (int64_t h = 0; h < H; ++h) {
@@ -297,7 +315,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
       want[h] += need[h * R + r];
     }
     int64_t held = 0;
-    for (int64_t c = 0; c < C; ++c) held += ca[h * C + c] ? F(h, c, kPages) : 0;
+    for (int64_t i = held_from[h]; i < held_from[h + 1]; ++i) {
+      if (i + kAhead < held_from[h + 1]) __builtin_prefetch(&F(h, held_ids[i + kAhead], 0));
+      held += F(h, held_ids[i], kPages);
+    }
     room[h] = cap[h] - held;
   }
 
@@ -311,10 +332,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     for (int64_t r = 0; r < R; ++r) read_now[id[h * R + r]] = 1;
     order.clear();
     int64_t evictable = 0;
-    for (int64_t c = 0; c < C; ++c)
-      if (ca[h * C + c] && !read_now[c]) {
-        order.push_back(c);
-        evictable += F(h, c, kPages);
+    for (int64_t i = held_from[h]; i < held_from[h + 1]; ++i)
+      if (!read_now[held_ids[i]]) {
+        order.push_back(held_ids[i]);
+        evictable += F(h, held_ids[i], kPages);
       }
     const int64_t budget = room[h] + evictable;
     if (want[h] > budget) {  // admit greedily in read order: each miss that still fits
