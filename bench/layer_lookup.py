@@ -1,7 +1,7 @@
 """The mapping-table lookups of one layer's decode step for a whole batch, at the Llama-3-8B
 layer shape: one call per request (``ClusterMappingTable.lookup_into`` in a loop, what the
 batched path did before) against one call for the layer (``lookup_batch_into``,
-``buffer_lookup_batch``: the requests' lookups in parallel on torch's intra-op threads, each
+``buffer_lookup_batch``: the requests' lookups in parallel on ``--threads`` threads, each
 into a region of the gather plan, then closed up), in the same run, on the same tables and
 retrievals. On CUDA this is host-side work on the decode thread, per layer and step, before
 the gather: its time x layers must stay well below a decode step.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -70,8 +71,7 @@ def _step_ids(ids: list[np.ndarray], c: int, rng: np.random.Generator) -> None:
 def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: int = 0
         ) -> dict:
     """Median / p90 ms of one layer step's lookups for the batch, and the median decode
-    step's sum over ``layers``, each variant, at ``threads`` intra-op threads."""
-    torch.set_num_threads(threads)
+    step's sum over ``layers``, each variant, the one call on ``threads`` threads."""
     cfg = RetroConfig()
     c = context // 16
     r = cfg.num_retrieval(c)
@@ -116,7 +116,8 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
                                                 t_cap).runs)
                 else:
                     lks = ClusterMappingTable.lookup_batch_into(mod, copies, ids, page_block,
-                                                                plan, [0] * batch, t_cap)
+                                                                plan, [0] * batch, t_cap,
+                                                                threads)
                     at = sum(len(lk.runs) for lk in lks)
                 dt = time.perf_counter() - t0
                 per_layer[variant].append(dt)
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, len(os.sched_getaffinity(0))])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [run(n, args.batch, args.layers, args.steps, t)

@@ -1,5 +1,7 @@
 """vllm_retro.config: defaults from the design, validation naming field, value and range."""
 
+import os
+
 import pytest
 
 from vllm_retro.config import ConfigError, RetroConfig
@@ -35,6 +37,7 @@ def test_defaults_follow_the_paper():
     ("cache_pages", -1, "an integer in [0,"),
     ("build_steps", -1, "an integer in [0, 65536]"),
     ("build_steps", 1.5, "an integer in [0, 65536]"),
+    ("table_threads", 0, "an integer in [1, 1024]"),
     ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
     ("estimator", "paper", "one of 'tilted', 'centroid'"),
@@ -70,6 +73,13 @@ def test_budget_counts():
     full = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
     assert (full.num_retrieval(37), full.num_estimation(37)) == (37, 0)
     assert RetroConfig(retrieval_budget=0.5, estimation_budget=0.5).num_estimation(3) == 1
+
+
+def test_table_threads_default_depends_on_the_device():
+    assert RetroConfig().table_threads_on("cpu") == 1
+    cuda = RetroConfig().table_threads_on("cuda")
+    assert 1 <= cuda <= 8 and cuda == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    assert RetroConfig(table_threads=3).table_threads_on("cpu") == 3
 
 
 def test_build_steps_default_depends_on_the_device():

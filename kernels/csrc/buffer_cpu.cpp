@@ -24,10 +24,9 @@
 // entries free, taken from the top).
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -177,7 +176,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
 // buffer_lookup for every store of a layer's step in one call: store j's ids[j] ([H, R_j]
 // int64; every store has H heads) over its tables records[j] / cached[j], all in one host
 // pool (page_block), its head h going to execution-buffer row j * H + h from slot col0[j].
-// The stores are looked up in parallel (torch's intra-op threads), store j writing its runs
+// The stores are looked up in parallel (on `threads` OpenMP threads), store j writing its runs
 // into its own region of plan (entries from j * H * t_cap: a head's runs are at most its
 // slots), then the regions are closed up so that the plan's first sum(n_runs) entries hold
 // every store's runs in store order. Returns (cached [sum_j H * R_j] bool and begins (same)
@@ -187,8 +186,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> records,
                     std::vector<torch::Tensor> cached, torch::Tensor page_block,
                     int64_t page_size, torch::Tensor plan, std::vector<int64_t> col0,
-                    int64_t t_cap) {
+                    int64_t t_cap, int64_t threads) {
   const int64_t B = int64_t(ids.size());
+  TORCH_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
   TORCH_CHECK(int64_t(records.size()) == B && int64_t(cached.size()) == B &&
                   int64_t(col0.size()) == B,
               "buffer: ids, records, cached and col0 must have one entry per store, got ", B,
@@ -222,8 +222,12 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
   int64_t* co = counts.data_ptr<int64_t>();
   int64_t* no = n_runs.data_ptr<int64_t>();
   const int64_t P = page_block.numel();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = b0; j < b1; ++j) {
+  // an OpenMP team of its own (torch's intra-op threads may be 1 while serving); a store's
+  // error is rethrown after the team, the first store's first, as a loop would
+  std::vector<std::exception_ptr> errors(B);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+  for (int64_t j = 0; j < B; ++j) {
+    try {
       const auto& rj = records[j];
       const int64_t end = lookup_store(
           ids[j].data_ptr<int64_t>(), H, ids[j].size(1), rj.data_ptr<int64_t>(),
@@ -231,8 +235,12 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
           (j + 1) * region, j * H, col0[j], t_cap, ho + first[j], bo + first[j], to + j * H,
           co + 4 * j);
       no[j] = end - j * region;
+    } catch (...) {
+      errors[j] = std::current_exception();
     }
-  });
+  }
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
   // close the regions up (store order; each region moves down, never past the next one)
   int64_t at = no[0];
   for (int64_t j = 1; j < B; ++j) {

@@ -1106,7 +1106,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
 buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
-                    std::vector<int64_t>, int64_t);
+                    std::vector<int64_t>, int64_t, int64_t);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
     torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);

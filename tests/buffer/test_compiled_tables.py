@@ -2,6 +2,8 @@
 kernels/csrc/buffer_cpu.cpp) against the numpy reference (ClusterMappingTable.lookup,
 WaveBufferStore._update): lookups, tables, block pools and admission plans bit for bit."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -139,7 +141,7 @@ def _layer_stores(cfg, n, h, rng):
     return mgr, stores
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 def test_one_lookup_call_for_a_layer_equals_each_stores_own(threads, rng):
     """buffer_lookup_batch (the stores in parallel, each into a region of its own, then
     closed up) gives every store what its own buffer_lookup gives at its place in the plan:
@@ -148,63 +150,69 @@ def test_one_lookup_call_for_a_layer_equals_each_stores_own(threads, rng):
     mgr, stores = _layer_stores(RetroConfig(page_size=4, cache_fraction=0.3), 5, 2, rng)
     mod = stores[0].compiled
     assert mod is not None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     mixed = 0
-    try:
-        for step in range(40):
-            n = int(torch.randint(1, 6, (1,), generator=rng))
-            sts = [stores[int(i)] for i in torch.randperm(5, generator=rng)[:n]]
-            h = 2
-            ids = [_ids(st.table.num_clusters, int(torch.randint(1, 12, (1,), generator=rng)),
-                        h, rng).numpy() for st in sts]
-            col0 = [int(torch.randint(0, 5, (1,), generator=rng)) for _ in sts]
-            need = [c + int(st.table.size[np.arange(h)[:, None], i].sum(1).max())
-                    for st, i, c in zip(sts, ids, col0, strict=True)]
-            t_cap = max(need) + int(torch.randint(0, 3, (1,), generator=rng))
-            plan = np.full((n * h * t_cap + 2, 3), 7, dtype=np.int64)
-            got = ClusterMappingTable.lookup_batch_into(
-                mod, [st.table for st in sts], ids, sts[0].host.page_block, plan, col0, t_cap)
-            at = 0
-            for j, (st, i, c, lk) in enumerate(zip(sts, ids, col0, got, strict=True)):
-                own = np.zeros((h * t_cap, 3), dtype=np.int64)
-                want = st.table.lookup_into(mod, i, st.host.page_block, own, 0, j * h, c,
-                                            t_cap)
-                assert np.array_equal(lk.runs, want.runs), f"step {step}, store {j}: runs"
-                assert np.array_equal(plan[at:at + len(want.runs)], want.runs)
-                at += len(want.runs)
-                for f in ("cached", "begins", "totals", "counts"):
-                    assert np.array_equal(getattr(lk, f), getattr(want, f)), f"{step}: {f}"
-                mixed += bool(lk.cached.any() and (~lk.cached).any())
-            for st, i, lk in zip(sts, ids, got, strict=True):  # let the caches move
-                st._update(i, lk, 0)
-    finally:
-        torch.set_num_threads(before)
+    for step in range(40):
+        n = int(torch.randint(1, 6, (1,), generator=rng))
+        sts = [stores[int(i)] for i in torch.randperm(5, generator=rng)[:n]]
+        h = 2
+        ids = [_ids(st.table.num_clusters, int(torch.randint(1, 12, (1,), generator=rng)),
+                    h, rng).numpy() for st in sts]
+        col0 = [int(torch.randint(0, 5, (1,), generator=rng)) for _ in sts]
+        need = [c + int(st.table.size[np.arange(h)[:, None], i].sum(1).max())
+                for st, i, c in zip(sts, ids, col0, strict=True)]
+        t_cap = max(need) + int(torch.randint(0, 3, (1,), generator=rng))
+        plan = np.full((n * h * t_cap + 2, 3), 7, dtype=np.int64)
+        got = ClusterMappingTable.lookup_batch_into(
+            mod, [st.table for st in sts], ids, sts[0].host.page_block, plan, col0, t_cap,
+            threads)
+        at = 0
+        for j, (st, i, c, lk) in enumerate(zip(sts, ids, col0, got, strict=True)):
+            own = np.zeros((h * t_cap, 3), dtype=np.int64)
+            want = st.table.lookup_into(mod, i, st.host.page_block, own, 0, j * h, c, t_cap)
+            assert np.array_equal(lk.runs, want.runs), f"step {step}, store {j}: runs"
+            assert np.array_equal(plan[at:at + len(want.runs)], want.runs)
+            at += len(want.runs)
+            for f in ("cached", "begins", "totals", "counts"):
+                assert np.array_equal(getattr(lk, f), getattr(want, f)), f"{step}: {f}"
+            mixed += bool(lk.cached.any() and (~lk.cached).any())
+        for st, i, lk in zip(sts, ids, got, strict=True):  # let the caches move
+            st._update(i, lk, 0)
     assert mixed > 0
     mgr.close()
 
 
-def test_the_layers_lookup_call_rejects_bad_batches_clearly(rng):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_layers_lookup_call_rejects_bad_batches_clearly(threads, rng):
     mgr, stores = _layer_stores(RetroConfig(page_size=4, cache_fraction=0.3), 3, 2, rng)
     mod, tables, pb = stores[0].compiled, [st.table for st in stores], stores[0].host.page_block
     c = min(t.num_clusters for t in tables)
     ids = [_ids(c, 3, 2, rng).numpy() for _ in stores]
     plan = np.zeros((3 * 2 * 400, 3), dtype=np.int64)
+
+    def call(ids=ids, plan=plan, t_cap=400, tables=tables, threads=threads):
+        return ClusterMappingTable.lookup_batch_into(mod, tables, ids, pb, plan,
+                                                     [0] * len(tables), t_cap, threads)
+
     bad = [i.copy() for i in ids]
     bad[2][1, 0] = tables[2].num_clusters
     with pytest.raises(ValueError, match=f"cluster id {tables[2].num_clusters} is out of "
                                          f"range; accepted: 0 to {tables[2].num_clusters - 1}"):
-        ClusterMappingTable.lookup_batch_into(mod, tables, bad, pb, plan, [0] * 3, 400)
+        call(bad)
     with pytest.raises(RuntimeError,
                        match="store 1's ids are \\[1, 3\\]; every store has store 0's 2 heads"):
-        ClusterMappingTable.lookup_batch_into(mod, tables[:2], [ids[0], ids[1][:1]], pb,
-                                              plan, [0] * 2, 400)
+        call([ids[0], ids[1][:1]], tables=tables[:2])
     with pytest.raises(RuntimeError, match="the gather plan has room for 10 runs, the batch "
                                            "needs room for 2400"):
-        ClusterMappingTable.lookup_batch_into(mod, tables, ids, pb, plan[:10], [0] * 3, 400)
-    with pytest.raises(RuntimeError, match="the execution buffer has 2 slots"):
-        ClusterMappingTable.lookup_batch_into(mod, tables, ids, pb, plan, [0] * 3, 2)
-    assert ClusterMappingTable.lookup_batch_into(mod, [], [], pb, plan, [], 400) == []
+        call(plan=plan[:10])
+    # stores 1 and 2 overflow the buffer: the error is store 1's, as a loop's would be
+    col0 = [0, 395, 399]
+    with pytest.raises(RuntimeError, match="the execution buffer has 400 slots") as first:
+        tables[1].lookup_into(mod, ids[1], pb, plan, 0, 2, col0[1], 400)
+    with pytest.raises(RuntimeError, match=re.escape(str(first.value).splitlines()[0])):
+        ClusterMappingTable.lookup_batch_into(mod, tables, ids, pb, plan, col0, 400, threads)
+    with pytest.raises(RuntimeError, match="buffer: threads 0; accepted: >= 1"):
+        call(threads=0)
+    assert call([], tables=[]) == []
     mgr.close()
 
 

@@ -16,11 +16,11 @@ execution buffer of all the layer's rows with one gather call over the two pools
 (:meth:`join_batch`), whatever the number of requests, and hands the worker one job for all
 their cache updates. The mapping-table lookups of all requests are one compiled call too
 (``buffer_lookup_batch``, ``kernels/csrc/buffer_cpu.cpp``: the requests in parallel on
-torch's intra-op threads, without the GIL), written straight into the layer's gather plan
-(kept across steps, as runs of consecutive rows: :mod:`vllm_retro.kernels.gather`). The
-per-request work left is the steady-zone copies and each request's cache update within the
-worker's job (one compiled call each; numpy, lookups included, when the extension cannot be
-built).
+``RetroConfig.table_threads`` threads, without the GIL), written straight into the layer's
+gather plan (kept across steps, as runs of consecutive rows:
+:mod:`vllm_retro.kernels.gather`). The per-request work left is the steady-zone copies and
+each request's cache update within the worker's job (one compiled call each; numpy,
+lookups included, when the extension cannot be built).
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 
@@ -135,7 +135,8 @@ class LayerPool:
                 st._ready()
             batched = ClusterMappingTable.lookup_batch_into(
                 stores[0].compiled, [st.table for st in stores], cluster_ids,
-                self.host.page_block, plan, n_steady, t_cap)
+                self.host.page_block, plan, n_steady, t_cap,
+                stores[0].config.table_threads_on(self.device.type))
         try:
             for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
                 if batched is not None:

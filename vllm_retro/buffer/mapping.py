@@ -223,9 +223,10 @@ class ClusterMappingTable:
     @staticmethod
     def lookup_batch_into(module: Any, tables: Sequence[ClusterMappingTable],
                           cluster_ids: Sequence[np.ndarray], page_block: np.ndarray,
-                          plan: np.ndarray, col0: Sequence[int], t_cap: int) -> list[Lookup]:
+                          plan: np.ndarray, col0: Sequence[int], t_cap: int,
+                          threads: int = 1) -> list[Lookup]:
         """:meth:`lookup_into` for every store of a layer's step in one compiled call
-        (``buffer_lookup_batch``: the stores in parallel on torch's intra-op threads,
+        (``buffer_lookup_batch``: the stores in parallel on ``threads`` OpenMP threads,
         without the GIL). Table j looks ``cluster_ids[j]`` ([H, R_j] int64; every table has
         H heads) up, its head h going to execution-buffer row ``j * H + h`` ([rows, t_cap])
         from slot ``col0[j]``; ``page_block`` is the host pool they all live in; ``plan``
@@ -238,7 +239,7 @@ class ClusterMappingTable:
             [torch.from_numpy(i) for i in cluster_ids],
             [torch.from_numpy(t.records) for t in tables],
             [torch.from_numpy(t.cached) for t in tables], torch.from_numpy(page_block),
-            tables[0].page_size, torch.from_numpy(plan), list(col0), t_cap)
+            tables[0].page_size, torch.from_numpy(plan), list(col0), t_cap, threads)
         cached, begins, totals, counts = (x.numpy() for x in (cached, begins, totals, counts))
         out, at, first = [], 0, 0
         for j, (ids, n) in enumerate(zip(cluster_ids, n_runs.tolist(), strict=True)):
