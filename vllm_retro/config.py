@@ -191,8 +191,8 @@ class RetroConfig:
     """Apply cache updates on a background CPU worker, off the decode critical path."""
     table_threads: int | None = None
     """Host threads for a layer step's table work on the batched decode path: every
-    request's mapping-table lookup, in one call on the decode thread, the requests in
-    parallel. None: on
+    request's mapping-table lookup (one call, on the decode thread) and every request's
+    cache update (one call, on the buffer's worker), the requests in parallel. None: on
     CUDA, half the CPUs this process may use, at most 8 (vLLM sets torch's own intra-op
     threads to 1 while serving on a GPU, so these are separate); 1 elsewhere, where the
     engine's threads already use every core (see :meth:`table_threads_on`)."""

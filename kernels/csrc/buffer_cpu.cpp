@@ -7,7 +7,9 @@
 //     batched decode path's one lookup per layer step);
 //   buffer_update: the cache update of the step (the LRU / LFU stamps, evictions by the
 //     policy's order, admissions within each KV head's block budget, the admission copies'
-//     plan), on the mapping table's arrays in place.
+//     plan), on the mapping table's arrays in place; buffer_update_batch does it for every
+//     store of a layer's step in one call (the worker's one job per layer step), the stores'
+//     own table work in parallel and their shared free stack in store order.
 //
 // They are the functions of vllm_retro.buffer.mapping.ClusterMappingTable.lookup and
 // WaveBufferStore._update (numpy, the reference; tests compare tables, block pools and plans
@@ -250,39 +252,55 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
   return {hit, begins, totals, counts, n_runs};
 }
 
-// One step's cache update of one store (see WaveBufferStore._update, the reference): stamp
-// the reads (last_access = clock + 1 + r in read order, reads += 1 for cached clusters),
-// then per KV head admit the clusters not cached that fit its budget capacity[h] (evicting
-// unread cached clusters by the policy's order: 0 LRU (oldest stamp first), 1 LFU (fewest
-// reads, then oldest); ties by cluster id; admitting greedily in read order when even
-// evicting everything evictable is short), taking device blocks off the free stack after
-// the evicted ones went back on it. Returns the admission copies' plan, one entry per token:
-// (KV head, execution-buffer slot n_steady + begins[h, r] + i, device-pool row), and
-// (pages admitted, pages evicted).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
-    torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
-    int64_t clock, torch::Tensor records, torch::Tensor cached, torch::Tensor capacity,
-    torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
-    torch::Tensor n_free, int64_t policy) {
+namespace {
+
+// One store's update step: its arguments, checked (see buffer_update).
+struct UpdateStep {
+  const int64_t* id;
+  const bool* hi;
+  const int64_t* be;
+  int64_t* rec;
+  bool* ca;
+  const int64_t* cap;
+  int64_t H, R, C, n_steady, clock;
+  // field f of cluster c of head h
+  int64_t& F(int64_t h, int64_t c, int64_t f) const { return rec[(h * C + c) * kWidth + f]; }
+};
+
+// What the first phase decided: the pages each read wants admitted (need, [H * R], 0: none),
+// in all `total` blocks for `tokens` tokens; the blocks its evictions gave back, in order.
+struct UpdateDecision {
+  std::vector<int64_t> need, given;
+  int64_t total = 0, tokens = 0, evicted = 0;
+};
+
+UpdateStep update_step(const torch::Tensor& ids, const torch::Tensor& hit,
+                       const torch::Tensor& begins, int64_t n_steady, int64_t clock,
+                       const torch::Tensor& records, const torch::Tensor& cached,
+                       const torch::Tensor& capacity) {
   check_tables(ids, records, cached);
-  TORCH_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy, "; accepted: 0 (lru), 1 (lfu)");
   const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
   TORCH_CHECK(hit.sizes() == ids.sizes() && begins.sizes() == ids.sizes() &&
-                  capacity.numel() == H && n_free.numel() == 1, "buffer: update shapes");
-  const int64_t* id = ptr<int64_t>(ids, "ids", torch::kInt64);
-  const bool* hi = ptr<bool>(hit, "hit", torch::kBool);
-  const int64_t* be = ptr<int64_t>(begins, "begins", torch::kInt64);
-  int64_t* rec = ptr<int64_t>(records, "records", torch::kInt64);
-  bool* ca = ptr<bool>(cached, "cached", torch::kBool);
-  // field f of cluster c of head h
-  auto F = [&](int64_t h, int64_t c, int64_t f) -> int64_t& { return rec[(h * C + c) * kWidth + f]; };
-  const int64_t* cap = ptr<int64_t>(capacity, "capacity", torch::kInt64);
-  int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
-  int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
-  int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
-  check_ids(id, H * R, C);
-  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
-  const int64_t P = page_block.numel(), stack_cap = free_stack.numel();
+                  capacity.numel() == H, "buffer: update shapes");
+  UpdateStep st{ptr<int64_t>(ids, "ids", torch::kInt64), ptr<bool>(hit, "hit", torch::kBool),
+                ptr<int64_t>(begins, "begins", torch::kInt64),
+                ptr<int64_t>(records, "records", torch::kInt64),
+                ptr<bool>(cached, "cached", torch::kBool),
+                ptr<int64_t>(capacity, "capacity", torch::kInt64), H, R, C, n_steady, clock};
+  check_ids(st.id, H * R, C);
+  return st;
+}
+
+// Phase 1 (touches only the store's own tables and its own pages' entries of pb): stamp the
+// reads, decide each head's admissions and evict for them, unmapping the evicted pages.
+UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_t policy) {
+  const int64_t H = s.H, R = s.R, C = s.C;
+  const int64_t* id = s.id;
+  const bool* hi = s.hi;
+  bool* ca = s.ca;
+  const int64_t* cap = s.cap;
+  auto F = [&](int64_t h, int64_t c, int64_t f) -> int64_t& { return s.F(h, c, f); };
+  UpdateDecision d;
 
   // the stamps, as numpy's fancy assignment makes them (every value from the old table,
   // the last of repeated ids wins)
@@ -291,11 +309,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
     const int64_t* ih = id + h * R;
     for (int64_t r = 0; r < R; ++r) new_reads[r] = F(h, ih[r], kReads) + hi[h * R + r];
     for (int64_t r = 0; r < R; ++r) {
-      F(h, ih[r], kLastAccess) = clock + 1 + r;
+      F(h, ih[r], kLastAccess) = s.clock + 1 + r;
       F(h, ih[r], kReads) = new_reads[r];
     }
   }
-
   // each head's cached clusters (ascending ids; head h's from held_from[h]): found by a
   // scan of the flags, then their records read with the ones kAhead further asked for (the
   // records are cold and scattered: one line per cached cluster)
@@ -315,7 +332,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
   held_from[H] = int64_t(held_ids.size());
 
   // what each head wants: its misses that fit its budget at all, in read order
-  std::vector<int64_t> need(H * R, 0), room(H), want(H, 0);
+  std::vector<int64_t>& need = d.need;
+  need.assign(H * R, 0);
+  std::vector<int64_t> room(H), want(H, 0);
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = F(h, id[h * R + r], kPages);
@@ -332,8 +351,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
 
   // evictions, head by head in head order, each head's in the policy's order
   std::vector<char> read_now(C);
-  std::vector<int64_t> order, given;
-  int64_t evicted = 0;
+  std::vector<int64_t> order;
+  std::vector<int64_t>& given = d.given;
   for (int64_t h = 0; h < H; ++h) {
     if (want[h] <= room[h]) continue;
     std::fill(read_now.begin(), read_now.end(), 0);
@@ -384,37 +403,45 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
       F(h, c, kReads) = 0;
       freed += pages;
     }
-    evicted += freed;
+    d.evicted += freed;
   }
-  TORCH_CHECK(nf[0] + int64_t(given.size()) <= stack_cap, "buffer: the free list overflows (",
-              nf[0], " + ", given.size(), " blocks, ", stack_cap, " in the pool)");
-  std::copy(given.begin(), given.end(), fs + nf[0]);
-  nf[0] += int64_t(given.size());
-
-  // admissions: head-major, read order; blocks off the top of the stack, in stack order
-  const int64_t total = std::accumulate(need.begin(), need.end(), int64_t{0});
-  TORCH_CHECK(total <= nf[0], "device block pool: ", total, " blocks asked, ", nf[0],
-              " free (budgets overcommitted)");
-  const int64_t* blocks = fs + nf[0] - total;
-  int64_t tokens = 0;
+  d.total = std::accumulate(need.begin(), need.end(), int64_t{0});
   for (int64_t i = 0; i < H * R; ++i)
-    if (need[i]) tokens += F(i / R, id[i], kSize);
-  auto heads_t = torch::empty({tokens}, torch::kInt64);
-  auto slots_t = torch::empty({tokens}, torch::kInt64);
-  auto rows_t = torch::empty({tokens}, torch::kInt64);
-  int64_t* ho = heads_t.data_ptr<int64_t>();
-  int64_t* so = slots_t.data_ptr<int64_t>();
-  int64_t* ro = rows_t.data_ptr<int64_t>();
+    if (need[i]) d.tokens += F(i / R, id[i], kSize);
+  return d;
+}
+
+// The free stack's part (serial: the stores share it): give the evicted blocks back, then
+// take the admissions' blocks off the top (copied out: a later store's evictions overwrite
+// the stack above n_free).
+std::vector<int64_t> update_take(const UpdateDecision& d, int64_t* fs, int64_t* nf,
+                                 int64_t stack_cap) {
+  TORCH_CHECK(nf[0] + int64_t(d.given.size()) <= stack_cap, "buffer: the free list overflows (",
+              nf[0], " + ", d.given.size(), " blocks, ", stack_cap, " in the pool)");
+  std::copy(d.given.begin(), d.given.end(), fs + nf[0]);
+  nf[0] += int64_t(d.given.size());
+  TORCH_CHECK(d.total <= nf[0], "device block pool: ", d.total, " blocks asked, ", nf[0],
+              " free (budgets overcommitted)");
+  std::vector<int64_t> blocks(fs + nf[0] - d.total, fs + nf[0]);
+  nf[0] -= d.total;
+  return blocks;
+}
+
+// Phase 3 (the store's own tables and pages again): map the admitted clusters' pages to
+// `blocks` (head-major, read order) and write the copies' plan (d.tokens entries each).
+void update_admit(const UpdateStep& s, const UpdateDecision& d, const int64_t* blocks,
+                  int64_t* pb, int64_t page_size, int64_t* ho, int64_t* so, int64_t* ro) {
+  const int64_t H = s.H, R = s.R;
   int64_t b = 0, t = 0;
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = need[h * R + r];
+      const int64_t n = d.need[h * R + r];
       if (n == 0) continue;
-      const int64_t c = id[h * R + r];
-      for (int64_t p = 0; p < n; ++p) pb[F(h, c, kPageStart) + p] = blocks[b + p];
-      ca[h * C + c] = true;
-      F(h, c, kReads) = 1;
-      const int64_t size = F(h, c, kSize), slot0 = n_steady + be[h * R + r];
+      const int64_t c = s.id[h * R + r];
+      for (int64_t p = 0; p < n; ++p) pb[s.F(h, c, kPageStart) + p] = blocks[b + p];
+      s.ca[h * s.C + c] = true;
+      s.F(h, c, kReads) = 1;
+      const int64_t size = s.F(h, c, kSize), slot0 = s.n_steady + s.be[h * R + r];
       for (int64_t i0 = 0, p = 0; i0 < size; i0 += page_size, ++p) {
         const int64_t base = blocks[b + p] * page_size, m = std::min(page_size, size - i0);
         for (int64_t i = 0; i < m; ++i, ++t) {
@@ -425,6 +452,125 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
       }
       b += n;
     }
-  nf[0] -= total;
-  return {heads_t, slots_t, rows_t, total, evicted};
+}
+
+void check_update_args(int64_t policy, int64_t page_size) {
+  TORCH_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy,
+              "; accepted: 0 (lru), 1 (lfu)");
+  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
+}
+
+}  // namespace
+
+// One step's cache update of one store (see WaveBufferStore._update, the reference): stamp
+// the reads (last_access = clock + 1 + r in read order, reads += 1 for cached clusters),
+// then per KV head admit the clusters not cached that fit its budget capacity[h] (evicting
+// unread cached clusters by the policy's order: 0 LRU (oldest stamp first), 1 LFU (fewest
+// reads, then oldest); ties by cluster id; admitting greedily in read order when even
+// evicting everything evictable is short), taking device blocks off the free stack after
+// the evicted ones went back on it. Returns the admission copies' plan, one entry per token:
+// (KV head, execution-buffer slot n_steady + begins[h, r] + i, device-pool row), and
+// (pages admitted, pages evicted).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
+    torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
+    int64_t clock, torch::Tensor records, torch::Tensor cached, torch::Tensor capacity,
+    torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
+    torch::Tensor n_free, int64_t policy) {
+  check_update_args(policy, page_size);
+  TORCH_CHECK(n_free.numel() == 1, "buffer: update shapes");
+  const UpdateStep s = update_step(ids, hit, begins, n_steady, clock, records, cached, capacity);
+  int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
+  int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
+  const UpdateDecision d = update_decide(s, pb, page_block.numel(), policy);
+  const std::vector<int64_t> blocks = update_take(d, fs, nf, free_stack.numel());
+  auto heads_t = torch::empty({d.tokens}, torch::kInt64);
+  auto slots_t = torch::empty({d.tokens}, torch::kInt64);
+  auto rows_t = torch::empty({d.tokens}, torch::kInt64);
+  update_admit(s, d, blocks.data(), pb, page_size, heads_t.data_ptr<int64_t>(),
+               slots_t.data_ptr<int64_t>(), rows_t.data_ptr<int64_t>());
+  return {heads_t, slots_t, rows_t, d.total, d.evicted};
+}
+
+// buffer_update for every store of a layer's step in one call, with the result of updating
+// them one after another in store order: store j's arguments are entry j of each list, all
+// in one host pool (page_block) and one device block pool (free_stack, n_free). The first
+// and last phases (stamps, evictions; the admissions' mapping and plan) touch only a store's
+// own tables and pages and run in parallel on `threads` OpenMP threads; between them the
+// free stack is given and taken in store order. A store that fails does not stop the others
+// (as separate updates): its error is returned in its place (error_kinds[j]: 0 none, 1 a
+// bad value, 2 another error; errors[j] the message) and it returns empty plans. Returns
+// (heads, slots, rows: each store's plan as buffer_update's, admitted [B], evicted [B],
+// error_kinds [B], errors).
+std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+           torch::Tensor, torch::Tensor, torch::Tensor, std::vector<std::string>>
+buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> hit,
+                    std::vector<torch::Tensor> begins, std::vector<int64_t> n_steady,
+                    std::vector<int64_t> clock, std::vector<torch::Tensor> records,
+                    std::vector<torch::Tensor> cached, std::vector<torch::Tensor> capacity,
+                    torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
+                    torch::Tensor n_free, int64_t policy, int64_t threads) {
+  const int64_t B = int64_t(ids.size());
+  TORCH_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
+  for (const size_t n : {hit.size(), begins.size(), n_steady.size(), clock.size(),
+                         records.size(), cached.size(), capacity.size()})
+    TORCH_CHECK(int64_t(n) == B, "buffer: every argument list needs one entry per store (", B,
+                "), got ", n);
+  check_update_args(policy, page_size);
+  TORCH_CHECK(n_free.numel() == 1, "buffer: update shapes");
+  int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
+  int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
+  int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
+  const int64_t P = page_block.numel();
+  std::vector<UpdateStep> steps(B);
+  std::vector<UpdateDecision> dec(B);
+  std::vector<std::vector<int64_t>> blocks(B);
+  auto kinds = torch::zeros({B}, torch::kInt64);
+  int64_t* kind = kinds.data_ptr<int64_t>();
+  std::vector<std::string> errors(B);
+  auto guarded = [&](int64_t j, auto&& fn) {  // a store's error, kept in its place
+    if (kind[j]) return;
+    try {
+      fn();
+    } catch (const c10::ValueError& e) {
+      kind[j] = 1;
+      errors[j] = e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      kind[j] = 2;
+      errors[j] = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      kind[j] = 2;
+      errors[j] = e.what();
+    }
+  };
+  for (int64_t j = 0; j < B; ++j)
+    guarded(j, [&] {
+      steps[j] = update_step(ids[j], hit[j], begins[j], n_steady[j], clock[j], records[j],
+                             cached[j], capacity[j]);
+    });
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+  for (int64_t j = 0; j < B; ++j) guarded(j, [&] { dec[j] = update_decide(steps[j], pb, P, policy); });
+  for (int64_t j = 0; j < B; ++j)
+    guarded(j, [&] { blocks[j] = update_take(dec[j], fs, nf, free_stack.numel()); });
+  std::vector<torch::Tensor> heads(B), slots(B), rows(B);
+  auto admitted = torch::zeros({B}, torch::kInt64);
+  auto evicted = torch::zeros({B}, torch::kInt64);
+  for (int64_t j = 0; j < B; ++j) {
+    const int64_t n = kind[j] ? 0 : dec[j].tokens;
+    heads[j] = torch::empty({n}, torch::kInt64);
+    slots[j] = torch::empty({n}, torch::kInt64);
+    rows[j] = torch::empty({n}, torch::kInt64);
+    if (!kind[j]) {
+      admitted.data_ptr<int64_t>()[j] = dec[j].total;
+      evicted.data_ptr<int64_t>()[j] = dec[j].evicted;
+    }
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+  for (int64_t j = 0; j < B; ++j)
+    guarded(j, [&] {
+      update_admit(steps[j], dec[j], blocks[j].data(), pb, page_size,
+                   heads[j].data_ptr<int64_t>(), slots[j].data_ptr<int64_t>(),
+                   rows[j].data_ptr<int64_t>());
+    });
+  return {heads, slots, rows, admitted, evicted, kinds, errors};
 }

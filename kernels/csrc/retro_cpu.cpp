@@ -1110,6 +1110,13 @@ buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
     torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
     torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);
+std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+           torch::Tensor, torch::Tensor, torch::Tensor, std::vector<std::string>>
+buffer_update_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
+                    torch::Tensor, int64_t, int64_t);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
@@ -1127,5 +1134,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Wave buffer: the lookups of every store of a layer's step, in parallel",
         py::call_guard<py::gil_scoped_release>());
   m.def("buffer_update", &buffer_update, "Wave buffer: one store's cache update",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("buffer_update_batch", &buffer_update_batch,
+        "Wave buffer: the cache updates of every store of a layer's step, in parallel",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -3,6 +3,7 @@ kernels/csrc/buffer_cpu.cpp) against the numpy reference (ClusterMappingTable.lo
 WaveBufferStore._update): lookups, tables, block pools and admission plans bit for bit."""
 
 import re
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -213,6 +214,93 @@ def test_the_layers_lookup_call_rejects_bad_batches_clearly(threads, rng):
     with pytest.raises(RuntimeError, match="buffer: threads 0; accepted: >= 1"):
         call(threads=0)
     assert call([], tables=[]) == []
+    mgr.close()
+
+
+def _layer_state(stores) -> list[np.ndarray]:
+    pool = stores[0].pool
+    n = int(pool.blocks.n_free[0])
+    out = [pool.host.page_block.copy(), pool.blocks.free_stack[:n].copy()]
+    for st in stores:
+        out += [st.table.records.copy(), st.table.cached.copy(), np.array(st._clock)]
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("cache", [dict(cache_pages=3, cache_policy="lru"),
+                                   dict(cache_pages=7, cache_policy="lfu"),
+                                   dict(cache_fraction=0.3)])
+def test_one_update_call_for_a_layer_equals_the_stores_updates_in_order(threads, cache):
+    """buffer_update_batch (each store's stamps and evictions in parallel, the shared free
+    stack given and taken in store order, the admissions in parallel) leaves the layer's
+    tables, page -> block map and free stack, and returns the plans, exactly as each store's
+    own buffer_update run one after another in store order: two identical layers, random
+    subsets of their stores per step, caches small enough to evict."""
+    cfg = RetroConfig(page_size=4, **cache)
+    layers = [_layer_stores(cfg, 5, 2, torch.Generator().manual_seed(5)) for _ in range(2)]
+    (mgr_a, a), (mgr_b, b) = layers
+    mod = a[0].compiled
+    g = torch.Generator().manual_seed(6)
+    evicted = 0
+    for step in range(40):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        pick = [int(i) for i in torch.randperm(5, generator=g)[:n]]
+        ids = [_ids(a[i].table.num_clusters, int(torch.randint(1, 12, (1,), generator=g)), 2,
+                    g).numpy() for i in pick]
+        col0 = [int(torch.randint(0, 4, (1,), generator=g)) for _ in pick]
+        t_cap = 4 + max(int(a[i].table.size[np.arange(2)[:, None], x].sum(1).max())
+                        for i, x in zip(pick, ids, strict=True))
+        plan = np.zeros((n * 2 * t_cap, 3), dtype=np.int64)
+        before = mgr_a.stats.snapshot()
+        want = []
+        for j, (i, x, c) in enumerate(zip(pick, ids, col0, strict=True)):  # one by one
+            lk = a[i].table.lookup_into(mod, x, a[i].host.page_block, plan, 0, j * 2, c, t_cap)
+            want.append(a[i]._update(x, lk, c))
+        sts = [b[i] for i in pick]
+        lks = ClusterMappingTable.lookup_batch_into(
+            mod, [st.table for st in sts], ids, sts[0].host.page_block, plan, col0, t_cap)
+        futures = [Future() for _ in sts]
+        b[0].pool._update_batch(sts, ids, lks, col0, futures, threads=threads)
+        for j, (fut, w) in enumerate(zip(futures, want, strict=True)):
+            for p, q in zip(fut.result(), w, strict=True):
+                assert np.array_equal(p, q), f"step {step}, store {j}: plan"
+        for x, y in zip(_layer_state(a), _layer_state(b), strict=True):
+            assert np.array_equal(x, y), f"step {step}: tables"
+        snap_a, snap_b = mgr_a.stats.snapshot(), mgr_b.stats.snapshot()
+        for key in ("pages_admitted", "pages_evicted"):
+            assert snap_a[key] == snap_b[key], key
+        evicted += snap_a["pages_evicted"] - before["pages_evicted"]
+    assert evicted > 0 and mgr_a.stats.pages_admitted > 0
+    a[0].check_invariants()
+    b[0].check_invariants()
+    mgr_a.close()
+    mgr_b.close()
+
+
+def test_a_store_failing_in_the_layers_update_call_fails_alone():
+    """A store whose update cannot be made (here: it reads every cluster and may take more
+    blocks than the pool has, as if budgets were overcommitted) gets its own error; the
+    stores after it are updated, as separate updates would be."""
+    cfg = RetroConfig(page_size=4, cache_fraction=0.3)
+    mgr, stores = _layer_stores(cfg, 3, 2, torch.Generator().manual_seed(7))
+    sts = [stores[2], stores[0], stores[1]]
+    pool, mod = sts[0].pool, sts[0].compiled
+    g = torch.Generator().manual_seed(8)
+    c = sts[0].table.num_clusters
+    ids = [torch.stack([torch.randperm(c, generator=g) for _ in range(2)]).numpy()]
+    ids += [_ids(st.table.num_clusters, 6, 2, g).numpy() for st in sts[1:]]
+    assert sts[0].nbytes() // sts[0].host.page_nbytes() > pool.blocks.num_blocks
+    plan = np.zeros((3 * 2 * 400, 3), dtype=np.int64)
+    lks = ClusterMappingTable.lookup_batch_into(mod, [st.table for st in sts], ids,
+                                                pool.host.page_block, plan, [0] * 3, 400)
+    free = int(pool.blocks.n_free[0])
+    sts[0].capacity[:] += pool.blocks.num_blocks
+    futures = [Future() for _ in sts]
+    pool._update_batch(sts, ids, lks, [0] * 3, futures, threads=2)
+    with pytest.raises(RuntimeError, match="blocks asked, .* free .budgets overcommitted"):
+        futures[0].result()
+    taken = sum(int((f.result()[2] % cfg.page_size == 0).sum()) for f in futures[1:])
+    assert taken > 0 and int(pool.blocks.n_free[0]) == free - taken
     mgr.close()
 
 

@@ -18,9 +18,10 @@ their cache updates. The mapping-table lookups of all requests are one compiled 
 (``buffer_lookup_batch``, ``kernels/csrc/buffer_cpu.cpp``: the requests in parallel on
 ``RetroConfig.table_threads`` threads, without the GIL), written straight into the layer's
 gather plan (kept across steps, as runs of consecutive rows:
-:mod:`vllm_retro.kernels.gather`). The per-request work left is the steady-zone copies and
-each request's cache update within the worker's job (one compiled call each; numpy,
-lookups included, when the extension cannot be built).
+:mod:`vllm_retro.kernels.gather`), and so are their cache updates, the worker's one job per
+layer step (``buffer_update_batch``: each request's own table work in parallel, the block
+pool's free stack in request order). Without the extension numpy does the same work
+request by request. What stays per request is the steady-zone copies.
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 
@@ -47,8 +48,9 @@ import torch
 from vllm_retro import kernels
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
-from vllm_retro.buffer.mapping import ClusterMappingTable
+from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
 from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.config import CACHE_POLICIES
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.store import WaveBufferStore
@@ -142,7 +144,7 @@ class LayerPool:
                 if batched is not None:
                     lk = batched[j]
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
-                    update = partial(st._update, ids, lk, ns)
+                    update = None  # all stores' in one call: _update_batch
                 elif offsets is None:
                     lk = st._lookup_into(ids, plan, at, j * h, ns, t_cap)
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
@@ -160,10 +162,55 @@ class LayerPool:
             for st in stores[:len(updates)]:
                 st._step = st._pending = None
             raise
-        # one worker job for the layer's step: every store's update in turn, each delivered
-        # to that store's own future (a store waits only for its part)
-        stores[0].manager.worker.submit(lambda: _run_updates(updates))
+        # one worker job for the layer's step: every store's update, each delivered to that
+        # store's own future (a store waits only for its part)
+        if batched is not None:
+            job = partial(self._update_batch, stores, cluster_ids, batched, n_steady,
+                          [fut for _, fut in updates])
+        else:
+            job = partial(_run_updates, updates)
+        stores[0].manager.worker.submit(job)
         self.gather(plan[:at], exec_k, exec_v, stores[0].config.kernel_backend)
+
+    def _update_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
+                      lookups: Sequence[Lookup], n_steady: Sequence[int],
+                      futures: Sequence[Future], threads: int | None = None) -> None:
+        """The cache updates of a layer step's stores (worker thread): one compiled call
+        (``buffer_update_batch``: the stores' own table work on ``table_threads`` threads,
+        the pool's free stack in store order), with the result of each store's
+        :meth:`WaveBufferStore._update` in store order. Each store's plan, or its error,
+        goes to its own future; the block pool's lock is held throughout. ``threads``: None
+        for ``RetroConfig.table_threads_on`` the pool's device."""
+        first = stores[0]
+        try:
+            with self.blocks.lock:
+                heads, slots, rows, admitted, evicted, kinds, errors = \
+                    first.compiled.buffer_update_batch(
+                        [torch.from_numpy(np.ascontiguousarray(i)) for i in cluster_ids],
+                        [torch.from_numpy(np.ascontiguousarray(lk.cached)) for lk in lookups],
+                        [torch.from_numpy(np.ascontiguousarray(lk.begins)) for lk in lookups],
+                        list(n_steady), [st._clock for st in stores],
+                        [torch.from_numpy(st.table.records) for st in stores],
+                        [torch.from_numpy(st.table.cached) for st in stores],
+                        [torch.from_numpy(st.capacity) for st in stores],
+                        torch.from_numpy(self.host.page_block), self.page_size,
+                        torch.from_numpy(self.blocks.free_stack),
+                        torch.from_numpy(self.blocks.n_free),
+                        CACHE_POLICIES.index(first.config.cache_policy),
+                        threads or first.config.table_threads_on(self.device.type))
+        except BaseException as exc:  # the call itself was refused: no store was updated
+            for fut in futures:
+                fut.set_exception(exc)
+            return
+        self.blocks.stats.add(pages_admitted=int(admitted.sum()),
+                              pages_evicted=int(evicted.sum()))
+        for j, (st, ids, fut) in enumerate(zip(stores, cluster_ids, futures, strict=True)):
+            kind = int(kinds[j])
+            if kind:
+                fut.set_exception((ValueError if kind == 1 else RuntimeError)(errors[j]))
+                continue
+            st._clock += ids.shape[1]
+            fut.set_result((heads[j].numpy(), slots[j].numpy(), rows[j].numpy()))
 
     def gather(self, runs: np.ndarray, dst_k: torch.Tensor, dst_v: torch.Tensor,
                backend: str) -> None:
