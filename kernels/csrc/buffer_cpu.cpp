@@ -548,14 +548,10 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
       steps[j] = update_step(ids[j], hit[j], begins[j], n_steady[j], clock[j], records[j],
                              cached[j], capacity[j]);
     });
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
-  for (int64_t j = 0; j < B; ++j) guarded(j, [&] { dec[j] = update_decide(steps[j], pb, P, policy); });
-  for (int64_t j = 0; j < B; ++j)
-    guarded(j, [&] { blocks[j] = update_take(dec[j], fs, nf, free_stack.numel()); });
   std::vector<torch::Tensor> heads(B), slots(B), rows(B);
   auto admitted = torch::zeros({B}, torch::kInt64);
   auto evicted = torch::zeros({B}, torch::kInt64);
-  for (int64_t j = 0; j < B; ++j) {
+  auto plan_outputs = [&](int64_t j) {  // store j's plan tensors and counts
     const int64_t n = kind[j] ? 0 : dec[j].tokens;
     heads[j] = torch::empty({n}, torch::kInt64);
     slots[j] = torch::empty({n}, torch::kInt64);
@@ -564,13 +560,36 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
       admitted.data_ptr<int64_t>()[j] = dec[j].total;
       evicted.data_ptr<int64_t>()[j] = dec[j].evicted;
     }
-  }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
-  for (int64_t j = 0; j < B; ++j)
+  };
+  auto decide = [&](int64_t j) {
+    guarded(j, [&] { dec[j] = update_decide(steps[j], pb, P, policy); });
+  };
+  auto take = [&](int64_t j) {
+    guarded(j, [&] { blocks[j] = update_take(dec[j], fs, nf, free_stack.numel()); });
+  };
+  auto admit = [&](int64_t j) {
     guarded(j, [&] {
       update_admit(steps[j], dec[j], blocks[j].data(), pb, page_size,
                    heads[j].data_ptr<int64_t>(), slots[j].data_ptr<int64_t>(),
                    rows[j].data_ptr<int64_t>());
     });
+  };
+  if (threads == 1 || B == 1) {  // one store after another, each while its tables are warm
+    for (int64_t j = 0; j < B; ++j) {
+      decide(j);
+      take(j);
+      plan_outputs(j);
+      admit(j);
+    }
+  } else {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t j = 0; j < B; ++j) decide(j);
+    for (int64_t j = 0; j < B; ++j) {
+      take(j);
+      plan_outputs(j);
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t j = 0; j < B; ++j) admit(j);
+  }
   return {heads, slots, rows, admitted, evicted, kinds, errors};
 }

@@ -202,10 +202,10 @@ class LayerPool:
             for fut in futures:
                 fut.set_exception(exc)
             return
-        self.blocks.stats.add(pages_admitted=int(admitted.sum()),
-                              pages_evicted=int(evicted.sum()))
+        admitted, evicted, kinds = admitted.tolist(), evicted.tolist(), kinds.tolist()
+        self.blocks.stats.add(pages_admitted=sum(admitted), pages_evicted=sum(evicted))
         for j, (st, ids, fut) in enumerate(zip(stores, cluster_ids, futures, strict=True)):
-            kind = int(kinds[j])
+            kind = kinds[j]
             if kind:
                 fut.set_exception((ValueError if kind == 1 else RuntimeError)(errors[j]))
                 continue
