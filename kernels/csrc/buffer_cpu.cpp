@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -349,21 +350,32 @@ UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_
     room[h] = cap[h] - held;
   }
 
-  // evictions, head by head in head order, each head's in the policy's order
+  // evictions, head by head in head order, each head's in the policy's order: the unread
+  // cached clusters' sort keys are copied out (their records are warm from the scan above)
+  // into a min-heap, popped only until the deficit is freed (a few of hundreds, usually)
+  struct Victim {
+    int64_t first, second, c;  // LRU: (last access, 0); LFU: (reads, last access); then id
+    bool operator>(const Victim& o) const {
+      if (first != o.first) return first > o.first;
+      return second != o.second ? second > o.second : c > o.c;
+    }
+  };
   std::vector<char> read_now(C);
-  std::vector<int64_t> order;
+  std::vector<Victim> heap;
   std::vector<int64_t>& given = d.given;
   for (int64_t h = 0; h < H; ++h) {
     if (want[h] <= room[h]) continue;
     std::fill(read_now.begin(), read_now.end(), 0);
     for (int64_t r = 0; r < R; ++r) read_now[id[h * R + r]] = 1;
-    order.clear();
+    heap.clear();
     int64_t evictable = 0;
-    for (int64_t i = held_from[h]; i < held_from[h + 1]; ++i)
-      if (!read_now[held_ids[i]]) {
-        order.push_back(held_ids[i]);
-        evictable += F(h, held_ids[i], kPages);
-      }
+    for (int64_t i = held_from[h]; i < held_from[h + 1]; ++i) {
+      const int64_t c = held_ids[i];
+      if (read_now[c]) continue;
+      evictable += F(h, c, kPages);
+      const int64_t last = F(h, c, kLastAccess);
+      heap.push_back(policy == 0 ? Victim{last, 0, c} : Victim{F(h, c, kReads), last, c});
+    }
     const int64_t budget = room[h] + evictable;
     if (want[h] > budget) {  // admit greedily in read order: each miss that still fits
       int64_t used = 0;
@@ -377,21 +389,12 @@ UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_
     }
     const int64_t deficit = want[h] - room[h];
     if (deficit <= 0) continue;
-    if (policy == 0)
-      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        const int64_t la = F(h, a, kLastAccess), lb = F(h, b, kLastAccess);
-        return la != lb ? la < lb : a < b;
-      });
-    else
-      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        const int64_t ra = F(h, a, kReads), rb = F(h, b, kReads);
-        if (ra != rb) return ra < rb;
-        const int64_t la = F(h, a, kLastAccess), lb = F(h, b, kLastAccess);
-        return la != lb ? la < lb : a < b;
-      });
+    std::make_heap(heap.begin(), heap.end(), std::greater<Victim>());
     int64_t freed = 0;
-    for (int64_t c : order) {
-      if (freed >= deficit) break;
+    while (freed < deficit && !heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<Victim>());
+      const int64_t c = heap.back().c;
+      heap.pop_back();
       const int64_t first = F(h, c, kPageStart), pages = F(h, c, kPages);
       for (int64_t p = first; p < first + pages; ++p) {
         TORCH_CHECK(p < P && pb[p] >= 0, "buffer: cached cluster ", c, " of head ", h,
