@@ -108,7 +108,7 @@ def test_every_option_parses_to_the_fields_type(parser: argparse.ArgumentParser)
     defaults = RetroConfig().to_dict()
     # a default None cannot be given on the command line
     defaults["cache_pages"], defaults["build_steps"] = 100, 8
-    defaults["host_memory_gb"] = 2.5
+    defaults["host_memory_gb"], defaults["table_threads"] = 2.5, 4
     defaults["saap_file"] = "model.saap"  # a path; checked only with index 'saap'
     for name, value in defaults.items():
         flag = "--retro-" + name.replace("_", "-")

@@ -185,7 +185,13 @@ def test_client_disconnect_mid_stream_frees_request_state(server: Server) -> Non
             chunks += line.startswith("data: ")
             if chunks >= 20:
                 break
+        # the gauges are the workers' reports of an earlier engine step (one step behind
+        # at the first token, more on a loaded machine): wait for them, stream still open
+        deadline = time.monotonic() + 30
         held = server.metrics()
+        while sample(held, "vllm_retro:live_requests") != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            held = server.metrics()
         assert sample(held, "vllm_retro:live_requests") == 1
         assert sample(held, "vllm_retro:host_tier_bytes") > 0
         assert sample(held, "vllm_retro:clusters") > 0
