@@ -269,10 +269,11 @@ struct UpdateStep {
 };
 
 // What the first phase decided: the pages each read wants admitted (need, [H * R], 0: none),
-// in all `total` blocks for `tokens` tokens; the blocks its evictions gave back, in order.
+// in all `total` blocks, the plan's `entries` (one per admitted page); the blocks its
+// evictions gave back, in order.
 struct UpdateDecision {
   std::vector<int64_t> need, given;
-  int64_t total = 0, tokens = 0, evicted = 0;
+  int64_t total = 0, entries = 0, evicted = 0;
 };
 
 UpdateStep update_step(const torch::Tensor& ids, const torch::Tensor& hit,
@@ -294,7 +295,8 @@ UpdateStep update_step(const torch::Tensor& ids, const torch::Tensor& hit,
 
 // Phase 1 (touches only the store's own tables and its own pages' entries of pb): stamp the
 // reads, decide each head's admissions and evict for them, unmapping the evicted pages.
-UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_t policy) {
+UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_t page_size,
+                             int64_t policy) {
   const int64_t H = s.H, R = s.R, C = s.C;
   const int64_t* id = s.id;
   const bool* hi = s.hi;
@@ -410,7 +412,7 @@ UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_
   }
   d.total = std::accumulate(need.begin(), need.end(), int64_t{0});
   for (int64_t i = 0; i < H * R; ++i)
-    if (need[i]) d.tokens += F(i / R, id[i], kSize);
+    if (need[i]) d.entries += (F(i / R, id[i], kSize) + page_size - 1) / page_size;
   return d;
 }
 
@@ -431,9 +433,11 @@ std::vector<int64_t> update_take(const UpdateDecision& d, int64_t* fs, int64_t* 
 }
 
 // Phase 3 (the store's own tables and pages again): map the admitted clusters' pages to
-// `blocks` (head-major, read order) and write the copies' plan (d.tokens entries each).
+// `blocks` (head-major, read order) and write the copies' plan (d.entries entries each: one
+// per page, its first slot and first device row, and its tokens).
 void update_admit(const UpdateStep& s, const UpdateDecision& d, const int64_t* blocks,
-                  int64_t* pb, int64_t page_size, int64_t* ho, int64_t* so, int64_t* ro) {
+                  int64_t* pb, int64_t page_size, int64_t* ho, int64_t* so, int64_t* ro,
+                  int64_t* co) {
   const int64_t H = s.H, R = s.R;
   int64_t b = 0, t = 0;
   for (int64_t h = 0; h < H; ++h)
@@ -445,13 +449,11 @@ void update_admit(const UpdateStep& s, const UpdateDecision& d, const int64_t* b
       s.ca[h * s.C + c] = true;
       s.F(h, c, kReads) = 1;
       const int64_t size = s.F(h, c, kSize), slot0 = s.n_steady + s.be[h * R + r];
-      for (int64_t i0 = 0, p = 0; i0 < size; i0 += page_size, ++p) {
-        const int64_t base = blocks[b + p] * page_size, m = std::min(page_size, size - i0);
-        for (int64_t i = 0; i < m; ++i, ++t) {
-          ho[t] = h;
-          so[t] = slot0 + i0 + i;
-          ro[t] = base + i;
-        }
+      for (int64_t i0 = 0, p = 0; i0 < size; i0 += page_size, ++p, ++t) {
+        ho[t] = h;
+        so[t] = slot0 + i0;
+        ro[t] = blocks[b + p] * page_size;
+        co[t] = std::min(page_size, size - i0);
       }
       b += n;
     }
@@ -471,10 +473,11 @@ void check_update_args(int64_t policy, int64_t page_size) {
 // unread cached clusters by the policy's order: 0 LRU (oldest stamp first), 1 LFU (fewest
 // reads, then oldest); ties by cluster id; admitting greedily in read order when even
 // evicting everything evictable is short), taking device blocks off the free stack after
-// the evicted ones went back on it. Returns the admission copies' plan, one entry per token:
-// (KV head, execution-buffer slot n_steady + begins[h, r] + i, device-pool row), and
-// (pages admitted, pages evicted).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
+// the evicted ones went back on it. Returns the admission copies' plan, one entry per
+// admitted page (head-major, read order): (KV head, first execution-buffer slot n_steady +
+// begins[h, r] + i0, first device-pool row, tokens), and (pages admitted, pages evicted).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
+buffer_update(
     torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
     int64_t clock, torch::Tensor records, torch::Tensor cached, torch::Tensor capacity,
     torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
@@ -485,14 +488,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
   int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
   int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
-  const UpdateDecision d = update_decide(s, pb, page_block.numel(), policy);
+  const UpdateDecision d = update_decide(s, pb, page_block.numel(), page_size, policy);
   const std::vector<int64_t> blocks = update_take(d, fs, nf, free_stack.numel());
-  auto heads_t = torch::empty({d.tokens}, torch::kInt64);
-  auto slots_t = torch::empty({d.tokens}, torch::kInt64);
-  auto rows_t = torch::empty({d.tokens}, torch::kInt64);
+  auto heads_t = torch::empty({d.entries}, torch::kInt64);
+  auto slots_t = torch::empty({d.entries}, torch::kInt64);
+  auto rows_t = torch::empty({d.entries}, torch::kInt64);
+  auto counts_t = torch::empty({d.entries}, torch::kInt64);
   update_admit(s, d, blocks.data(), pb, page_size, heads_t.data_ptr<int64_t>(),
-               slots_t.data_ptr<int64_t>(), rows_t.data_ptr<int64_t>());
-  return {heads_t, slots_t, rows_t, d.total, d.evicted};
+               slots_t.data_ptr<int64_t>(), rows_t.data_ptr<int64_t>(),
+               counts_t.data_ptr<int64_t>());
+  return {heads_t, slots_t, rows_t, counts_t, d.total, d.evicted};
 }
 
 // buffer_update for every store of a layer's step in one call, with the result of updating
@@ -503,10 +508,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer
 // free stack is given and taken in store order. A store that fails does not stop the others
 // (as separate updates): its error is returned in its place (error_kinds[j]: 0 none, 1 a
 // bad value, 2 another error; errors[j] the message) and it returns empty plans. Returns
-// (heads, slots, rows: each store's plan as buffer_update's, admitted [B], evicted [B],
-// error_kinds [B], errors).
+// (heads, slots, rows, counts: each store's plan as buffer_update's, admitted [B],
+// evicted [B], error_kinds [B], errors).
 std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-           torch::Tensor, torch::Tensor, torch::Tensor, std::vector<std::string>>
+           std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
+           std::vector<std::string>>
 buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> hit,
                     std::vector<torch::Tensor> begins, std::vector<int64_t> n_steady,
                     std::vector<int64_t> clock, std::vector<torch::Tensor> records,
@@ -551,21 +557,22 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
       steps[j] = update_step(ids[j], hit[j], begins[j], n_steady[j], clock[j], records[j],
                              cached[j], capacity[j]);
     });
-  std::vector<torch::Tensor> heads(B), slots(B), rows(B);
+  std::vector<torch::Tensor> heads(B), slots(B), rows(B), counts(B);
   auto admitted = torch::zeros({B}, torch::kInt64);
   auto evicted = torch::zeros({B}, torch::kInt64);
   auto plan_outputs = [&](int64_t j) {  // store j's plan tensors and counts
-    const int64_t n = kind[j] ? 0 : dec[j].tokens;
+    const int64_t n = kind[j] ? 0 : dec[j].entries;
     heads[j] = torch::empty({n}, torch::kInt64);
     slots[j] = torch::empty({n}, torch::kInt64);
     rows[j] = torch::empty({n}, torch::kInt64);
+    counts[j] = torch::empty({n}, torch::kInt64);
     if (!kind[j]) {
       admitted.data_ptr<int64_t>()[j] = dec[j].total;
       evicted.data_ptr<int64_t>()[j] = dec[j].evicted;
     }
   };
   auto decide = [&](int64_t j) {
-    guarded(j, [&] { dec[j] = update_decide(steps[j], pb, P, policy); });
+    guarded(j, [&] { dec[j] = update_decide(steps[j], pb, P, page_size, policy); });
   };
   auto take = [&](int64_t j) {
     guarded(j, [&] { blocks[j] = update_take(dec[j], fs, nf, free_stack.numel()); });
@@ -574,7 +581,7 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
     guarded(j, [&] {
       update_admit(steps[j], dec[j], blocks[j].data(), pb, page_size,
                    heads[j].data_ptr<int64_t>(), slots[j].data_ptr<int64_t>(),
-                   rows[j].data_ptr<int64_t>());
+                   rows[j].data_ptr<int64_t>(), counts[j].data_ptr<int64_t>());
     });
   };
   if (threads == 1 || B == 1) {  // one store after another, each while its tables are warm
@@ -594,5 +601,5 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t j = 0; j < B; ++j) admit(j);
   }
-  return {heads, slots, rows, admitted, evicted, kinds, errors};
+  return {heads, slots, rows, counts, admitted, evicted, kinds, errors};
 }

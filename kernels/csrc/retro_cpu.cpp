@@ -1107,11 +1107,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
                     std::vector<int64_t>, int64_t, int64_t);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t> buffer_update(
-    torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, torch::Tensor,
-    torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
+buffer_update(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor,
+              torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor,
+              torch::Tensor, int64_t);
 std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-           torch::Tensor, torch::Tensor, torch::Tensor, std::vector<std::string>>
+           std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
+           std::vector<std::string>>
 buffer_update_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,

@@ -53,7 +53,16 @@ from vllm_retro.buffer.stats import BufferStats
 from vllm_retro.config import CACHE_POLICIES
 
 if TYPE_CHECKING:
-    from vllm_retro.buffer.store import WaveBufferStore
+    from vllm_retro.buffer.store import Plan, WaveBufferStore
+
+
+def _admission_runs(plan: Plan, src: np.ndarray, host: bool = False) -> np.ndarray:
+    """The gather runs ([n, 3] int64: device-pool row, source row, count; negative counts
+    for a host-pool source) of an admission ``plan``'s pages whose first source rows are
+    ``src`` ([n] int64)."""
+    _, _, rows, counts = plan
+    return np.stack([rows, src, -counts if host else counts], axis=1).astype(np.int64,
+                                                                          copy=False)
 
 
 def _run_updates(updates: list[tuple[Callable[[], object], Future]]) -> None:
@@ -184,7 +193,7 @@ class LayerPool:
         first = stores[0]
         try:
             with self.blocks.lock:
-                heads, slots, rows, admitted, evicted, kinds, errors = \
+                heads, slots, rows, counts, admitted, evicted, kinds, errors = \
                     first.compiled.buffer_update_batch(
                         [torch.from_numpy(np.ascontiguousarray(i)) for i in cluster_ids],
                         [torch.from_numpy(np.ascontiguousarray(lk.cached)) for lk in lookups],
@@ -210,7 +219,8 @@ class LayerPool:
                 fut.set_exception((ValueError if kind == 1 else RuntimeError)(errors[j]))
                 continue
             st._clock += ids.shape[1]
-            fut.set_result((heads[j].numpy(), slots[j].numpy(), rows[j].numpy()))
+            fut.set_result((heads[j].numpy(), slots[j].numpy(), rows[j].numpy(),
+                            counts[j].numpy()))
 
     def gather(self, runs: np.ndarray, dst_k: torch.Tensor, dst_v: torch.Tensor,
                backend: str) -> None:
@@ -235,50 +245,57 @@ class LayerPool:
     def join_batch(self, stores: Sequence[WaveBufferStore]) -> None:
         """Join the cache updates of ``stores``' last steps (see
         :meth:`WaveBufferStore.step_done`): their admissions, copied out of the execution
-        buffer they were gathered into, with one call per pool."""
-        plans = [p for p in (st._take_step() for st in stores) if p is not None]
-        for p in [p for p in plans if p[0] is None]:  # token reads: from the host tier
-            self._admit(*p)
-        plans = [p for p in plans if p[0] is not None]
-        if not plans:
+        buffer they were gathered into, with one gather call for the layer (one run per
+        admitted page)."""
+        steps = [s for s in (st._take_step() for st in stores) if s is not None]
+        if not steps:
             return
-        exec_k, exec_v = plans[0][0], plans[0][1]
-        if any(p[0] is not exec_k for p in plans):  # not one buffer: one copy each
-            for p in plans:
-                self._admit(*p)
+        backend = stores[0].config.kernel_backend
+        for s in [s for s in steps if s[0] is None]:  # token reads: from the host tier
+            self._admit(*s, backend=backend)
+        steps = [s for s in steps if s[0] is not None]
+        if not steps:
+            return
+        exec_k, exec_v = steps[0][0], steps[0][1]
+        if any(s[0] is not exec_k for s in steps):  # not one buffer: one copy each
+            for s in steps:
+                self._admit(*s, backend=backend)
             return
         t_cap = exec_k.shape[1]
-        src = np.concatenate([(row0 + heads) * t_cap + slots
-                              for _, _, row0, heads, slots, _ in plans])
-        dst = np.concatenate([rows for *_, rows in plans])
-        self._copy_in(exec_k, exec_v, src, dst)
+        runs = np.concatenate([_admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
+                               for _, _, row0, plan in steps])
+        self._copy_in(exec_k, exec_v, runs, backend)
 
     def _admit(self, exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int,
-               heads: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Copy one step's admissions (heads, slots: execution-buffer places of rows from
-        ``row0``; rows: device-pool rows) into the block pool; with ``exec_k`` None (token
-        reads) ``slots`` are host-pool rows."""
+               plan: Plan, backend: str) -> None:
+        """Copy one step's admissions (``plan``, see :data:`~vllm_retro.buffer.store.Plan`:
+        execution-buffer places of the store's rows from ``row0``, or with ``exec_k`` None
+        (token reads) host-pool rows) into the block pool."""
+        heads, slots, _, _ = plan
         if exec_k is None or exec_v is None:
-            d = self.head_dim
-            self._copy_in(self.host.k.view(-1, d), self.host.v.view(-1, d), slots, rows,
-                          host=True)
+            self._copy_in(None, None, _admission_runs(plan, slots, host=True), backend)
             return
-        self._copy_in(exec_k, exec_v, (row0 + heads) * exec_k.shape[1] + slots, rows)
+        self._copy_in(exec_k, exec_v,
+                      _admission_runs(plan, (row0 + heads) * exec_k.shape[1] + slots), backend)
 
-    def _copy_in(self, src_k: torch.Tensor, src_v: torch.Tensor, src: np.ndarray,
-                 dst: np.ndarray, host: bool = False) -> None:
-        """blocks[dst] = src_*[src] (rows); ``host``: the source is the host pool."""
-        if src.size == 0:
+    def _copy_in(self, src_k: torch.Tensor | None, src_v: torch.Tensor | None,
+                 runs: np.ndarray, backend: str) -> None:
+        """Copy ``runs`` ([N, 3] int64, :mod:`vllm_retro.kernels.gather`: destination rows
+        in the block pool) from ``src_k``/``src_v`` (viewed as rows; counts > 0) or the host
+        pool (counts < 0; ``src_k`` None): one gather call, under the block pool's lock (a
+        growth on another thread must not copy the pool while the rows land)."""
+        if runs.shape[0] == 0:
             return
         d = self.head_dim
-        src_t = torch.from_numpy(src).to(src_k.device)
-        dst_t = torch.from_numpy(dst).to(self.device)
-        k = src_k.reshape(-1, d).index_select(0, src_t)
-        v = src_v.reshape(-1, d).index_select(0, src_t)
-        self.blocks.write_rows(dst_t, k.to(self.device, non_blocking=True),
-                               v.to(self.device, non_blocking=True))
-        moved = 2 * src.size * d * src_k.element_size()
-        self.blocks.stats.add(**({"bytes_h2d": moved} if host else {"bytes_d2d": moved}))
+        host_k, host_v = self.host.k.view(-1, d), self.host.v.view(-1, d)
+        dev_k = host_k if src_k is None else src_k.reshape(-1, d)
+        dev_v = host_v if src_v is None else src_v.reshape(-1, d)
+        with self.blocks.lock:
+            kernels.gather_runs(self.blocks.k.view(-1, d), self.blocks.v.view(-1, d), dev_k,
+                                dev_v, host_k, host_v, torch.from_numpy(runs), backend=backend)
+        moved = 2 * int(np.abs(runs[:, 2]).sum()) * d * self.blocks.k.element_size()
+        self.blocks.stats.add(**({"bytes_h2d": moved} if src_k is None else
+                                 {"bytes_d2d": moved}))
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the free list and every store's mapped blocks

@@ -44,10 +44,22 @@ if TYPE_CHECKING:
     from vllm_retro.buffer.layer_pool import LayerPool
     from vllm_retro.buffer.manager import WaveBufferManager
 
-Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""Admission copies, one entry per token: (head, execution-buffer slot, device-pool row);
-after token reads (:meth:`WaveBufferStore.gather_tokens_into`), (empty, host-pool row,
-device-pool row)."""
+Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Admission copies, one entry per admitted page ([n] int64 each, head-major, read order):
+(head, first execution-buffer slot, first device-pool row, tokens): the page's tokens are
+consecutive in both. After token reads (:meth:`WaveBufferStore.gather_tokens_into`),
+(empty, first host-pool row, first device-pool row, tokens)."""
+
+
+def _page_plan(sizes: np.ndarray, need: np.ndarray, blocks: np.ndarray, page: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pages of admitted clusters (``sizes`` [n] tokens, ``need`` [n] pages each, their
+    ``blocks`` concatenated in order): (cluster index, first token within the cluster, first
+    device-pool row, tokens), one entry per page."""
+    which = np.repeat(np.arange(sizes.size), need)
+    p = np.arange(which.size) - np.repeat(np.cumsum(need) - need, need)  # page within
+    first = p * page
+    return which, first, blocks * page, np.minimum(page, sizes[which] - first)
 
 
 class WaveBufferStore:
@@ -294,16 +306,9 @@ class WaveBufferStore:
         protected = np.zeros(t.cached.shape, dtype=bool)
         protected[rows, ids] = True
         heads, pos, cand, blocks = self._admit(ids, ~lk.cached, protected)
-        if blocks.size == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        sizes = t.size[heads, cand]
-        need = t.n_pages[heads, cand]
-        tok = runs(np.zeros_like(sizes), sizes)  # 0 .. size - 1 per admitted cluster
-        which = np.repeat(np.arange(cand.size), sizes)
-        first_block = np.cumsum(need) - need
-        return (heads[which], n_steady + lk.begins[heads, pos][which] + tok,
-                blocks[first_block[which] + tok // page] * page + tok % page)
+        which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
+                                               blocks, page)
+        return (heads[which], n_steady + lk.begins[heads, pos][which] + first, rows, count)
 
     def _update_compiled(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
         """:meth:`_update` by the compiled ``buffer_update`` (the same tables, block pool
@@ -313,14 +318,14 @@ class WaveBufferStore:
         arrays = [ids, lk.cached, lk.begins]
         tables = [t.records, t.cached, self.capacity, self.host.page_block]
         with self.blocks.lock:
-            heads, slots, rows, admitted, evicted = self.compiled.buffer_update(
+            heads, slots, rows, counts, admitted, evicted = self.compiled.buffer_update(
                 *[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], n_steady,
                 self._clock, *[torch.from_numpy(a) for a in tables], self.page_size,
                 torch.from_numpy(self.blocks.free_stack), torch.from_numpy(self.blocks.n_free),
                 CACHE_POLICIES.index(self.config.cache_policy))
         self._clock += ids.shape[1]
         self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
-        return heads.numpy(), slots.numpy(), rows.numpy()
+        return heads.numpy(), slots.numpy(), rows.numpy(), counts.numpy()
 
     def _admit(self, cand: np.ndarray, want: np.ndarray, protected: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -431,16 +436,10 @@ class WaveBufferStore:
         self.manager.stats.add(cluster_hits=int(cached.sum()),
                                cluster_misses=int((~cached).sum()))
         heads, _, cand, blocks = self._admit(cand, want, protected)
-        empty = np.zeros(0, dtype=np.int64)
-        if blocks.size == 0:
-            return empty, empty, empty
-        sizes = t.size[heads, cand]
-        need = t.n_pages[heads, cand]
-        first_page = np.cumsum(need) - need
-        tok = runs(np.zeros_like(sizes), sizes)
-        which = np.repeat(np.arange(cand.size), sizes)
-        return (empty, t.page_start[heads, cand][which] * page + tok,
-                blocks[first_page[which] + tok // page] * page + tok % page)
+        which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
+                                               blocks, page)
+        return (np.zeros(0, dtype=np.int64), t.page_start[heads, cand][which] * page + first,
+                rows, count)
 
     def _evict(self, heads: np.ndarray, clusters: np.ndarray) -> int:
         """Drop ``clusters`` ([n] ids, of ``heads`` [n]) from the cache; returns pages
@@ -491,22 +490,21 @@ class WaveBufferStore:
 
     def step_done(self) -> None:
         """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""
-        plan = self._take_step()
-        if plan is not None:
-            self.pool._admit(*plan)
+        step = self._take_step()
+        if step is not None:
+            self.pool._admit(*step, backend=self.config.kernel_backend)
 
-    def _take_step(self) -> tuple[torch.Tensor, torch.Tensor, int, np.ndarray, np.ndarray,
-                                  np.ndarray] | None:
-        """Join the last step's update: (execution buffer K, V, this store's first row in
-        it, then the admission copies: heads, slots, device-pool rows); None when no step is
-        pending."""
+    def _take_step(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, Plan] | None:
+        """Join the last step's update: (execution buffer K, V (None: token reads, copied
+        from the host tier), this store's first row in it, the admission copies' plan);
+        None when no step is pending."""
         if self._step is None:
             return None
         exec_k, exec_v, row0 = self._step
         self._step = None
-        heads, slots, rows = self.manager.worker.wait(self._pending)
+        plan = self.manager.worker.wait(self._pending)
         self._pending = None
-        return exec_k, exec_v, row0, heads, slots, rows
+        return exec_k, exec_v, row0, plan
 
     def _mapped_blocks(self) -> np.ndarray:
         """The device blocks this store's cached clusters hold ([n] int64)."""
