@@ -19,7 +19,8 @@ plans. Only the tables matter here, so the keys have head_dim 16 (the host pool 
 read).
 
 **Cache updates** (the worker's job for the layer step, joined at the layer's next step):
-each request's ``WaveBufferStore._update`` in turn (what the job did before) against one
+each request's ``WaveBufferStore._update`` in turn, each delivering its plan to the
+request's future (the job as it was: ``layer_pool._run_updates``) against one
 ``LayerPool._update_batch`` (``buffer_update_batch``: each request's stamps and evictions,
 then its admissions, in parallel; the layer's free stack in request order). Two identical
 layers take the same steps, one per variant, each update right after its layer's lookups
@@ -36,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,7 @@ from concurrent.futures import Future  # noqa: E402
 
 from tests.buffer.conftest import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
+from vllm_retro.buffer.layer_pool import _run_updates  # noqa: E402
 from vllm_retro.buffer.mapping import ClusterMappingTable  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 
@@ -179,8 +182,11 @@ def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 
                 mod, [st.table for st in stores], ids, stores[0].host.page_block, plan,
                 [0] * batch, t_cap, threads)
             t0 = time.perf_counter()
-            if variant == "per_request":
-                out = [st._update(i, lk, 0) for st, i, lk in zip(stores, ids, lks, strict=True)]
+            if variant == "per_request":  # the job as it was: each update into its future
+                futures = [Future() for _ in stores]
+                _run_updates([(partial(st._update, i, lk, 0), f) for st, i, lk, f
+                              in zip(stores, ids, lks, futures, strict=True)])
+                out = [f.result() for f in futures]
             else:
                 futures = [Future() for _ in stores]
                 stores[0].pool._update_batch(stores, ids, lks, [0] * batch, futures,
@@ -216,12 +222,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="lookup steps (x layers)")
     ap.add_argument("--update-steps", type=int, default=100)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, len(os.sched_getaffinity(0))])
+    ap.add_argument("--parts", nargs="+", choices=["lookups", "updates"],
+                    default=["lookups", "updates"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    threads = list(dict.fromkeys(args.threads))
     rows = [run(n, args.batch, args.layers, args.steps, t)
-            for n in args.contexts for t in dict.fromkeys(args.threads)]
+            for n in args.contexts for t in threads] if "lookups" in args.parts else []
     updates = [run_updates(n, args.batch, args.update_steps, t)
-               for n in args.contexts for t in dict.fromkeys(args.threads)]
+               for n in args.contexts for t in threads] if "updates" in args.parts else []
     print("lookups, a layer step's for the batch:")
     for row in rows:
         print(f"{row['context']:>7} tokens x {row['batch']} requests, {row['threads']} "

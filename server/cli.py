@@ -271,12 +271,16 @@ def banner(args: argparse.Namespace, settings: dict[str, Any]) -> str:
     url = _base_url(args)
     shown = " ".join(f"{k}={v}{'*' if v != defaults[k] else ''}" for k, v in settings.items()
                      if k != "enabled")
-    if settings.get("build_steps") is None:  # show what the default resolves to here
-        from vllm.platforms import current_platform
+    # show what the defaults that depend on the device resolve to here
+    resolved = {"build_steps": RetroConfig.build_steps_on,
+                "table_threads": RetroConfig.table_threads_on}
+    for key, on in resolved.items():
+        if settings.get(key) is None:
+            from vllm.platforms import current_platform
 
-        device = current_platform.device_type
-        steps = RetroConfig.from_dict(settings).build_steps_on(device)
-        shown = shown.replace("build_steps=None", f"build_steps=None({steps} on {device})")
+            device = current_platform.device_type
+            value = on(RetroConfig.from_dict(settings), device)
+            shown = shown.replace(f"{key}=None", f"{key}=None({value} on {device})")
     state = "on" if settings["enabled"] else "OFF (stock vLLM attention)"
     return "\n".join([
         f"vllm-retro: serving {args.model} as {name!r}",

@@ -309,7 +309,7 @@ def test_banner_urls_and_marked_settings(parser: argparse.ArgumentParser,
     assert shown["cache_policy"] == "lfu*"
     assert shown["page_size"] == str(defaults["page_size"])
     assert shown["build_steps"] == "None(0"  # its default resolved here: "0 on cpu"
-    assert "build_steps=None(0 on cpu)" in line
+    assert "build_steps=None(0 on cpu)" in line and "table_threads=None(1 on cpu)" in line
 
 
 def test_banner_api_key_and_retro_off(parser: argparse.ArgumentParser, tmp_path: Path) -> None:
