@@ -55,7 +55,8 @@ def test_block_pool_holds_the_budgets_and_refuses_overcommit():
     pool.reserve(5)
     assert pool.num_blocks == 5 == len(pool.free_blocks) and pool.reserved == 5
     got = pool.take(3)
-    pool.write_rows(torch.tensor([got[0] * 2]), torch.ones(1, 4), torch.full((1, 4), 2.0))
+    src = torch.cat([torch.zeros(1, 4), torch.ones(1, 4)]), torch.full((2, 4), 2.0)
+    pool.write_runs(*src, *src, np.array([[got[0] * 2, 1, 1]]), "torch")
     pool.reserve(1)  # grows, contents and block ids kept
     assert pool.num_blocks >= 6
     assert torch.equal(pool.k[got[0], 0], torch.ones(4))

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import torch
 
+from vllm_retro import kernels
 from vllm_retro.buffer.stats import BufferStats
 
 
@@ -83,14 +84,19 @@ class DeviceBlockPool:
             self.n_free[0] = n + grow
         self.stats.add(device_bytes=self.nbytes() - before)
 
-    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy token rows in: rows [n] int64 flat rows (block * page_size + slot) on the
-        pool's device; keys/values [n, D]. Under the lock, so a growth on another thread (a
-        background index build) cannot copy the pool while the rows land in the old one."""
+    def write_runs(self, src_k: torch.Tensor, src_v: torch.Tensor, host_k: torch.Tensor,
+                   host_v: torch.Tensor, runs: np.ndarray, backend: str) -> None:
+        """Copy ``runs`` ([N, 3] int64, :mod:`vllm_retro.kernels.gather`; destinations are
+        flat pool rows, block * page_size + slot) in from ``src_*`` ([rows, D], counts > 0)
+        or ``host_*`` ([rows, D], counts < 0): one gather call. Under the lock, so a growth
+        on another thread (a background index build) cannot copy the pool while the rows
+        land in the old one."""
+        if runs.shape[0] == 0:
+            return
         d = self.head_dim
         with self.lock:
-            self.k.view(-1, d).index_copy_(0, rows, keys)
-            self.v.view(-1, d).index_copy_(0, rows, values)
+            kernels.gather_runs(self.k.view(-1, d), self.v.view(-1, d), src_k, src_v, host_k,
+                                host_v, torch.from_numpy(runs), backend=backend)
 
     def unreserve(self, blocks: int) -> None:
         """A budget of ``blocks`` is gone (its blocks were given back first)."""

@@ -139,7 +139,7 @@ class LayerPool:
         # a store's runs are at most its tokens: H rows of at most t_cap each
         plan = self._plan(len(stores) * h * t_cap)
         at = 0
-        updates: list[tuple] = []
+        updates: list[tuple] = []  # (update, its future) of each store begun
         batched = None
         if offsets is None and all(st.compiled is not None for st in stores):
             for st in stores:
@@ -153,7 +153,7 @@ class LayerPool:
                 if batched is not None:
                     lk = batched[j]
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
-                    update = None  # all stores' in one call: _update_batch
+                    update = None  # every store's is made by one call: _update_batch
                 elif offsets is None:
                     lk = st._lookup_into(ids, plan, at, j * h, ns, t_cap)
                     st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
@@ -282,17 +282,14 @@ class LayerPool:
                  runs: np.ndarray, backend: str) -> None:
         """Copy ``runs`` ([N, 3] int64, :mod:`vllm_retro.kernels.gather`: destination rows
         in the block pool) from ``src_k``/``src_v`` (viewed as rows; counts > 0) or the host
-        pool (counts < 0; ``src_k`` None): one gather call, under the block pool's lock (a
-        growth on another thread must not copy the pool while the rows land)."""
+        pool (counts < 0; ``src_k`` None), by :meth:`DeviceBlockPool.write_runs`."""
         if runs.shape[0] == 0:
             return
         d = self.head_dim
         host_k, host_v = self.host.k.view(-1, d), self.host.v.view(-1, d)
-        dev_k = host_k if src_k is None else src_k.reshape(-1, d)
-        dev_v = host_v if src_v is None else src_v.reshape(-1, d)
-        with self.blocks.lock:
-            kernels.gather_runs(self.blocks.k.view(-1, d), self.blocks.v.view(-1, d), dev_k,
-                                dev_v, host_k, host_v, torch.from_numpy(runs), backend=backend)
+        self.blocks.write_runs(host_k if src_k is None else src_k.reshape(-1, d),
+                               host_v if src_v is None else src_v.reshape(-1, d), host_k,
+                               host_v, runs, backend)
         moved = 2 * int(np.abs(runs[:, 2]).sum()) * d * self.blocks.k.element_size()
         self.blocks.stats.add(**({"bytes_h2d": moved} if src_k is None else
                                  {"bytes_d2d": moved}))

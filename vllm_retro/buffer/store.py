@@ -57,8 +57,7 @@ def _page_plan(sizes: np.ndarray, need: np.ndarray, blocks: np.ndarray, page: in
     ``blocks`` concatenated in order): (cluster index, first token within the cluster, first
     device-pool row, tokens), one entry per page."""
     which = np.repeat(np.arange(sizes.size), need)
-    p = np.arange(which.size) - np.repeat(np.cumsum(need) - need, need)  # page within
-    first = p * page
+    first = runs(np.zeros_like(need), need) * page  # each page's first token within
     return which, first, blocks * page, np.minimum(page, sizes[which] - first)
 
 
