@@ -45,8 +45,106 @@ def test_host_growth_keeps_pages_and_their_block_map():
     assert host.ensure_room(10) and host.generation == 2  # the first reserve made one
     assert host.capacity_pages >= 13 and host.k is not old_k
     assert torch.equal(host.k[:3], old_k[:3])
-    assert host.page_block[:3].tolist() == [5, -1, 9] and (host.page_block[3:] == -1).all()
+    assert host.page_block[:3].tolist() == [5, -1, 9]
     assert host.positions[:6].tolist() == list(range(100, 106))
+    nxt = host.reserve(2)  # a claim past the old pool: uncached padding
+    assert nxt == 3 and (host.page_block[3:5] == -1).all()
+    assert (host.positions.numpy()[6:10] == -1).all()
+
+
+def test_a_reserved_pool_is_mapped_once_and_holds_only_what_is_claimed():
+    stats = BufferStats()
+    page = 2 * 4 * 8 * 4  # K+V bytes of a page (page_size 4, D 8, fp32)
+    host = HostTier(8, 4, torch.float32, stats, pin=False, reserve_pages=1000)
+    assert host.capacity_pages == 0 and host.nbytes() == 0  # nothing before a claim
+    a = host.reserve(30, headroom=50)
+    assert host.capacity_pages == 1000 and host.generation == 1
+    rows = np.arange(30 * 4)
+    host.write_rows(rows, np.ones((rows.size, 8), np.int32), np.ones((rows.size, 8), np.int32),
+                    rows)
+    b = host.reserve(900)
+    assert (a, b) == (0, 30) and host.generation == 1  # no growth, no copy
+    assert host.nbytes() == 930 * page == stats.host_bytes
+    host.release(a, 30)
+    assert host.nbytes() == 900 * page == stats.host_bytes
+    # the released extent's memory went back to the OS: whole OS pages of it read zero
+    assert int(host.k[:30].count_nonzero()) < 4096 // 4
+    c = host.reserve(10)
+    assert c == 0 and (host.page_block[:10] == -1).all()
+    assert (host.positions.numpy()[:40] == -1).all()
+    assert host.ensure_room(60) is False  # room past the mark: nothing happens
+    assert host.reserve(60) == 930 and host.generation == 1
+    host.reserve(100)  # past the reservation: grows, copying, as a pool without one
+    assert host.generation == 2 and host.capacity_pages >= 1090
+    host.free()
+    assert host.capacity_pages == 0 and stats.host_bytes == 0
+
+
+def test_a_reservation_larger_than_memory_is_only_address_space():
+    psutil = pytest.importorskip("psutil")
+    proc = psutil.Process()
+    ram = psutil.virtual_memory().total
+    d = 128
+    page = 2 * 8 * d * 2
+    host = HostTier(d, 8, torch.bfloat16, BufferStats(), pin=False,
+                    reserve_pages=2 * ram // page)  # twice the machine's memory
+    before = proc.memory_info().rss
+    first = host.reserve(4096)  # 16 MB of K+V claimed and written
+    rows = np.arange(first * 8, (first + 4096) * 8)
+    kv = np.ones((rows.size, d), np.int16)
+    host.write_rows(rows, kv, kv, rows)
+    grown = proc.memory_info().rss - before
+    assert host.capacity_pages * page >= 2 * ram
+    assert 16 << 20 <= grown < 64 << 20  # what was written, not the reservation
+    host.free()
+
+
+class _Pinner:
+    """Records the ranges a pool registers (the CUDA driver's role, absent here)."""
+
+    def __init__(self):
+        self.live: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        assert ptr not in self.live and nbytes > 0
+        self.live[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.live[ptr]
+
+    def covered(self, t: torch.Tensor) -> int:
+        """Bytes of ``t`` registered as one prefix (ranges contiguous from its start)."""
+        at = t.data_ptr()
+        while at in self.live:
+            at += self.live[at]
+        return at - t.data_ptr()
+
+
+def test_a_pinned_pool_registers_its_used_prefix_in_chunks():
+    from vllm_retro.buffer.host_tier import PIN_CHUNK
+
+    pinner = _Pinner()
+    stats = BufferStats()
+    d, ps = 128, 8
+    page = ps * d * 2  # bytes of one page of K (or V)
+    host = HostTier(d, ps, torch.bfloat16, stats, pin=True, reserve_pages=200_000,
+                    pinner=(pinner.register, pinner.unregister))
+    host.reserve(10)
+    assert pinner.covered(host.k) == pinner.covered(host.v) == PIN_CHUNK
+    assert len(pinner.live) == 2 and stats.host_bytes == 2 * PIN_CHUNK
+    first = host.reserve(PIN_CHUNK // page)  # past the first chunk: the next one
+    assert pinner.covered(host.k) == pinner.covered(host.v) == 2 * PIN_CHUNK
+    host.write_rows(np.arange(first * ps, first * ps + 4), np.ones((4, d), np.int16),
+                    np.ones((4, d), np.int16), np.arange(4))
+    host.release(first, PIN_CHUNK // page)  # pinned memory stays (locked pages)
+    assert int(host.k[first].count_nonzero()) == 4 * d
+    assert host.nbytes() == 4 * PIN_CHUNK == stats.host_bytes
+    host.reserve(200_000)  # past the reservation: a new pool, its used prefix pinned
+    assert host.generation == 2
+    assert pinner.covered(host.k) >= (200_010 * page) and len(pinner.live) > 4
+    assert pinner.covered(host.k) <= host.capacity_pages * page
+    host.free()
+    assert pinner.live == {} and stats.host_bytes == 0
 
 
 def test_block_pool_holds_the_budgets_and_refuses_overcommit():

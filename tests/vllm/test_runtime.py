@@ -13,25 +13,35 @@ from vllm_retro.vllm.runtime import RetroRuntime  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_a_layers_requests_share_its_pool_where_the_batched_path_decodes(backend):
-    """The padded batched path (here the torch kernels) reads a layer's rows through one
-    pool per layer; the fused CPU kernel's path keeps a pool per request."""
+def test_a_layers_requests_share_its_preallocated_pool(backend):
+    """Every kernel path reads a layer's rows through one host pool per layer, mapped once
+    at its reservation (twice the layer's share of the machine's memory), so no request's
+    build grows or copies it, and it holds only the live requests' pages."""
+    import psutil
+
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256,
                       kernel_backend=backend)
     rt = RetroRuntime()
     rt.attach(object(), cfg)
     g = torch.Generator().manual_seed(0)
-    for rid in ("x", "y"):
+    for rid in ("x", "y", "z"):
         for layer in ("l0", "l1"):
             rt.build_index(rid, layer, torch.randn(2, 300, 32, generator=g),
                            torch.randn(2, 300, 32, generator=g))
     pool = {(rid, layer): rt.index(rid, layer).store.pool
-            for rid in ("x", "y") for layer in ("l0", "l1")}
+            for rid in ("x", "y", "z") for layer in ("l0", "l1")}
     assert pool["x", "l0"] is not pool["x", "l1"]
-    shared = pool["x", "l0"] is pool["y", "l0"] and pool["x", "l1"] is pool["y", "l1"]
-    assert shared == (not fused_path(backend, torch.device("cpu")))
+    for layer in ("l0", "l1"):
+        assert pool["x", layer] is pool["y", layer] is pool["z", layer]
+        host = pool["x", layer].host
+        assert host.generation == 1  # mapped once, never grown
+        assert host.capacity_pages * host.page_nbytes() >= 2 * psutil.virtual_memory().total
+        assert host.nbytes() == host.allocated_pages * host.page_nbytes() > 0
     if backend == "auto":
         assert fused_path(backend, torch.device("cpu"))  # `make setup` built the kernel
+    held = rt.live_bytes()[0]
+    rt.free_request("y")
+    assert rt.live_bytes()[0] < held  # a finished request's pages are given back
     rt.close()
     assert rt.live_bytes() == (0, 0)
 

@@ -8,10 +8,27 @@ a page boundary and occupies ``ceil(size / page_size)`` consecutive pages (the l
 padded), so a cluster is one contiguous host range and a page is the unit of the device
 block cache.
 
-Extents freed by finished requests are reused first-fit; the pool grows geometrically
-(copying the used pages) only when no free extent fits. The pool also holds the one record
-of which device block caches each page (``page_block``), since it is indexed like the
-pages. It is pinned when CUDA is present, so the gather kernel reads it directly.
+**Preallocated, committed on use.** As vLLM sizes its KV cache once, a pool is allocated
+once at the size it may ever need (``reserve_pages``: the runtime gives every layer twice its
+share of the machine's memory, :func:`vllm_retro.vllm.runtime.pool_reserve_bytes`), so no
+request's pages are ever copied to make room and no pool keeps a growth's slack. The pool
+is a private anonymous mapping (``MAP_NORESERVE``: only address space is taken up front),
+zero until written, and the OS commits its memory page by page as layouts write it; a
+released extent's memory goes back to the OS (``MADV_DONTNEED``), so the pool holds the
+live requests' pages and no more (:meth:`nbytes`). Extents freed by finished requests are
+reused first-fit. Only a pool without a reservation (``reserve_pages`` 0: a store's
+private pool, tests) or past it grows, geometrically, copying the used pages into a new
+mapping.
+
+On CUDA the pool is pinned so that the gather kernel reads it directly (unified
+addressing). Pinning commits memory, so it follows the high-water mark: each time the used
+pages pass the pinned prefix, the next :data:`PIN_CHUNK` bytes are registered with the
+driver (``cudaHostRegister``), and everything registered is unregistered when the pool is
+freed. Pinned pages stay committed (locked pages cannot be given back) until then.
+
+The pool also holds the one record of which device block caches each page
+(``page_block``) and each row's absolute position, indexed like the pages; both are set
+(to -1: not cached, padding) when an extent is claimed.
 
 Writers are the wave buffer's worker thread (layouts, growth) and :meth:`release` (a
 finished request); a lock orders allocation against release. Growth builds new arrays and
@@ -21,7 +38,11 @@ before.
 
 from __future__ import annotations
 
+import logging
+import mmap
+import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,6 +50,14 @@ import torch
 from vllm_retro.buffer.stats import BufferStats
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+"""Linux's ``MAP_NORESERVE`` (Python's ``mmap`` module names it only from 3.13)."""
+
+PIN_CHUNK = 64 << 20
+"""Bytes of each array (K, V) registered with the CUDA driver at a time."""
+
+logger = logging.getLogger("vllm.retro.host_tier")
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -42,19 +71,57 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zero tensor of ``shape`` whose memory the OS commits page by page on first write
+    (a private anonymous mapping, ``MAP_NORESERVE`` on Linux), and its mapping (None when
+    empty). The tensor keeps the mapping alive; never ``close`` it while a view may be
+    read."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype), None
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape), mm
+
+
+def cuda_register(ptr: int, nbytes: int) -> None:
+    """Pin ``nbytes`` of host memory at ``ptr`` for the CUDA driver (portable, mapped: the
+    device reads it at the same address under unified addressing)."""
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 3))
+    if err != 0:
+        raise RuntimeError(f"pinning {nbytes} bytes of the wave buffer's host pool failed "
+                           f"(cudaHostRegister error {err})")
+
+
+def cuda_unregister(ptr: int) -> None:
+    """Unpin a range :func:`cuda_register` pinned at ``ptr``."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        raise RuntimeError(f"unpinning the wave buffer's host pool failed "
+                           f"(cudaHostUnregister error {err})")
+
+
 class HostTier:
     """Page pool of keys and values of one layer: ``k``/``v`` [capacity_pages, page_size, D],
     with a first-fit extent allocator."""
 
     def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype, stats: BufferStats,
-                 pin: bool | None = None):
+                 pin: bool | None = None, reserve_pages: int = 0,
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None):
+        """``reserve_pages``: pages the pool is allocated with at its first claim (address
+        space until written; 0: just what is claimed, growing by 1.5x). ``pinner``:
+        (register, unregister) of host ranges for the device; default the CUDA driver's."""
+        if reserve_pages < 0:
+            raise ValueError(f"reserve_pages {reserve_pages}; accepted: >= 0")
         self.head_dim = head_dim
         self.page_size = page_size
         self.dtype = dtype
         self.stats = stats
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self.k = self._alloc(0)
-        self.v = self._alloc(0)
+        self.reserve_pages = int(reserve_pages)
+        self._register, self._unregister = pinner or (cuda_register, cuda_unregister)
+        self.k = torch.zeros(0, page_size, head_dim, dtype=dtype)
+        self.v = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.positions = torch.full((0,), -1, dtype=torch.int64)
         """[capacity_pages * page_size] absolute token position of each row (-1 = padding)."""
         self.page_block = np.zeros(0, dtype=np.int64)
@@ -65,58 +132,86 @@ class HostTier:
         """(first page, pages) of released extents below :attr:`used_pages`, by first page."""
         self.generation = 0
         """Pools replaced so far (a growth replaces ``k``, ``v`` and ``positions``)."""
+        self._maps: list[mmap.mmap] = []
+        """The mappings of the current ``k`` and ``v`` (released extents are discarded)."""
+        self._pinned: list[int] = []
+        """Start of every range registered with the driver, current and replaced pools."""
+        self._pinned_bytes = 0
+        """Prefix of the current ``k`` (and ``v``) registered, bytes."""
+        self._retired_pinned = 0
+        """Bytes still registered in pools a growth replaced (kept until :meth:`free`)."""
+        self._counted = 0
+        """Bytes this pool has added to ``stats.host_bytes``."""
         self._lock = threading.Lock()
-
-    def _alloc(self, pages: int) -> torch.Tensor:
-        return torch.zeros(pages, self.page_size, self.head_dim, dtype=self.dtype,
-                           pin_memory=self.pin)
 
     @property
     def capacity_pages(self) -> int:
-        """Pages allocated."""
+        """Pages allocated (address space: see the module docstring)."""
         return int(self.k.shape[0])
 
     @property
     def allocated_pages(self) -> int:
         """Pages held by requests' extents."""
         with self._lock:
-            return self.used_pages - sum(n for _, n in self.free_extents)
+            return self._allocated()
+
+    def _allocated(self) -> int:
+        return self.used_pages - sum(n for _, n in self.free_extents)
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Host bytes the pool holds: the requests' pages (a released extent's memory goes
+        back to the OS); pinned, every registered byte (locked until :meth:`free`)."""
+        return self._counted
 
     def page_nbytes(self) -> int:
         """Bytes of one page of keys and values."""
-        return 2 * self.page_size * self.head_dim * self.k.element_size()
+        return 2 * self._array_page_bytes()
+
+    def _array_page_bytes(self) -> int:
+        return self.page_size * self.head_dim * self.k.element_size()
+
+    def _account(self) -> None:
+        """Bring ``stats.host_bytes`` to :meth:`nbytes`'s figure (caller holds the lock)."""
+        if self.pin:
+            held = 2 * self._pinned_bytes + self._retired_pinned
+        else:
+            held = self._allocated() * self.page_nbytes()
+        self.stats.add(host_bytes=held - self._counted)
+        self._counted = held
 
     def reserve(self, pages: int, headroom: int = 0) -> int:
-        """Claim ``pages`` consecutive pages; returns the first. A released extent that fits
-        is reused (first fit); else the claim goes at the high-water mark and the pool grows
-        when full (see :meth:`ensure_room`), to ``headroom`` pages beyond the claim if it was
-        empty (a first allocation copies nothing, so the room for the next block is free
-        to take now). Called from the update worker, so it copies with numpy (see
-        :func:`bits`)."""
+        """Claim ``pages`` consecutive pages (their block map and positions set to -1);
+        returns the first. A released extent that fits is reused (first fit); else the claim
+        goes at the high-water mark, and a pool without room grows (see :meth:`ensure_room`),
+        to ``headroom`` pages beyond the claim if it was empty and has no reservation.
+        Called from the update worker, so it copies with numpy (see :func:`bits`)."""
         with self._lock:
             for i, (start, n) in enumerate(self.free_extents):
                 if n >= pages:
                     rest = (start + pages, n - pages)
                     self.free_extents[i:i + 1] = [rest] if rest[1] else []
-                    return start
-            self._ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
-            start = self.used_pages
-            self.used_pages = start + pages
+                    break
+            else:
+                self._ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
+                start = self.used_pages
+                self.used_pages = start + pages
+                self._pin_upto(self.used_pages)
+            self.page_block[start:start + pages] = -1
+            self.positions.numpy()[start * self.page_size:(start + pages) * self.page_size] = -1
+            self._account()
             return start
 
     def release(self, start: int, pages: int) -> None:
-        """Return the extent of ``pages`` pages at ``start`` (its rows become padding and its
-        pages uncached); merged with its free neighbours, and given back to the high-water
-        mark when it ends there."""
+        """Return the extent of ``pages`` pages at ``start`` (its rows become padding, its
+        pages uncached, its memory the OS's unless pinned); merged with its free
+        neighbours, and given back to the high-water mark when it ends there."""
         if pages <= 0:
             return
         with self._lock:
             self.page_block[start:start + pages] = -1
             self.positions.numpy()[start * self.page_size:(start + pages) * self.page_size] = -1
+            if not self.pin:
+                self._discard(start, pages)
             ext = sorted([*self.free_extents, (start, pages)])
             merged: list[tuple[int, int]] = []
             for s, n in ext:
@@ -127,37 +222,84 @@ class HostTier:
             if merged and merged[-1][0] + merged[-1][1] == self.used_pages:
                 self.used_pages = merged.pop()[0]
             self.free_extents = merged
+            self._account()
+
+    def _discard(self, start: int, pages: int) -> None:
+        """Give the OS pages of the extent's keys and values back (they read as zeros when
+        next written); only whole OS pages inside the extent."""
+        size = self._array_page_bytes()
+        lo = -(-start * size // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + pages) * size // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            for mm in self._maps:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def _pin_upto(self, pages: int) -> None:
+        """Register the current pool's keys and values up to page ``pages`` (rounded up to
+        :data:`PIN_CHUNK` bytes, at most the pool) with the driver."""
+        if not self.pin:
+            return
+        total = self.capacity_pages * self._array_page_bytes()
+        target = min(total, -(-pages * self._array_page_bytes() // PIN_CHUNK) * PIN_CHUNK)
+        if target > self._pinned_bytes:
+            self._pin_range(self.k, self.v, self._pinned_bytes, target)
+            self._pinned_bytes = target
+
+    def _pin_range(self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> None:
+        for t in (k, v):
+            self._register(t.data_ptr() + lo, hi - lo)
+            self._pinned.append(t.data_ptr() + lo)
 
     def ensure_room(self, pages: int) -> bool:
-        """Grow the pool (by >= 1.5x, copying the used pages) unless ``pages`` more fit past
-        the high-water mark; True when it grew. The grown pool replaces the old one whole,
-        after the copy, so a reader holding the old pool still reads every page laid out
-        before."""
+        """Grow the pool unless ``pages`` more fit past the high-water mark; True when it
+        grew. The grown pool replaces the old one whole, after the copy, so a reader holding
+        the old pool still reads every page laid out before."""
         with self._lock:
             return self._ensure_room(pages)
 
     def _ensure_room(self, pages: int) -> bool:
         need = self.used_pages + pages
-        if need <= self.capacity_pages:
+        cap = self.capacity_pages
+        if need <= cap:
             return False
-        cap = max(need, (3 * self.capacity_pages) // 2)
-        before = self.nbytes()
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.empty(cap, self.page_size, self.head_dim, dtype=self.dtype,
-                              pin_memory=self.pin)
-            new_np = bits(new)
-            new_np[: self.used_pages] = bits(old)[: self.used_pages]
-            new_np[self.used_pages:] = 0
-            setattr(self, name, new)
-        pos = np.full(cap * self.page_size, -1, dtype=np.int64)
-        pos[: self.positions.numel()] = self.positions.numpy()
-        self.positions = torch.from_numpy(pos)
-        block = np.full(cap, -1, dtype=np.int64)
-        block[: self.page_block.size] = self.page_block
-        self.page_block = block
+        if cap == 0 and self.reserve_pages:
+            size = max(need, self.reserve_pages)
+        else:
+            size = max(need, (3 * cap) // 2)
+            if self.reserve_pages:
+                logger.warning("retro: a layer's host pool outgrew its reservation of %d "
+                               "pages; growing it to %d pages (copying %d)", cap, size,
+                               self.used_pages)
+        try:
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+        except OSError as exc:  # the address space asked for is not there
+            if size == need:
+                raise
+            logger.warning("retro: could not map %d host pages for a layer (%s); mapping "
+                           "%d and growing later", size, exc, need)
+            size = need
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+        used = self.used_pages
+        pinned = 0
+        if self.pin:
+            pinned = min(size * self._array_page_bytes(),
+                         -(-used * self._array_page_bytes() // PIN_CHUNK) * PIN_CHUNK)
+            if pinned:
+                self._pin_range(k, v, 0, pinned)
+        bits(k)[:used] = bits(self.k)[:used]
+        bits(v)[:used] = bits(self.v)[:used]
+        positions, _ = lazy_zeros((size * self.page_size,), torch.int64)
+        positions[: used * self.page_size] = self.positions[: used * self.page_size]
+        page_block = lazy_zeros((size,), torch.int64)[0].numpy()
+        page_block[:used] = self.page_block[:used]
+        self.k, self.v, self.positions, self.page_block = k, v, positions, page_block
+        self._maps = [mk, mv]
+        self._retired_pinned += 2 * self._pinned_bytes
+        self._pinned_bytes = pinned
         self.generation += 1
-        self.stats.add(host_bytes=self.nbytes() - before)
+        self._account()
         return True
 
     def write_rows(self, rows: np.ndarray, keys: np.ndarray, values: np.ndarray,
@@ -170,12 +312,22 @@ class HostTier:
         self.stats.add(bytes_offloaded=2 * keys.size * self.k.element_size())
 
     def free(self) -> None:
-        """Release the pool."""
+        """Release the pool (no store is left): its ranges unregistered, its mappings
+        unmapped once no view of them is left."""
         with self._lock:
-            self.stats.add(host_bytes=-self.nbytes())
-            self.k = self._alloc(0)
-            self.v = self._alloc(0)
-            self.positions = self.positions[:0]
-            self.page_block = self.page_block[:0]
+            pinned, self._pinned = self._pinned, []
+            for ptr in pinned:
+                try:
+                    self._unregister(ptr)
+                except RuntimeError as exc:  # the memory goes with the mapping regardless
+                    logger.error("retro: %s", exc)
+            # fresh empty arrays: a slice would keep the mappings alive
+            self.k = torch.zeros(0, self.page_size, self.head_dim, dtype=self.dtype)
+            self.v = torch.zeros(0, self.page_size, self.head_dim, dtype=self.dtype)
+            self.positions = torch.full((0,), -1, dtype=torch.int64)
+            self.page_block = np.zeros(0, dtype=np.int64)
+            self._maps = []
+            self._pinned_bytes = self._retired_pinned = 0
             self.used_pages = 0
             self.free_extents = []
+            self._account()

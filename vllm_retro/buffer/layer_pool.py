@@ -25,13 +25,13 @@ request by request. What stays per request is the steady-zone copies.
 
 The pools live while the layer has a store; the last store's ``free`` releases them.
 
-The cost of one pool per layer is its growth: a request whose pages do not fit copies every
-request's pages into a pool 1.5x larger, and the pool keeps that slack
-(``bench/layer_pool_build.py``, 8 requests x 32K on one Llama-shaped layer: +13% build time,
-+22% host memory). So the serving runtime uses layer pools where the batched path decodes
-and gives each request its own pool (``WaveBufferManager.store(..., layer=None)``) on the
-fused CPU kernel's path, which reads each request's pages directly. A host pool
-preallocated per layer, as vLLM sizes its KV cache, would remove both costs.
+The host pool is preallocated, as vLLM sizes its KV cache once: the serving runtime gives
+each layer a reservation of address space (``WaveBufferManager(pool_reserve_bytes=...)``,
+twice the machine's memory over the attention layers) mapped once and committed page by page
+as requests write it (:mod:`vllm_retro.buffer.host_tier`), so no request's pages are copied
+when another one arrives and a released extent gives its memory back to the OS. Every path
+uses the layer's pools, the fused CPU kernel's too (it reads the pool's pages in place).
+``bench/layer_pool_build.py`` measures the build and memory cost against a pool per request.
 """
 
 from __future__ import annotations
@@ -80,14 +80,19 @@ class LayerPool:
 
     def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, stats: BufferStats,
-                 on_empty: Callable[[LayerPool], None] | None = None):
+                 on_empty: Callable[[LayerPool], None] | None = None, reserve_bytes: int = 0):
+        """``reserve_bytes``: host address space the layer's page pool is mapped with at
+        its first claim (committed as pages are written; 0: the pool grows as it fills),
+        see :mod:`vllm_retro.buffer.host_tier`."""
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
+        page_bytes = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         self.host = HostTier(head_dim, page_size, dtype, stats,
-                             pin=self.device.type == "cuda" or None)
+                             pin=self.device.type == "cuda" or None,
+                             reserve_pages=reserve_bytes // page_bytes)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
         self.stores: set[WaveBufferStore] = set()
         self._on_empty = on_empty

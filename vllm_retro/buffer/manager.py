@@ -25,8 +25,14 @@ from vllm_retro.config import RetroConfig
 class WaveBufferManager:
     """Factory and registry of :class:`WaveBufferStore` objects, keyed by request id."""
 
-    def __init__(self, config: RetroConfig | None = None):
+    def __init__(self, config: RetroConfig | None = None, pool_reserve_bytes: int = 0):
+        """``pool_reserve_bytes``: host address space each layer's page pool is mapped with
+        (:class:`~vllm_retro.buffer.layer_pool.LayerPool`; a store's private pool gets
+        none and grows as it fills)."""
+        if pool_reserve_bytes < 0:
+            raise ValueError(f"pool_reserve_bytes {pool_reserve_bytes}; accepted: >= 0")
         self.config = config or RetroConfig()
+        self.pool_reserve_bytes = int(pool_reserve_bytes)
         self.stats = BufferStats()
         self.worker = UpdateWorker(self.stats, enabled=self.config.async_updates)
         self._stores: dict[str, list[WaveBufferStore]] = {}
@@ -48,7 +54,8 @@ class WaveBufferManager:
             if pool is None:
                 pool = self._pools[key] = LayerPool(
                     num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
-                    on_empty=lambda p, key=key: self._drop_pool(key, p))
+                    on_empty=lambda p, key=key: self._drop_pool(key, p),
+                    reserve_bytes=0 if layer is None else self.pool_reserve_bytes)
             st = WaveBufferStore(self, pool, self.config)
             self._stores.setdefault(request_id, []).append(st)
         return st

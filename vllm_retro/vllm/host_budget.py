@@ -22,11 +22,12 @@ build is due, and decodes densely until its reservation fits.
 The reservation is an upper bound measured for the wave index on the real model
 (``tests/vllm/test_host_budget.py`` checks it against the bytes the worker holds: at most
 0.76 of it): the host tier pads every cluster to whole pages (1.35x the raw K+V at cluster
-size 16 and page size 8), a pool grows by 1.5x when an update block does not fit, and the
-index's meta data (centroids, value sums, estimator terms) adds about 0.1x; plus each
-request's slot of the steady-zone pools. Not measured for the other policies: the graph
-index's adjacency (2 x 16 int32 per key and KV head) adds 0.5x of the K+V at head_dim 64
-in bf16, so right after a pool's growth it can reach ~2.3x.
+size 16 and page size 8; the layer's pool is preallocated and commits only the pages it
+holds, so no growth slack is held: the 0.5x once allowed for pools growing by 1.5x is now
+margin), and the index's
+meta data (centroids, value sums, estimator terms) adds about 0.1x; plus each request's
+slot of the steady-zone pools. Not measured for the other policies: the graph index's
+adjacency (2 x 16 int32 per key and KV head) adds 0.5x of the K+V at head_dim 64 in bf16.
 
 The workers' own figure, ``host_tier_bytes``, is not used to admit: it lags the scheduler by
 a step, still counting requests that have finished, so it would make a request's start

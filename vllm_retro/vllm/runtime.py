@@ -17,7 +17,6 @@ import torch
 
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.batched import fused_path
 from vllm_retro.index.graph_index import GraphIndex
 from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.pq_index import PQIndex
@@ -122,7 +121,8 @@ class RetroRuntime:
         if self._manager is None:
             if self.config is None:
                 raise RuntimeError("retro runtime used while retro is off for this engine")
-            self._manager = WaveBufferManager(self.config)
+            self._manager = WaveBufferManager(
+                self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config))
         return self._manager
 
     @property
@@ -155,14 +155,9 @@ class RetroRuntime:
     def _build(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor,
                queries: torch.Tensor | None = None) -> WaveIndex:
         assert self.config is not None
-        # The batched padded path (CUDA; CPU with the torch/triton kernels) reads a layer's
-        # rows through one pool per layer. The fused CPU kernel reads each request's pages
-        # directly, so there a pool per request saves the layer pool's growth copies and
-        # slack (bench/layer_pool_build.py: +13% build time, +22% host memory at 8 x 32K).
         pq = self.config.index == "pqcache"
-        pooled = not fused_path(self.config.kernel_backend, keys.device)
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
-                                   keys.device, layer=layer if pooled else None)
+                                   keys.device, layer=layer)
         if self.config.index == "saap":  # the trained routing, checked against the model
             model = load_saap(self.config.saap_file,
                               getattr(getattr(self._engine, "model_config", None), "hf_config",
@@ -353,6 +348,28 @@ class RetroRuntime:
 
 _runtime: RetroRuntime | None = None
 _runtime_lock = threading.Lock()
+
+
+def pool_reserve_bytes(engine_config: object, config: RetroConfig) -> int:
+    """Host address space each layer's page pool is mapped with
+    (:mod:`vllm_retro.buffer.host_tier`): twice one attention layer's share of the most the
+    host tier can hold, the machine's memory (or ``host_memory_gb`` when larger). Layers
+    hold about equal shares (the same tokens, the same KV heads), so no layer's pool grows;
+    only address space is taken until pages are written."""
+    import psutil
+
+    limit = psutil.virtual_memory().total
+    if config.host_memory_gb is not None:
+        limit = max(limit, int(config.host_memory_gb * (1 << 30)))
+    layers = 1
+    model, parallel = (getattr(engine_config, name, None)
+                       for name in ("model_config", "parallel_config"))
+    if model is not None and parallel is not None:
+        try:
+            layers = model.get_num_layers_by_block_type(parallel, "attention")
+        except (AttributeError, ValueError, TypeError):  # no per-type layer list
+            layers = model.get_num_layers(parallel)
+    return 2 * limit // max(1, int(layers))
 
 
 def get_runtime() -> RetroRuntime:
