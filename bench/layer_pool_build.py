@@ -40,8 +40,10 @@ PREALLOCATED, GROWING, OWN = "preallocated layer pool", "growing layer pool", "p
 
 
 def build_all(kv: list[tuple[torch.Tensor, torch.Tensor]], cfg: RetroConfig, mode: str
-              ) -> tuple[list[float], int]:
-    """Build every request's index into a fresh manager; (seconds per request, host bytes)."""
+              ) -> tuple[list[float], int, int]:
+    """Build every request's index into a fresh manager; (seconds per request, host bytes
+    the pools count, growth of the process's resident memory over the builds)."""
+    rss = psutil.Process().memory_info().rss
     reserve = 2 * psutil.virtual_memory().total // LAYERS if mode == PREALLOCATED else 0
     mgr = WaveBufferManager(cfg, pool_reserve_bytes=reserve)
     seconds = []
@@ -52,8 +54,9 @@ def build_all(kv: list[tuple[torch.Tensor, torch.Tensor]], cfg: RetroConfig, mod
         store.settle()
         seconds.append(time.perf_counter() - t)
     host = mgr.live_bytes()[0]
+    rss = psutil.Process().memory_info().rss - rss
     mgr.close()
-    return seconds, host
+    return seconds, host, rss
 
 
 def main() -> None:
@@ -76,12 +79,14 @@ def main() -> None:
     modes = (OWN, GROWING, PREALLOCATED)
     runs: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, int] = {}
+    resident: dict[str, int] = {}
     for _ in range(args.repeat):
         for mode in modes:
-            seconds, host[mode] = build_all(kv, cfg, mode)
+            seconds, host[mode], resident[mode] = build_all(kv, cfg, mode)
             runs[mode] += seconds
             print(f"{mode:>23}: build s/request " + " ".join(f"{s:.2f}" for s in seconds)
-                  + f"  total {sum(seconds):.2f}  host {host[mode] / 2**20:.0f} MiB", flush=True)
+                  + f"  total {sum(seconds):.2f}  host {host[mode] / 2**20:.0f} MiB"
+                  + f"  resident +{resident[mode] / 2**20:.0f} MiB", flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     total = {k: sum(v) / args.repeat for k, v in runs.items()}
 
@@ -94,7 +99,10 @@ def main() -> None:
         f"{args.repeat} alternating runs; ratios to the {OWN}",
         compare("build seconds per request, median", med, " s"),
         compare("build seconds, all requests", total, " s"),
-        compare("host memory held", {m: b / 2**20 for m, b in host.items()}, " MiB"),
+        compare("host memory held (pools' count)", {m: b / 2**20 for m, b in host.items()},
+                " MiB"),
+        compare("resident memory growth (last run)",
+                {m: b / 2**20 for m, b in resident.items()}, " MiB"),
     ]
     print("\n".join(lines))
     if args.out is not None:
