@@ -185,8 +185,9 @@ def test_client_disconnect_mid_stream_frees_request_state(server: Server) -> Non
             chunks += line.startswith("data: ")
             if chunks >= 20:
                 break
-        # the gauges are the workers' reports of an earlier engine step (one step behind
-        # at the first token, more on a loaded machine): wait for them, stream still open
+        # the gauges are the workers' reports of an engine step, delivered with its outputs
+        # (a request counts from its prefill step, build included): wait for them on a
+        # loaded machine, stream still open
         deadline = time.monotonic() + 30
         held = server.metrics()
         while sample(held, "vllm_retro:live_requests") != 1 and time.monotonic() < deadline:

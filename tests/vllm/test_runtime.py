@@ -80,3 +80,28 @@ def test_a_request_has_one_slot_in_every_layers_steady_pool():
     assert all(p.nbytes() == 0 for p in pools.values())
     assert rt.live_bytes() == (0, 0)
     rt.close()
+
+
+def test_a_request_counts_live_from_its_build_not_its_switch():
+    """The gauges see a request from the step its build holds memory (its indexes wait in
+    the builder until the scheduler switches it), with the same clusters then as after its
+    switch, and its index meta data in the host bytes; freed, it counts no more."""
+    cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
+    rt = RetroRuntime()
+    rt.attach(object(), cfg)
+    g = torch.Generator().manual_seed(2)
+    for layer in ("l0", "l1"):
+        rt.submit_build("x", layer, torch.randn(2, 300, 32, generator=g),
+                        torch.randn(2, 300, 32, generator=g))
+    before = rt.take_stats(0).data["gauges"]["0"]
+    assert rt.live_requests() == []  # not switched yet
+    assert before["live_requests"] == 1 and before["clusters"] > 0
+    assert before["host_tier_bytes"] > rt.manager.live_bytes()[0]  # + the indexes' meta data
+    rt.index("x", "l0")  # the switch takes the indexes over from the builder
+    after = rt.take_stats(0).data["gauges"]["0"]
+    assert after["live_requests"] == 1 and after["clusters"] == before["clusters"]
+    assert after["host_tier_bytes"] >= before["host_tier_bytes"]  # + its steady-zone slot
+    rt.free_request("x")
+    freed = rt.take_stats(0).data["gauges"]["0"]
+    assert (freed["live_requests"], freed["clusters"], freed["host_tier_bytes"]) == (0, 0, 0)
+    rt.close()

@@ -176,6 +176,12 @@ class IndexBuilder:
         with self._cond:
             return list(self._requests)
 
+    def built(self) -> dict[str, list[Any]]:
+        """The indexes built and not yet taken, by request id (they hold memory before
+        their request's switch)."""
+        with self._cond:
+            return {rid: list(req.indexes.values()) for rid, req in self._requests.items()}
+
     def wait(self) -> None:
         """Block until no build is queued or running."""
         with self._cond:

@@ -73,7 +73,8 @@ FAMILIES: tuple[Family, ...] = (
            "step, waiting for a cancelled build), all workers: the builds' cost on the "
            "critical path.", "index_step_seconds"),
     Family(PREFIX + "live_requests", "gauge",
-           "Requests holding a wave index and wave buffer now.", "live_requests"),
+           "Requests holding retro state now: wave indexes (built, or being built) and "
+           "their wave buffer.", "live_requests"),
     Family(PREFIX + "clusters", "gauge",
            "Clusters in live wave indexes, over layers, KV heads and workers.", "clusters"),
     Family(PREFIX + "host_tier_bytes", "gauge",

@@ -277,16 +277,25 @@ class RetroRuntime:
         return per_layer is not None
 
     def live_requests(self) -> list[str]:
-        """Request ids holding indexes."""
+        """Request ids holding indexes (taken over at their switch)."""
         with self._lock:
             return list(self._indexes)
+
+    def _held_indexes(self) -> dict[str, list[WaveIndex]]:
+        """Every index holding memory, by request id: those taken over at their request's
+        switch and those the builder holds until then (built the step before, or in the
+        background)."""
+        held = dict(self._builder.built()) if self._builder is not None else {}
+        with self._lock:
+            for rid, per_layer in self._indexes.items():
+                held.setdefault(rid, []).extend(per_layer.values())
+        return held
 
     def live_bytes(self) -> tuple[int, int]:
         """(host bytes, device bytes) held by live requests: the wave buffer's tiers, the
         layers' steady-zone pools, and each index's meta data (and steady zone, if not in a
-        pool)."""
-        with self._lock:
-            indexes = [i for d in self._indexes.values() for i in d.values()]
+        pool), built indexes not yet taken over included."""
+        indexes = [i for held in self._held_indexes().values() for i in held]
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
         held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
                 for idx in indexes]
@@ -310,10 +319,12 @@ class RetroRuntime:
             now.update({new: snap[old] for old, new in _BUFFER_COUNTERS.items()})
         deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
+        held = self._held_indexes()
+        # a request counts from the step its build starts holding memory, not from its switch
+        live = len(held.keys() | set(self._manager.live_requests()
+                                     if self._manager is not None else ()))
+        clusters = sum(i.num_clusters * i.num_kv_heads for d in held.values() for i in d)
         with self._lock:
-            live = len(self._indexes)
-            clusters = sum(i.num_clusters * i.num_kv_heads for d in self._indexes.values()
-                           for i in d.values())
             builds = list(self._build_seconds.values())
             self._build_seconds = {}
         host, device = self.live_bytes()
