@@ -84,8 +84,10 @@ class WaveBufferManager:
             return list(self._stores)
 
     def live_bytes(self) -> tuple[int, int]:
-        """(host bytes, device block-cache bytes) of the layers' pools (allocated: live
-        requests' pages and blocks plus the pools' free room)."""
+        """(host bytes, device block-cache bytes) of the layers' pools: the live requests'
+        host pages (pinned pools: every registered byte, see
+        :meth:`~vllm_retro.buffer.host_tier.HostTier.nbytes`), and the device pools whole,
+        free blocks included."""
         with self._lock:
             sizes = [p.nbytes() for p in self._pools.values()]
         return sum(h for h, _ in sizes), sum(d for _, d in sizes)
