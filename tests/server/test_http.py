@@ -173,33 +173,39 @@ def test_bad_input_answers_4xx_and_server_keeps_serving(server: Server, client,
 def test_client_disconnect_mid_stream_frees_request_state(server: Server) -> None:
     """A client that drops an indexed streaming request: the worker frees its index and
     buffer (gauges back to zero) and vLLM no longer runs it."""
-    body = {"model": MODEL, "prompt": LONG, "max_tokens": 2500, "temperature": 0.0,
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 2900, "temperature": 0.0,
             "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(timeout=120) as http, \
             http.stream("POST", server.url + "/v1/completions", json=body,
                         headers=headers) as resp:
         assert resp.status_code == 200
-        chunks = 0
         for line in resp.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks >= 20:
+            if line.startswith("data: "):
                 break
-        # the gauges are the workers' reports of an engine step, delivered with its outputs
-        # (a request counts from its prefill step, build included): wait for them on a
-        # loaded machine, stream still open
+        # The server generates whether or not the client reads (a slow client on a loaded
+        # machine once read its 20th chunk after the request had finished), so the gauges
+        # are read from the first chunk on, until a step's report shows the request running
+        # with its index (each report is one engine step's, worker and scheduler alike).
         deadline = time.monotonic() + 30
         held = server.metrics()
-        while sample(held, "vllm_retro:live_requests") != 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while not (sample(held, "vllm_retro:live_requests") == 1
+                   and sample(held, "vllm:num_requests_running") == 1) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
             held = server.metrics()
-        assert sample(held, "vllm_retro:live_requests") == 1
-        assert sample(held, "vllm_retro:host_tier_bytes") > 0
-        assert sample(held, "vllm_retro:clusters") > 0
+        gauges = [line for line in held.splitlines() if line.startswith(
+            ("vllm_retro:live", "vllm_retro:host_", "vllm_retro:clusters", "vllm:num_req"))
+            and "_created" not in line and "to_device" not in line]
+        gauges = "; ".join(gauges)
+        assert sample(held, "vllm_retro:live_requests") == 1, gauges
+        assert sample(held, "vllm:num_requests_running") == 1, gauges
+        assert sample(held, "vllm_retro:host_tier_bytes") > 0, gauges
+        assert sample(held, "vllm_retro:clusters") > 0, gauges
         # its reservation bounds what it holds, within the budget
         reserved = sample(held, "vllm_retro:host_reserved_bytes")
-        assert sample(held, "vllm_retro:host_tier_bytes") <= reserved
-        assert reserved <= sample(held, "vllm_retro:host_budget_bytes")
+        assert sample(held, "vllm_retro:host_tier_bytes") <= reserved, gauges
+        assert reserved <= sample(held, "vllm_retro:host_budget_bytes"), gauges
     # the connection is closed here, mid-stream
     deadline = time.monotonic() + 30
     while True:
