@@ -44,6 +44,7 @@ from bench.decode_step import (  # noqa: E402
     retro_bytes,
     synthetic_kv,
 )
+from bench.machine import cpu_description  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
@@ -163,7 +164,7 @@ def main() -> None:
         raise SystemExit(f"the fused CPU kernel cannot be built: {cpu_decode.load_error()}")
     kernels = {args.rev: build_revision(args.rev), "tree": cpu_decode.load()}
     args.read_bw = read_bandwidth(torch.device("cpu"))
-    print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
+    print(f"{cpu_description()}; read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     rows = []
     for n in args.contexts:
         for b in args.batches:
@@ -184,7 +185,8 @@ def main() -> None:
                 print(f"    {k:>8} phases ms: " + "  ".join(f"{p} {v:.2f}" for p, v in ph.items()),
                       flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rev": args.rev, "threads": args.threads,
+    args.out.write_text(json.dumps({"rev": args.rev, "cpu": cpu_description(),
+                                    "threads": args.threads,
                                     "read_bandwidth_GBps": args.read_bw / 1e9,
                                     "steps": args.steps, "cases": rows}, indent=1))
     print(f"wrote {args.out}")

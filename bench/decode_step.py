@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_description  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
@@ -109,7 +109,8 @@ def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torc
     if not available():
         raise SystemExit(f"vLLM's CPU attention kernel is unavailable: {unavailable_reason()}")
     attn = VllmCpuDecodeAttention(keys, values, HQ, scale=scale)
-    return (lambda q: attn(q.to(keys.dtype))), "vLLM CPU paged attention", attn.kv_bytes
+    return ((lambda q: attn(q.to(keys.dtype))), f"vLLM CPU paged attention ({attn.isa} ISA)",
+            attn.kv_bytes)
 
 
 def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
@@ -532,8 +533,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor()
-        or platform.machine(),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_description(),
         "threads": args.threads, "shape": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D},
         "dtype": "bfloat16", "config": RetroConfig(kmeans_iters=args.kmeans_iters).to_dict(),
         "steps": args.steps, "cases": [], "skipped": [],
@@ -542,7 +542,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.read_bw = read_bandwidth(device)
     result["read_bandwidth_GBps"] = args.read_bw / 1e9
-    print(f"read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
+    print(f"{cpu_description()}; read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     for n in args.contexts:
         for b in args.batches:
             ok, why = fits(n, b, device, 2.5 + ("pqcache" in args.policies)

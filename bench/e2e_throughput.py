@@ -29,7 +29,6 @@ import gc
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,8 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_description  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the worker runtime here
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -255,7 +256,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(sys.argv), "model": model,
         "model_name": pathlib.Path(model).name, "device": device,
-        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "cpu": cpu_description(), "threads": torch.get_num_threads(),
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "dtype": args.dtype, "eager": args.eager,
         "configs": [run_config(name, CONFIGS[name], model, ps, args) for name in args.configs],

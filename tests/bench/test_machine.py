@@ -1,0 +1,40 @@
+"""bench.machine: what a benchmark records about the CPU it ran on."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from bench.machine import cpu_description
+
+_AMX_CPU = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile
+"""
+_AVX2_CPU = """processor\t: 0
+model name\t: AMD EPYC 7B12
+flags\t\t: fpu sse2 avx2 fma f16c
+"""
+
+
+def test_names_the_model_and_the_isas_that_pick_kernels() -> None:
+    text = cpu_description(_AMX_CPU)
+    assert text.startswith("Intel(R) Xeon(R) Platinum 8480+; ")
+    assert text.endswith("; avx2 avx512f avx512_bf16 amx_bf16")
+
+
+def test_a_cpu_without_avx512_or_amx_lists_only_what_it_has() -> None:
+    text = cpu_description(_AVX2_CPU)
+    assert text.startswith("AMD EPYC 7B12; ")
+    assert text.endswith("; avx2")
+    assert cpu_description("processor\t: 0\n").endswith("; no AVX2")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo")
+def test_this_machine_is_described_from_proc_cpuinfo() -> None:
+    text = cpu_description()
+    flags = next(ln for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("flags")).split()
+    assert ("amx_bf16" in text.split("; ")[-1].split()) == ("amx_bf16" in flags)
+    assert " cores; " in text
