@@ -158,6 +158,14 @@ def available() -> bool:
     return load() is not None
 
 
+def scoring_isa() -> str | None:
+    """The instruction set the fused kernel scores bf16 clusters with on this CPU:
+    ``"avx512bf16"`` (``vdpbf16ps``, picked at run time where the CPU has it), ``"avx2"`` or
+    ``"scalar"``; None without the extension."""
+    mod = load()
+    return None if mod is None else str(mod.scoring_isa())
+
+
 def fused_path(backend: str, device: torch.device) -> bool:
     """True when indexes with kernel ``backend`` on ``device`` decode through the fused CPU
     kernels (the CPU, the 'auto' backend, the extension built)."""

@@ -373,3 +373,20 @@ def test_tilted_correction_matches_the_reference_on_a_grid():
     torch.testing.assert_close(got[big], ref[big], rtol=2e-5, atol=3e-4)
     torch.testing.assert_close(got[small], ref[small], rtol=2e-5, atol=5e-3)
     assert (got[aa <= 0] == 0).all()
+
+
+def test_bf16_scoring_uses_avx512_bf16_exactly_where_the_cpu_has_it():
+    """The AVX512-BF16 scoring path is chosen at run time: on a CPU listing avx512_bf16 the
+    tests above exercise it (bf16 cases), elsewhere the AVX2 path."""
+    import pathlib
+
+    info = pathlib.Path("/proc/cpuinfo")
+    if not info.exists():
+        pytest.skip("no /proc/cpuinfo")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines()
+                  if ln.startswith("flags")), [])
+    isa = cpu_decode.scoring_isa()
+    if "avx512_bf16" in flags and "avx512bw" in flags:
+        assert isa == "avx512bf16"
+    else:
+        assert isa in ("avx2", "scalar")
