@@ -301,7 +301,7 @@ RETRO_INLINE __m256 reduce8(const __m256* a) {
 // bf16 only when they convert exactly (they come from a bf16 query, and the page-bound split
 // of it is exact too), else the AVX2 path runs. Scoring only: it streams every centroid, and
 // with the AVX2 path it was arithmetic-bound (~6 GB/s per core against ~10 GB/s for a plain
-// read of the same rows); fed 16 rows ahead by software prefetches it took 1.05-1.31x less
+// read of the same rows); fed 16 rows ahead by software prefetches it took 1.05-1.14x less
 // time per step (bench/README.md, "On a CPU with AMX"). For the exact keys (tiles of 32
 // scattered rows) it measured slower.
 #define RETRO_AVX512BF16 1
