@@ -17,19 +17,26 @@ pairs in parallel (ATen's OpenMP pool) with one online softmax per query head in
 per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_ref`,
 ``torch.topk``, :func:`~vllm_retro.kernels.tripartite_attention.tripartite_decode_ref`).
 
-The extension is compiled once per machine by the README's setup command (``python -m
+The extension is compiled by the README's setup command (``python -m
 vllm_retro.kernels.cpu_decode``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded from there;
 :func:`load` compiles it on first use when missing, and returns None (with the reason in
-:func:`load_error`) when it cannot be built, so callers fall back to the per-row path.
+:func:`load_error`) when it cannot be built, so callers fall back to the per-row path. The
+build directory is keyed by everything the build command contains (sources and their paths,
+flags, torch's and Python's include paths), so checkouts and environments sharing one cache
+never rebuild over each other's builds; a build is serialised across processes by an
+advisory file lock that dies with its holder, so a build killed midway (which leaves torch's
+own ``lock`` file behind) cannot make every later load wait forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import pathlib
 import platform
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -110,13 +117,42 @@ def _flags() -> list[str]:
 
 
 def _build_dir() -> tuple[pathlib.Path, str]:
+    """The build directory and its key: a hash of every input of the build command (ninja
+    rebuilds everything when the command changes, e.g. another checkout's source paths or
+    another environment's include paths, so those must not share a directory)."""
+    from torch.utils import cpp_extension
+
     # vllm-retro's cache root (vllm_retro.models.default_cache_dir; kernels import nothing
     # above them)
     root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
-    flags = _flags()
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
+    inputs = [*map(str, _SOURCES), *_flags(), torch.__version__,
+              *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)
+                         + "\0".join(inputs).encode()).hexdigest()[:16]
     return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
+
+
+def _compile(directory: pathlib.Path, key: str) -> Any:
+    """Build (unless built) and import the extension in ``directory``, holding the directory's
+    build lock (an ``flock``, released by the kernel when its holder dies)."""
+    from torch.utils import cpp_extension
+
+    name = f"vllm_retro_cpu_{key}"
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds here
+        # torch's own lock file: whoever creates it holds the flock above, so one found here
+        # was left by a build that was killed (and would make torch wait for it forever)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("vllm-retro: removing %s, left by a kernel build that was killed",
+                           stale)
+            stale.unlink()
+        if not (directory / f"{name}.so").exists():
+            logger.info("vllm-retro: compiling the fused CPU kernels into %s (once per "
+                        "checkout and environment, a minute or two)", directory)
+        return cpp_extension.load(
+            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
 def load() -> Any:
@@ -128,15 +164,9 @@ def load() -> Any:
         if _module is not None or _error is not None:
             return _module
         try:
-            from torch.utils import cpp_extension
-
             directory, key = _build_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            flags = _flags()
-            _module = cpp_extension.load(
-                name=f"vllm_retro_cpu_{key}", sources=[str(p) for p in _SOURCES],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(directory), verbose=False)
+            _module = _compile(directory, key)
         except Exception as exc:  # compiler missing, headers missing, ...
             lines = str(exc).strip().splitlines() or [""]
             # the compiler's first error says why; ninja's last line only that it stopped

@@ -24,6 +24,7 @@ from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import load_saap
 from vllm_retro.index.steady import SlotTable, SteadyPool
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels import cpu_decode
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
@@ -114,6 +115,10 @@ class RetroRuntime:
         self.config = config
         self.step = None
         self._slot_to_req = {}
+        if config is not None and self._device_type == "cpu":
+            # the fused kernels, built now when missing: a build at the first index would
+            # hold that engine step (and every request in it) for a minute or two
+            cpu_decode.load()
 
     @property
     def manager(self) -> WaveBufferManager:
