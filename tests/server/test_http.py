@@ -194,10 +194,15 @@ def test_client_disconnect_mid_stream_frees_request_state(server: Server) -> Non
                 and time.monotonic() < deadline:
             time.sleep(0.1)
             held = server.metrics()
+        # what a failure shows: the gauges, and the server's word on this request (a dense
+        # fallback or a wait for host memory is logged; a request that finished is counted)
         gauges = [line for line in held.splitlines() if line.startswith(
-            ("vllm_retro:live", "vllm_retro:host_", "vllm_retro:clusters", "vllm:num_req"))
+            ("vllm_retro:live", "vllm_retro:host_", "vllm_retro:clusters", "vllm:num_req",
+             "vllm:request_success_total", "vllm_retro:indexed_requests_total"))
             and "_created" not in line and "to_device" not in line]
-        gauges = "; ".join(gauges)
+        said = [line for line in server.log.read_text().splitlines()
+                if "retro:" in line and ("request" in line or "WARNING" in line)]
+        gauges = "; ".join(gauges) + "\nserver log: " + "\n".join(said[-10:])
         assert sample(held, "vllm_retro:live_requests") == 1, gauges
         assert sample(held, "vllm:num_requests_running") == 1, gauges
         assert sample(held, "vllm_retro:host_tier_bytes") > 0, gauges
