@@ -52,7 +52,8 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[Any]:
 
     from vllm_retro.capture import real_prose
 
-    body = tokenizer(real_prose(length * 8), add_special_tokens=False)["input_ids"]
+    # each prompt starts 97 tokens further into the text
+    body = tokenizer(real_prose((length + 97 * n) * 8), add_special_tokens=False)["input_ids"]
     out = []
     for i in range(n):
         head = tokenizer(f"Document {i}: ", add_special_tokens=False)["input_ids"]
