@@ -36,6 +36,8 @@ import logging
 import os
 import pathlib
 import platform
+import re
+import shutil
 import sysconfig
 import threading
 import time
@@ -155,6 +157,28 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
             extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
+def _prune_orphans(extensions: pathlib.Path, keep: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the build directories under ``extensions`` (other than ``keep``) whose sources
+    no longer exist (a deleted checkout's: its key names their paths, so nothing can use it
+    again), skipping any whose build lock is held; returns those removed."""
+    removed = []
+    for other in extensions.glob("retro_cpu-*"):
+        ninja = other / "build.ninja"
+        if other == keep or not ninja.is_file():
+            continue
+        sources = re.findall(r"^build \S+\.o: compile (\S+)$", ninja.read_text(), re.M)
+        if not sources or any(os.path.exists(src) for src in sources):
+            continue
+        with open(other / "build.flock", "w") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # being built or pruned right now
+            shutil.rmtree(other, ignore_errors=True)
+        removed.append(other)
+    return removed
+
+
 def load() -> Any:
     """The compiled extension module (built on first use), or None if it cannot be built."""
     global _module, _error
@@ -167,6 +191,10 @@ def load() -> Any:
             directory, key = _build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             _module = _compile(directory, key)
+            try:  # every clone (CI's included) builds once; a deleted one's build goes
+                _prune_orphans(directory.parent, directory)
+            except OSError as exc:
+                logger.debug("vllm-retro: pruning old kernel builds: %s", exc)
         except Exception as exc:  # compiler missing, headers missing, ...
             lines = str(exc).strip().splitlines() or [""]
             # the compiler's first error says why; ninja's last line only that it stopped

@@ -41,3 +41,29 @@ def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path) -> None:
     assert "left by a kernel build that was killed" in res.stderr
     assert not (copy / "lock").exists()
     assert (copy / f"vllm_retro_cpu_{key}.so").exists()
+
+
+def test_builds_of_deleted_checkouts_are_pruned(tmp_path) -> None:
+    """A build directory whose sources are gone (a deleted clone's) is removed; one whose
+    sources exist, one without a build file and one being built (its lock held) stay."""
+    import fcntl
+
+    def build_dir(name: str, source: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "build.ninja").write_text(f"rule compile\n  command = c++\n\n"
+                                       f"build retro_cpu.o: compile {source}\n")
+        (d / "retro_cpu.o").write_bytes(b"\0")
+        return d
+
+    gone = build_dir("retro_cpu-gone", str(tmp_path / "deleted-clone" / "retro_cpu.cpp"))
+    live = build_dir("retro_cpu-live", str(cpu_decode._SOURCES[0]))
+    busy = build_dir("retro_cpu-busy", str(tmp_path / "other-deleted" / "retro_cpu.cpp"))
+    bare = tmp_path / "retro_cpu-bare"
+    bare.mkdir()
+    keep = build_dir("retro_cpu-mine", str(tmp_path / "also-deleted" / "retro_cpu.cpp"))
+    with open(busy / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = cpu_decode._prune_orphans(tmp_path, keep)
+    assert removed == [gone] and not gone.exists()
+    assert live.exists() and busy.exists() and bare.exists() and keep.exists()
