@@ -68,7 +68,7 @@ def build_revision(rev: str) -> object:
                               capture_output=True).stdout
         (src / p.name).write_bytes(text)
         paths.append(str(src / p.name))
-    flags = cpu_decode._flags()
+    flags = list(cpu_decode._flags())
     key = hashlib.sha256(b"".join(pathlib.Path(p).read_bytes() for p in paths)
                          + " ".join(flags).encode()).hexdigest()[:12]
     build = pathlib.Path(tempfile.gettempdir()) / f"retro-kernel-build-{key}"

@@ -31,6 +31,7 @@ own ``lock`` file behind) cannot make every later load wait forever.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -106,7 +107,8 @@ class DecodeRow:
     """Window rows (of the ring, from :attr:`win_first` on); None: all ``w``."""
 
 
-def _flags() -> list[str]:
+@functools.cache  # the build key and the build both need them: /proc/cpuinfo read once
+def _flags() -> tuple[str, ...]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
     if platform.machine() in ("x86_64", "AMD64"):
         try:
@@ -115,7 +117,7 @@ def _flags() -> list[str]:
             cpu = ""
         if " avx2 " in cpu and " fma " in cpu:
             flags += ["-mavx2", "-mfma", "-mf16c"]
-    return flags
+    return tuple(flags)
 
 
 def _build_dir() -> tuple[pathlib.Path, str]:
@@ -153,7 +155,7 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
             logger.info("vllm-retro: compiling the fused CPU kernels into %s (once per "
                         "checkout and environment, a minute or two)", directory)
         return cpp_extension.load(
-            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_flags(),
+            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_flags()),
             extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
