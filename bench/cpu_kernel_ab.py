@@ -2,19 +2,22 @@
 and both against vLLM's CPU paged attention, on the same indexes and queries in one process.
 
 Each case (context, batch) builds the wave indexes of a Llama-3-8B-shaped layer (32 query /
-8 KV heads, head_dim 128, bf16, synthetic clustered keys as in ``bench/decode_step.py``)
-once; then every step runs vLLM's kernel, the revision's kernel and this tree's kernel on
-the step's query, in turn (the two retro kernels in alternating order), each after a sweep
-of 64 MB through the caches (so each reads its bytes cold, as in a model's step, where the
-other layers' weights and KV have passed through the caches since). Outputs are compared
-(the maximum absolute difference between the two retro kernels is printed: 0 where the
-arithmetic is the same). Printed and written to ``--out``: median ms per step, the speed-up
-of each kernel over vLLM's, the tree's over the revision's, each kernel's own phase split
-(scoring, selection, lookup, exact attention, estimation), and each kernel's share of its
-bytes-moved bound (bytes read per step over the read bandwidth measured in the same run, as
-``bench/decode_step.py`` counts them).
+8 KV heads, head_dim 128, bf16, synthetic clustered keys as in ``bench/decode_step.py``;
+``--kv-heads/--group/--head-dim`` give another shape, e.g. ``2 7 64`` for the Qwen2.5-0.5B
+layer of ``bench/e2e_throughput.py``) once; then every step runs vLLM's kernel, the
+revision's kernel and this tree's kernel on the step's query, in turn (the two retro kernels
+in alternating order), each after a sweep of 64 MB through the caches (so each reads its
+bytes cold, as in a model's step, where the other layers' weights and KV have passed through
+the caches since). Outputs are compared (the maximum absolute difference between the two
+retro kernels is printed: 0 where the arithmetic is the same). Printed and written to
+``--out``: median ms per step, the speed-up of each kernel over vLLM's, the tree's over the
+revision's, each kernel's own phase split (scoring, selection, lookup, exact attention,
+estimation), and each kernel's share of its bytes-moved bound (bytes read per step over the
+read bandwidth measured in the same run, as ``bench/decode_step.py`` counts them).
 
     .venv/bin/python bench/cpu_kernel_ab.py --rev be6b486 --contexts 8192 32768 --batches 1 8
+    .venv/bin/python bench/cpu_kernel_ab.py --rev be6b486 --contexts 16384 --batches 8 \
+        --kv-heads 2 --group 7 --head-dim 64 --out /tmp/ab_qwen.json
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import (  # noqa: E402
-    HKV,
-    SCALE,
-    D,
     QueryWalk,
     fits,
     full_attention_kernel,
@@ -79,17 +79,19 @@ def build_revision(rev: str) -> object:
 
 def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Namespace) -> dict:
     """Time vLLM's kernel and each retro kernel on one (context, batch)."""
-    keys, values, centers = synthetic_kv(batch, n, torch.bfloat16, seed=n + batch)
-    full, full_name, full_bytes = full_attention_kernel(keys, values, torch.device("cpu"))
+    hkv, d, hq = args.kv_heads, args.head_dim, args.kv_heads * args.group
+    scale = d ** -0.5
+    keys, values, centers = synthetic_kv(batch, n, torch.bfloat16, seed=n + batch, hkv=hkv, d=d)
+    full, full_name, full_bytes = full_attention_kernel(keys, values, torch.device("cpu"), hq=hq)
     cfg = RetroConfig(kmeans_iters=args.kmeans_iters)
     mgr = WaveBufferManager(cfg)
     indexes = [WaveIndex.build(keys[b], values[b], cfg,
-                               store=mgr.store(f"req{b}", HKV, D, torch.bfloat16,
+                               store=mgr.store(f"req{b}", hkv, d, torch.bfloat16,
                                                torch.device("cpu"), layer="L0"))
                for b in range(batch)]
     del keys, values
     tilted = cfg.estimator == "tilted"
-    walk = QueryWalk(batch, centers, seed=n)
+    walk = QueryWalk(batch, centers, seed=n, hq=hq)
     sweep = torch.empty(64 << 20, dtype=torch.uint8)
     times: dict[str, list[float]] = {"vllm": [], **{k: [] for k in kernels}}
     outs: dict[str, torch.Tensor] = {}
@@ -98,7 +100,7 @@ def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Name
         cpu_decode._module = kernels[name]
         packed = [packed_row(i, tilted) for i in indexes]
         windows = [(i.ring_start, i.win_len) for i in indexes]
-        return cpu_decode.decode_packed(q, packed, SCALE, tilted, windows=windows,
+        return cpu_decode.decode_packed(q, packed, scale, tilted, windows=windows,
                                         phases=phases)
 
     try:
@@ -132,7 +134,7 @@ def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Name
     step_bytes = []  # what a step reads, from the per-row path's exact-row counts
     for _ in range(3):
         q = walk.step().to(torch.bfloat16)
-        step_bytes.append(sum(retro_bytes(idx, idx.decode(q[i], SCALE).n_exact, 2)
+        step_bytes.append(sum(retro_bytes(idx, idx.decode(q[i], scale).n_exact, 2)
                               for i, idx in enumerate(indexes)))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     bound_ms = {"vllm": full_bytes / args.read_bw * 1e3,
@@ -160,6 +162,9 @@ def main() -> None:
     ap.add_argument("--kmeans-iters", type=int, default=4,
                     help="k-means iterations at index build (the build is not timed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the layer")
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", type=pathlib.Path,
                     default=ROOT / "bench" / "results" / "cpu_kernel_ab.json")
     args = ap.parse_args()
@@ -172,7 +177,7 @@ def main() -> None:
     rows = []
     for n in args.contexts:
         for b in args.batches:
-            ok, why = fits(n, b, torch.device("cpu"))
+            ok, why = fits(n, b, torch.device("cpu"), hkv=args.kv_heads, d=args.head_dim)
             if not ok:
                 print(f"{n:>7} x {b}: skipped ({why})", flush=True)
                 continue
@@ -191,6 +196,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rev": args.rev, "cpu": cpu_description(),
                                     "threads": args.threads,
+                                    "shape": {"kv_heads": args.kv_heads, "group": args.group,
+                                              "head_dim": args.head_dim},
                                     "read_bandwidth_GBps": args.read_bw / 1e9,
                                     "steps": args.steps, "cases": rows}, indent=1))
     print(f"wrote {args.out}")

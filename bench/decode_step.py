@@ -56,30 +56,32 @@ HQ, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
 
 
-def synthetic_kv(batch: int, n: int, dtype: torch.dtype, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthetic_kv(batch: int, n: int, dtype: torch.dtype, seed: int, hkv: int = HKV,
+                 d: int = D) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys around 2048 directions per head (each token near one), values random, and the
-    directions themselves (queries are drawn near them). Shapes [B, HKV, N, D], [HKV, 2048, D]."""
+    directions themselves (queries are drawn near them). Shapes [B, hkv, N, d], [hkv, 2048, d]
+    (the Llama-3-8B layer's KV heads and head_dim unless given)."""
     g = torch.Generator().manual_seed(seed)
-    centers = torch.nn.functional.normalize(torch.randn(HKV, 2048, D, generator=g), dim=-1) * 4
-    keys = torch.empty(batch, HKV, n, D, dtype=dtype)
-    values = torch.empty(batch, HKV, n, D, dtype=dtype)
+    centers = torch.nn.functional.normalize(torch.randn(hkv, 2048, d, generator=g), dim=-1) * 4
+    keys = torch.empty(batch, hkv, n, d, dtype=dtype)
+    values = torch.empty(batch, hkv, n, d, dtype=dtype)
     for b in range(batch):
-        for h in range(HKV):
+        for h in range(hkv):
             which = torch.randint(0, 2048, (n,), generator=g)
-            keys[b, h] = (centers[h, which] + torch.randn(n, D, generator=g)).to(dtype)
-            values[b, h] = torch.randn(n, D, generator=g).to(dtype)
+            keys[b, h] = (centers[h, which] + torch.randn(n, d, generator=g)).to(dtype)
+            values[b, h] = torch.randn(n, d, generator=g).to(dtype)
     return keys, values, centers
 
 
 class QueryWalk:
-    """Decode queries [B, HQ, D] that drift slowly, so consecutive steps share hot clusters."""
+    """Decode queries [B, hq, D] that drift slowly, so consecutive steps share hot clusters
+    (hq query heads, ``hq / hkv`` per KV head of ``centers`` [hkv, 2048, D])."""
 
-    def __init__(self, batch: int, centers: torch.Tensor, seed: int):
+    def __init__(self, batch: int, centers: torch.Tensor, seed: int, hq: int = HQ):
         self.g = torch.Generator().manual_seed(seed + 1)
-        kv = torch.arange(HQ) // (HQ // HKV)
-        pick = torch.randint(0, centers.shape[1], (batch, HQ), generator=self.g)
-        self.q = centers[kv[None, :].expand(batch, HQ), pick].clone()
+        kv = torch.arange(hq) // (hq // centers.shape[0])
+        pick = torch.randint(0, centers.shape[1], (batch, hq), generator=self.g)
+        self.q = centers[kv[None, :].expand(batch, hq), pick].clone()
         self.centers, self.kv = centers, kv
 
     def step(self) -> torch.Tensor:
@@ -90,10 +92,11 @@ class QueryWalk:
         return self.q + 0.3 * torch.randn(self.q.shape, generator=self.g)
 
 
-def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torch.device):
-    """(callable query [B, HQ, D] -> out, name, bytes read per call) for the device's
-    strongest dense decode kernel."""
-    scale = SCALE
+def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torch.device,
+                          hq: int = HQ):
+    """(callable query [B, hq, D] -> out, name, bytes read per call) for the device's
+    strongest dense decode kernel over keys and values [B, HKV, N, D]."""
+    scale = keys.shape[-1] ** -0.5
     if device.type == "cuda":
         k, v = keys.to(device), values.to(device)
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -108,7 +111,7 @@ def full_attention_kernel(keys: torch.Tensor, values: torch.Tensor, device: torc
 
     if not available():
         raise SystemExit(f"vLLM's CPU attention kernel is unavailable: {unavailable_reason()}")
-    attn = VllmCpuDecodeAttention(keys, values, HQ, scale=scale)
+    attn = VllmCpuDecodeAttention(keys, values, hq, scale=scale)
     return ((lambda q: attn(q.to(keys.dtype))), f"vLLM CPU paged attention ({attn.isa} ISA)",
             attn.kv_bytes)
 
@@ -120,10 +123,11 @@ def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
     buffer."""
     c = index.num_clusters
     e = index.config.num_estimation(c)
+    hkv, d = index.num_kv_heads, index.head_dim
     tilt = 0
     if index.config.estimator == "tilted":
-        tilt = HKV * (8 * e + 4 * D * (1 + 2 * index.residuals.rank))
-    return HKV * D * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * D * elem + tilt
+        tilt = hkv * (8 * e + 4 * d * (1 + 2 * index.residuals.rank))
+    return hkv * d * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * d * elem + tilt
 
 
 def pq_bytes(index: PQIndex, elem: int) -> int:
@@ -210,10 +214,12 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return nbytes / best
 
 
-def fits(n: int, batch: int, device: torch.device, copies: float = 2.5) -> tuple[bool, str]:
-    """Whether one case's KV fits: the dense copy plus each index's host tier (plus slack:
-    ``copies`` KVs in all) in RAM, and on CUDA the dense KV on the device."""
-    kv = 2 * batch * HKV * n * D * 2
+def fits(n: int, batch: int, device: torch.device, copies: float = 2.5, hkv: int = HKV,
+         d: int = D) -> tuple[bool, str]:
+    """Whether one case's bf16 KV (hkv heads of d dims) fits: the dense copy plus each
+    index's host tier (plus slack: ``copies`` KVs in all) in RAM, and on CUDA the dense KV on
+    the device."""
+    kv = 2 * batch * hkv * n * d * 2
     import psutil
 
     avail = psutil.virtual_memory().available
