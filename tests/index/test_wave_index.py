@@ -262,6 +262,29 @@ def test_updates_append_without_reclustering(rounds, rng):
     assert rel_err(index.decode(q).output, full_attention(q, k, v)) < 1e-5
 
 
+def test_meta_bytes_follow_the_buffers_through_growth_and_free(rng):
+    """meta_nbytes (asked for every live index at every engine step, so counted once per
+    meta generation) always equals the bytes of the buffers held: after build, as update
+    blocks grow them, and after free."""
+    def held(index):
+        return index.residuals.nbytes() + sum(r.nbytes() for r in index._meta_rows.values())
+
+    # small update blocks: the build's headroom (4 blocks) runs out within 1200 tokens
+    cfg = RetroConfig(update_rounds_per_step=0, update_segment=128, update_clusters=8)
+    hkv, d, n0 = 2, 64, 2000
+    _, k, v = _qkv(4, hkv, n0 + 1200, d, rng)
+    index = WaveIndex.build(k[:, :n0], v[:, :n0], cfg)
+    seen = {index.meta_nbytes()}
+    assert index.meta_nbytes() == held(index)
+    for t in range(n0, n0 + 1200):
+        index.append(k[:, t:t + 1], v[:, t:t + 1])
+        assert index.meta_nbytes() == held(index), f"token {t}"
+        seen.add(index.meta_nbytes())
+    assert index.num_updates >= 5 and len(seen) > 1  # the buffers grew, and it followed
+    index.free()
+    assert index.meta_nbytes() == held(index) < min(seen)
+
+
 def test_dense_context_becomes_indexed_as_it_grows(rng):
     q, k, v = _qkv(2, 2, 1200, 32, rng)
     index = WaveIndex.build(k[:, :100], v[:, :100])

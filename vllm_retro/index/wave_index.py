@@ -155,6 +155,7 @@ class WaveIndex:
         self.meta_generation = 0
         """Counts changes of the meta index (a block joining it, :meth:`free`): a batch view
         read at one generation stays valid until the next."""
+        self._meta_nbytes = (-1, 0)  # (the meta_generation it was counted at, bytes)
         self.fused_view: Any = None
         """The fused CPU kernel's packed view of this index and the layout generations it
         was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps; reset
@@ -460,7 +461,13 @@ class WaveIndex:
         """Bytes held for the meta index (centroids, value sums, sizes, the tilted
         estimator's per-cluster spreads and deviates, with their buffers' room for later
         blocks, and the per-head residual model)."""
-        return self.residuals.nbytes() + sum(r.nbytes() for r in self._meta_rows.values())
+        # counted once per meta_generation (every change of these buffers bumps it): the
+        # runtime's gauges ask every live index at every step
+        generation, nbytes = self._meta_nbytes
+        if generation != self.meta_generation:
+            nbytes = self.residuals.nbytes() + sum(r.nbytes() for r in self._meta_rows.values())
+            self._meta_nbytes = (self.meta_generation, nbytes)
+        return nbytes
 
     # ------------------------------------------------------------------ decode
     def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
