@@ -218,12 +218,27 @@ def available() -> bool:
     return load() is not None
 
 
+SCORING_ISAS = ("avx512bf16", "avx2")
+
+
 def scoring_isa() -> str | None:
     """The instruction set the fused kernel scores bf16 clusters with on this CPU:
     ``"avx512bf16"`` (``vdpbf16ps``, picked at run time where the CPU has it), ``"avx2"`` or
     ``"scalar"``; None without the extension."""
     mod = load()
     return None if mod is None else str(mod.scoring_isa())
+
+
+def set_scoring_isa(isa: str) -> str:
+    """Cap the bf16 scoring path at ``isa`` (one of :data:`SCORING_ISAS`, best first; the
+    CPU may offer less), for tests and benchmarks comparing the paths in one process;
+    returns the path now in use. Serving never calls it (the best path is the default)."""
+    if isa not in SCORING_ISAS:
+        raise ValueError(f"scoring isa {isa!r} is not one of {', '.join(SCORING_ISAS)}")
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU kernel is unavailable: {load_error()}")
+    return str(mod.set_scoring_isa(isa))
 
 
 def fused_path(backend: str, device: torch.device) -> bool:

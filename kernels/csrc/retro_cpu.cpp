@@ -388,6 +388,11 @@ inline bool cpu_has_avx512bf16() {
   return has;
 }
 
+// Tests and benchmarks cap the scoring path (kScoreAvx512 or kScoreAvx2) to cover both on
+// one CPU; serving never sets it.
+constexpr int kScoreAvx2 = 0, kScoreAvx512 = 1;
+std::atomic<int> g_score_cap{kScoreAvx512};
+
 // The G x D query heads as bf16 bits into qb, if each converts exactly.
 inline bool exact_bf16(const float* q, int64_t n, uint16_t* qb) {
   for (int64_t i = 0; i < n; ++i) {
@@ -411,7 +416,8 @@ void dots(const float* q, int G, int D, const T* const* rows, int64_t n, float s
   int64_t i0 = 0;
 #ifdef RETRO_AVX512BF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (scoring && D % 32 == 0 && n > 0 && cpu_has_avx512bf16()) {
+    if (scoring && D % 32 == 0 && n > 0 && cpu_has_avx512bf16() &&
+        g_score_cap.load(std::memory_order_relaxed) >= kScoreAvx512) {
       thread_local std::vector<uint16_t> qb;
       qb.resize(size_t(G) * D);
       if (exact_bf16(q, int64_t(G) * D, qb.data())) {
@@ -1271,10 +1277,11 @@ buffer_update_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
                     torch::Tensor, int64_t, int64_t);
 
-// The instruction set cluster scoring of bf16 rows uses on this CPU (tests, benchmarks).
+// The instruction set cluster scoring of bf16 rows uses on this CPU (tests, benchmarks),
+// under the cap set_scoring_isa put on it.
 std::string scoring_isa() {
 #ifdef RETRO_AVX512BF16
-  if (cpu_has_avx512bf16()) return "avx512bf16";
+  if (g_score_cap.load() >= kScoreAvx512 && cpu_has_avx512bf16()) return "avx512bf16";
 #endif
 #ifdef RETRO_AVX2
   return "avx2";
@@ -1283,7 +1290,20 @@ std::string scoring_isa() {
 #endif
 }
 
+// Caps the bf16 scoring path at isa ("avx512bf16" or "avx2"; the CPU may offer less) for
+// tests and benchmarks that compare the paths; returns the path now in use.
+std::string set_scoring_isa(const std::string& isa) {
+#ifdef RETRO_AVX512BF16
+  const int cap = isa == "avx512bf16" ? kScoreAvx512 : isa == "avx2" ? kScoreAvx2 : -1;
+  TORCH_CHECK(cap >= 0, "retro_cpu: scoring isa must be one of 'avx512bf16', 'avx2', got '",
+              isa, "'");
+  g_score_cap.store(cap);
+#endif
+  return scoring_isa();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_scoring_isa", &set_scoring_isa, "Cap the bf16 scoring path (tests, benchmarks)");
   m.def("scoring_isa", &scoring_isa, "Instruction set of bf16 cluster scoring on this CPU");
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
   m.def("log_tilt_grid", &log_tilt_grid, "The fused kernel's tilted correction (CPU, tests)");

@@ -15,6 +15,17 @@ def _built():
     assert cpu_decode.load() is not None, f"extension not built: {cpu_decode.load_error()}"
 
 
+@pytest.fixture(params=cpu_decode.SCORING_ISAS)
+def scoring_isa(request):
+    """Each bf16 scoring path this CPU offers, in turn (the best is restored after)."""
+    try:
+        if cpu_decode.set_scoring_isa(request.param) != request.param:
+            pytest.skip(f"this CPU has no {request.param} scoring path")
+        yield request.param
+    finally:
+        cpu_decode.set_scoring_isa(cpu_decode.SCORING_ISAS[0])
+
+
 def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
     """A random row: c clusters per head of 1..24 tokens (some empty), in a pool laid out
     per head (dense store) or in pages of 8 rows (wave buffer's host tier)."""
@@ -57,7 +68,9 @@ def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tilted", [True, False])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64), (3, 40)])
-def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d):
+def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d, scoring_isa):
+    if dtype == torch.float32 and scoring_isa != cpu_decode.SCORING_ISAS[0]:
+        pytest.skip("fp32 rows have one scoring path")
     rng = torch.Generator().manual_seed(group * 1000 + d + tilted)
     h = 2
     shapes = [(300, 4, 70, True), (41, 0, 12, False), (0, 4, 9, True), (160, 4, 1, False),
@@ -178,13 +191,15 @@ def test_given_selections_attend_those_clusters_exactly(dtype, tol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (7, 64)])
-def test_page_bounds_are_scored_by_quests_bound(dtype, tol, group, d):
+def test_page_bounds_are_scored_by_quests_bound(dtype, tol, group, d, scoring_isa):
     """Rows whose scoring rows are page bounds [H, C, 2D] (each page's key max, then min):
     the kernel ranks pages by the GQA group's summed softmax of Quest's bound
     ``scale * sum_d max(q_d max_d, q_d min_d)`` (checked in float64, written element-wise
     from the paper), reads the top r exactly and estimates nothing, as the reference does."""
     import dataclasses
 
+    if dtype == torch.float32 and scoring_isa != cpu_decode.SCORING_ISAS[0]:
+        pytest.skip("fp32 rows have one scoring path")
     rng = torch.Generator().manual_seed(group * 10 + d)
     h = 2
     rows = []
@@ -375,9 +390,9 @@ def test_tilted_correction_matches_the_reference_on_a_grid():
     assert (got[aa <= 0] == 0).all()
 
 
-def test_bf16_scoring_uses_avx512_bf16_exactly_where_the_cpu_has_it():
-    """The AVX512-BF16 scoring path is chosen at run time: on a CPU listing avx512_bf16 the
-    tests above exercise it (bf16 cases), elsewhere the AVX2 path."""
+def test_bf16_scoring_uses_the_best_path_the_cpu_has():
+    """The bf16 scoring path is chosen at run time: AVX512-BF16 on a CPU listing it, else
+    AVX2; the bf16 cases above run each path this CPU has (the ``scoring_isa`` fixture)."""
     import pathlib
 
     info = pathlib.Path("/proc/cpuinfo")
@@ -390,3 +405,5 @@ def test_bf16_scoring_uses_avx512_bf16_exactly_where_the_cpu_has_it():
         assert isa == "avx512bf16"
     else:
         assert isa in ("avx2", "scalar")
+    with pytest.raises(ValueError, match="'sse' is not one of avx512bf16, avx2"):
+        cpu_decode.set_scoring_isa("sse")
