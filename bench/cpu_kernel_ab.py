@@ -171,6 +171,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if cpu_decode.load() is None:
         raise SystemExit(f"the fused CPU kernel cannot be built: {cpu_decode.load_error()}")
+    # the revision by its commit in the output: a name like HEAD means another commit later
+    args.rev = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
     kernels = {args.rev: build_revision(args.rev), "tree": cpu_decode.load()}
     args.read_bw = read_bandwidth(torch.device("cpu"))
     print(f"{cpu_description()}; read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
