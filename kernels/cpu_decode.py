@@ -267,6 +267,47 @@ class PackedRow:
     heads: int
 
 
+_INTS_PER_ROW = 7
+"""Entries of :attr:`PackedRow.ints`; the window's rows and first ring row are entries 3
+and 4."""
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """:func:`decode_packed`'s argument lists for a batch of packed rows, concatenated once
+    (:func:`pack_batch`). A caller that decodes the same rows call after call (a layer's
+    batch while no row's :class:`PackedRow` changes) keeps it: each call then only writes
+    the rows' windows into :attr:`ints`."""
+
+    rows: tuple[PackedRow, ...]
+    meta: list[torch.Tensor]
+    tilt: list[torch.Tensor]
+    kv: list[torch.Tensor]
+    steady: list[torch.Tensor]
+    ints: list[int]
+    """The rows' :attr:`PackedRow.ints` in order; every call rewrites the window entries."""
+
+
+def pack_batch(rows: list[PackedRow], held: PackedBatch | None = None) -> PackedBatch:
+    """The batch of ``rows``: ``held`` when it holds these very :class:`PackedRow` objects
+    in this order (nothing rebuilt), else their lists concatenated anew."""
+    if held is not None and len(held.rows) == len(rows) and all(
+            a is b for a, b in zip(held.rows, rows, strict=True)):
+        return held
+    meta: list[torch.Tensor] = []
+    tilt: list[torch.Tensor] = []
+    kv: list[torch.Tensor] = []
+    steady: list[torch.Tensor] = []
+    ints: list[int] = []
+    for r in rows:
+        meta += r.meta
+        tilt += r.tilt
+        kv += r.kv
+        steady += r.steady
+        ints += r.ints
+    return PackedBatch(tuple(rows), meta, tilt, kv, steady, ints)
+
+
 def window_len(r: DecodeRow) -> int:
     """Window rows ``r`` attends."""
     return r.win_k.shape[1] if r.n_win is None else r.n_win
@@ -319,14 +360,15 @@ output write)."""
 _NO_PHASES = torch.empty(0, dtype=torch.int64)
 
 
-def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilted: bool,
-                  selection_width: int = 0, out: torch.Tensor | None = None,
+def decode_packed(query: torch.Tensor, rows: list[PackedRow] | PackedBatch, scale: float,
+                  tilted: bool, selection_width: int = 0, out: torch.Tensor | None = None,
                   windows: list[tuple[int, int]] | None = None,
                   phases: dict[str, float] | None = None,
                   given: list[torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`decode_rows` on packed rows (:func:`pack_row`); ``windows``, when given, each
-    row's window this call as (first ring row, rows), overriding its packed ones. ``given``,
+    """:func:`decode_rows` on packed rows (:func:`pack_row`), or on a batch of them kept
+    across calls (:func:`pack_batch`); ``windows``, when given, each row's window this call
+    as (first ring row, rows), overriding its packed ones. ``given``,
     when given, each row's retrieval clusters ([H, n] int64, chosen by the caller, e.g. a
     trained router): the kernel then attends the steady zone and those clusters exactly, with
     no scoring and no estimation zone (the rows' meta index needs only sizes). ``phases``, when
@@ -335,34 +377,33 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
     mod = load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
+    batch = rows if isinstance(rows, PackedBatch) else pack_batch(rows)
     b, hq, _ = query.shape
-    if len(rows) != b:
-        raise ValueError(f"{len(rows)} rows for a query batch of {b}")
-    h = rows[0].heads if rows else 1
+    if len(batch.rows) != b:
+        raise ValueError(f"{len(batch.rows)} rows for a query batch of {b}")
+    h = batch.rows[0].heads if b else 1
     if out is None:
         out = torch.empty_like(query)
     lse = torch.empty(b, hq, dtype=torch.float32)
     sel = torch.empty(b, h, selection_width, dtype=torch.int64)
-    meta: list[torch.Tensor] = []
-    tilt: list[torch.Tensor] = []
-    kv: list[torch.Tensor] = []
-    steady: list[torch.Tensor] = []
-    ints: list[int] = []
-    for i, r in enumerate(rows):
-        meta += r.meta
-        tilt += r.tilt
-        kv += r.kv
-        steady += r.steady
-        ints += r.ints
-        if windows is not None:
-            ints[-4], ints[-3] = windows[i][1], windows[i][0]
-    if tilted and len(tilt) != 3 * b:
+    ints = batch.ints
+    if windows is not None:
+        if len(windows) != b:
+            raise ValueError(f"{len(windows)} windows for a query batch of {b}")
+        for i, (first, n) in enumerate(windows):
+            ints[_INTS_PER_ROW * i + 3] = n
+            ints[_INTS_PER_ROW * i + 4] = first
+    elif batch is rows:  # a kept batch: its windows may be an earlier call's
+        for i, r in enumerate(batch.rows):
+            ints[_INTS_PER_ROW * i + 3] = r.ints[3]
+            ints[_INTS_PER_ROW * i + 4] = r.ints[4]
+    if tilted and len(batch.tilt) != 3 * b:
         raise ValueError("tilted decoding needs every row packed with its tilted terms")
     phase_ns = _NO_PHASES if phases is None else torch.zeros(b * h, len(PHASES),
                                                              dtype=torch.int64)
     t0 = time.perf_counter()
-    mod.decode_rows(query, out, lse, sel, float(scale), meta, tilt, kv, steady, ints, tilted,
-                    [] if given is None else given, phase_ns)
+    mod.decode_rows(query, out, lse, sel, float(scale), batch.meta, batch.tilt, batch.kv,
+                    batch.steady, ints, tilted, [] if given is None else given, phase_ns)
     if phases is not None:
         wall = time.perf_counter() - t0
         per = phase_ns.sum(0).double()
@@ -370,6 +411,19 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow], scale: float, tilt
         for name, f in zip(PHASES, share.tolist(), strict=True):
             phases["kernel " + name] = phases.get("kernel " + name, 0.0) + wall * f
     return out, lse, sel
+
+
+def steady_write(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
+                 rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """``pool_k[slots[i], rows[i]] = keys[i]`` and ``pool_v[...] = values[i]`` for every
+    i, in one call (a layer's steady pool taking the step's new token of every row).
+    pool_k, pool_v: [S, R, H, D] contiguous; keys, values: [B, H, D] in the pools' dtype,
+    last dim contiguous; slots, rows: [B] int64. Raises RuntimeError naming an index
+    outside the pool (nothing written then)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU kernels are unavailable: {_error}")
+    mod.steady_write(pool_k, pool_v, slots, rows, keys, values)
 
 
 @dataclass(slots=True)

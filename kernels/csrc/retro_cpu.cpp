@@ -1219,6 +1219,52 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
   }
 }
 
+// The step's new token of every row of a layer's steady pool in one call:
+// pool_k[slots[i], rows[i]] = keys[i] (and pool_v from values) for i < B. Pools [S, R, H, D]
+// contiguous; keys, values [B, H, D] with D contiguous (views of the step's QKV); slots,
+// rows int64 [B]. Every index is checked before anything is written. It replaces two
+// index_put_ calls through the dispatcher, which cost ~20 us each with the caches as a
+// decode step leaves them (bench/README.md, "Python around the kernel").
+void steady_write(torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor slots,
+                  torch::Tensor rows, torch::Tensor keys, torch::Tensor values) {
+  TORCH_CHECK(pool_k.dim() == 4 && pool_k.is_contiguous() && pool_v.is_contiguous() &&
+                  pool_v.sizes() == pool_k.sizes(),
+              "retro_cpu: steady pools must be contiguous [slots, rows, H, D], K and V alike");
+  const int64_t S = pool_k.size(0), R = pool_k.size(1), H = pool_k.size(2), D = pool_k.size(3);
+  const auto dt = pool_k.scalar_type();
+  TORCH_CHECK(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D && keys.stride(2) == 1 &&
+                  values.sizes() == keys.sizes() && values.stride(2) == 1,
+              "retro_cpu: new tokens must be [B, ", H, ", ", D, "] with the last dim contiguous");
+  TORCH_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt && pool_v.scalar_type() == dt,
+              "retro_cpu: new tokens must be in the pool's dtype ", dt);
+  const int64_t B = keys.size(0);
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64 &&
+                  slots.dim() == 1 && rows.dim() == 1 && slots.size(0) == B && rows.size(0) == B,
+              "retro_cpu: slots and rows must be int64 [", B, "]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t s0 = slots.stride(0), r0 = rows.stride(0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = sp[b * s0], r = rp[b * r0];
+    TORCH_CHECK(s >= 0 && s < S && r >= 0 && r < R, "retro_cpu: steady row (slot ", s, ", row ",
+                r, ") is outside the pool; accepted: slots 0 to ", S - 1, ", rows 0 to ", R - 1);
+  }
+  const int64_t esz = pool_k.element_size(), row_bytes = D * esz;
+  char* pk = static_cast<char*>(pool_k.data_ptr());
+  char* pv = static_cast<char*>(pool_v.data_ptr());
+  const char* kp = static_cast<const char*>(keys.data_ptr());
+  const char* vp = static_cast<const char*>(values.data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t dst = (sp[b * s0] * R + rp[b * r0]) * H * row_bytes;
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(pk + dst + h * row_bytes, kp + (b * keys.stride(0) + h * keys.stride(1)) * esz,
+                  row_bytes);
+      std::memcpy(pv + dst + h * row_bytes, vp + (b * values.stride(0) + h * values.stride(1)) * esz,
+                  row_bytes);
+    }
+  }
+}
+
 // The tilted estimator's correction, log_tilt(v, tilt_const(a)), elementwise over float32
 // tensors of one shape: the fused kernel's own code, for tests against log_tilt_ref.
 torch::Tensor log_tilt_grid(const torch::Tensor& v, const torch::Tensor& a) {
@@ -1306,6 +1352,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_scoring_isa", &set_scoring_isa, "Cap the bf16 scoring path (tests, benchmarks)");
   m.def("scoring_isa", &scoring_isa, "Instruction set of bf16 cluster scoring on this CPU");
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
+  m.def("steady_write", &steady_write, "A step's new token of every row of a steady pool (CPU)");
   m.def("log_tilt_grid", &log_tilt_grid, "The fused kernel's tilted correction (CPU, tests)");
   m.def("pq_decode", &pq_decode, "PQCache decode step of a batch of rows (CPU)");
   m.def("kmeans_assign", &kmeans_assign, "Fused nearest-centroid assignment (CPU)");

@@ -9,6 +9,7 @@ from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import WaveIndex
 from vllm_retro.index.batched import decode_batch, fused_supported
+from vllm_retro.index.padded import MetaViewCache
 
 
 def _cfg(**kw):
@@ -33,6 +34,8 @@ def test_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, 
     assert indexes[0].is_dense and not indexes[1].is_dense
     scale = d ** -0.5
     updates = 0
+    cache = MetaViewCache()  # a layer's: its fused batch kept across steps
+    batches = []
     for step in range(70):
         q = torch.randn(len(indexes), h * group, d, generator=g).to(dtype)
         for index in indexes:
@@ -44,7 +47,12 @@ def test_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, 
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
                                    msg=f"step {step}")
+        assert torch.equal(decode_batch(indexes, q, scale, cache=cache), out), step
+        if not any(b is cache.packed for b in batches):
+            batches.append(cache.packed)
     assert updates >= len(indexes)
+    # kept while no row changed, rebuilt when one did (update blocks landing)
+    assert 1 < len(batches) < 70
     if mgr:
         mgr.close()
 

@@ -31,7 +31,7 @@ def test_ring_rows_wrap_and_views_read_them_in_order():
     assert sk.stride(-1) == 1
 
 
-def test_batch_write_is_one_index_put_per_tensor_and_growth_keeps_slots():
+def test_batch_write_and_growth_keep_slots():
     pool = SteadyPool(2, 4, sink_cap=1, ring=6, dtype=torch.float32, device="cpu", slots=1,
                       zeroed=True)
     assert torch.equal(pool.k, torch.zeros_like(pool.k))
@@ -49,6 +49,37 @@ def test_batch_write_is_one_index_put_per_tensor_and_growth_keeps_slots():
         assert torch.equal(pool.v[slots[b], rows[b]], -keys[b])
     pool.release()
     assert pool.num_slots == 0 and pool.nbytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_write_puts_each_row_in_place_as_index_put_does(dtype):
+    """:meth:`SteadyPool.write` on the CPU (one extension call) writes exactly what two
+    ``index_put_`` write, from strided token views (the step's QKV split), leaving every
+    other row alone; new tokens of another dtype take the ``index_put_`` path and are
+    converted; an index outside the pool is named and nothing is written."""
+    g = torch.Generator().manual_seed(3)
+    pool = SteadyPool(2, 64, sink_cap=4, ring=40, dtype=dtype, device="cpu", slots=5,
+                      zeroed=True)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    qkv = torch.randn(3, 9 * 64, generator=g).to(dtype)  # q: 5 heads, k and v: 2 each
+    keys, values = qkv[:, 5 * 64:7 * 64].view(3, 2, 64), qkv[:, 7 * 64:].view(3, 2, 64)
+    assert not keys.is_contiguous()
+    slots, rows = torch.tensor([4, 0, 2]), torch.tensor([43, 4, 17])
+    ref_k, ref_v = pool.k.clone(), pool.v.clone()
+    ref_k.index_put_((slots, rows), keys)
+    ref_v.index_put_((slots, rows), values)
+    pool.write(slots, rows, keys, values)
+    assert torch.equal(pool.k, ref_k) and torch.equal(pool.v, ref_v)
+    half = torch.randn(3, 2, 64, generator=g).half()
+    pool.write(slots, rows, half, -half)
+    assert torch.equal(pool.k[slots, rows], half.to(dtype))
+    assert torch.equal(pool.v[slots, rows], (-half).to(dtype))
+    before = pool.k.clone()
+    with pytest.raises(RuntimeError, match=r"\(slot 5, row 3\) is outside the pool; "
+                                           r"accepted: slots 0 to 4, rows 0 to 43"):
+        pool.write(torch.tensor([0, 5]), torch.tensor([9, 3]), keys[:2], values[:2])
+    assert torch.equal(pool.k, before)
 
 
 def test_slot_table_reuses_the_lowest_free_slot():

@@ -159,6 +159,29 @@ def test_window_part_of_a_ring_read_from_its_first_row_wrapping():
                                  True, windows=[(30, 1), (0, 0), (0, 0)])
 
 
+def test_a_kept_batch_decodes_as_its_rows_with_each_calls_windows():
+    """A :class:`PackedBatch` kept across calls (as a layer keeps its batch) is reused only
+    for the very same packed rows in the same order, and decodes exactly what its rows
+    decode: with each call's windows, and with the rows' own windows when a call gives
+    none after one that did."""
+    rng = torch.Generator().manual_seed(16)
+    rows = [_row(2, 64, c, 4, 30, torch.float32, rng, True) for c in (120, 0, 60)]
+    packed = [cpu_decode.pack_row(r, True) for r in rows]
+    batch = cpu_decode.pack_batch(packed)
+    assert cpu_decode.pack_batch(packed, batch) is batch
+    assert cpu_decode.pack_batch(packed[::-1], batch) is not batch
+    assert cpu_decode.pack_batch(packed[:2], batch) is not batch
+    q = torch.randn(3, 8, 64, generator=rng)
+    for windows in ([(25, 11), (0, 30), (7, 0)], [(3, 20), (29, 2), (0, 30)]):
+        out, lse, _ = cpu_decode.decode_packed(q, batch, 0.125, True, windows=windows)
+        ref, ref_lse, _ = cpu_decode.decode_packed(q, packed, 0.125, True, windows=windows)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    out, _, _ = cpu_decode.decode_packed(q, batch, 0.125, True)
+    assert torch.equal(out, cpu_decode.decode_packed(q, packed, 0.125, True)[0])
+    with pytest.raises(ValueError, match="2 windows for a query batch of 3"):
+        cpu_decode.decode_packed(q, batch, 0.125, True, windows=[(0, 1), (0, 1)])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_given_selections_attend_those_clusters_exactly(dtype, tol):
     """``decode_packed(given=...)``: each head reads its steady zone and exactly the clusters

@@ -65,14 +65,30 @@ def fused_rows(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when the fused CPU kernel can read ``index``'s rows for ``query``: on the CPU
     with the 'auto' kernel backend, a store that exposes its rows
     (:class:`RowAddressedStore`), the query in the index's dtype, and the kernel built."""
-    if query.device.type != "cpu" or index.backend != "auto":
+    return fused_path(index.backend, query.device) and _rows_readable(index, query.dtype)
+
+
+def fused_batch(indexes: list[WaveIndex], query: torch.Tensor,
+                kinds: tuple[type, ...] | None = None) -> bool:
+    """True when every index (one layer's batch) passes :func:`fused_rows` for ``query``
+    and, when ``kinds`` is given, is one of them; the kernel's availability is asked once
+    for the batch, not per row (this runs in every layer's forward)."""
+    if not fused_path("auto", query.device):
+        return False
+    dtype = query.dtype
+    return all((kinds is None or type(i) in kinds) and _rows_readable(i, dtype)
+               for i in indexes)
+
+
+def _rows_readable(index: WaveIndex, dtype: torch.dtype) -> bool:
+    """:func:`fused_rows` less the device and kernel checks."""
+    if index.backend != "auto":
         return False
     kind = type(index.store)
     addressed = _ROW_ADDRESSED.get(kind)
     if addressed is None:
         addressed = _ROW_ADDRESSED[kind] = isinstance(index.store, RowAddressedStore)
-    return (addressed and query.dtype == index.centroids.dtype
-            and fused_path(index.backend, query.device))
+    return addressed and dtype == index.centroids.dtype
 
 
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
@@ -119,7 +135,7 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     """Append one decoded token to each index (``keys[b]``, ``values[b]``: [B, H, D]).
 
     When every index's steady zone is in one pool (a served layer's), the tokens go in with
-    one write per K and V for the whole batch (:meth:`SteadyPool.write`); ``rows``, the
+    one write for the whole batch (:meth:`SteadyPool.write`); ``rows``, the
     previous layer's, is reused when its rows are this layer's (no new index tensors then).
     Each index then accounts for its token (:meth:`WaveIndex.appended`: update blocks).
     Otherwise each index appends its own. Returns (update blocks landed, the rows written,
@@ -165,17 +181,21 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     kind = type(indexes[0])
     same = all(type(i) is kind for i in indexes)
-    if same and out.dtype == query.dtype and all(fused_supported(i, query) for i in indexes):
+    if same and out.dtype == query.dtype and fused_batch(indexes, query, FUSED_SCORING):
         tilted = kind is WaveIndex and indexes[0].config.estimator == "tilted"
-        cpu_decode.decode_packed(query, [packed_row(i, tilted) for i in indexes], scale,
-                                 tilted, out=out,
+        rows = [packed_row(i, tilted) for i in indexes]
+        if cache is None:
+            batch = cpu_decode.pack_batch(rows)
+        else:  # the layer's batch of its last step, unless a row changed
+            batch = cache.packed = cpu_decode.pack_batch(rows, cache.packed)
+        cpu_decode.decode_packed(query, batch, scale, tilted, out=out,
                                  windows=[(i.ring_start, i.win_len) for i in indexes])
         return out
     if same and kind in GIVEN_SELECTION:
         # clusters chosen by the policy for all rows (SAAP's trained router, StreamingLLM's
         # recent pages, Quest's page bounds off the CPU), then read and attended in one call
         ids, counts = GIVEN_SELECTION[kind](indexes, query, scale)
-        if out.dtype == query.dtype and all(fused_rows(i, query) for i in indexes):
+        if out.dtype == query.dtype and fused_batch(indexes, query):
             cpu_decode.decode_packed(
                 query, [packed_row(i, False) for i in indexes], scale, False, out=out,
                 windows=[(i.ring_start, i.win_len) for i in indexes],

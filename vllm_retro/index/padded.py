@@ -98,6 +98,10 @@ class MetaViewCache:
     def __init__(self) -> None:
         self.view: Any = None
         """The last batch's view (a :class:`PaddedMeta`, or another index kind's)."""
+        self.packed: Any = None
+        """The last fused batch's argument lists (a
+        :class:`~vllm_retro.kernels.cpu_decode.PackedBatch`: references to the rows' own
+        tensors, no copies), reused while the batch's rows are unchanged."""
         self._exec: tuple[torch.Tensor, torch.Tensor] | None = None
         self._unjoined: list[WaveIndex] = []
         """Indexes whose last step's cache update is still to be joined (at this layer's next
@@ -152,6 +156,7 @@ class MetaViewCache:
         no indexed rows)."""
         self.join()
         self.view = None
+        self.packed = None
         self._exec = None
 
 

@@ -13,7 +13,8 @@ layer, ``[slots, sink_cap + ring, H, D]``, token-major:
 ``ring`` is ``local_window + 2 * update_segment``: a due update block waits, exact in the
 window, while it is clustered, and new tokens keep coming (:meth:`WaveIndex.append` keeps the
 window within the ring). Token-major rows make one step's new keys of every row of the batch
-one ``index_put`` (:meth:`SteadyPool.write`: one call per K and V, whatever the batch), and
+one write (:meth:`SteadyPool.write`: one call on the CPU, one ``index_put`` per K and V
+elsewhere, whatever the batch), and
 each slot's per-head view is a strided ``[H, n, D]`` view that the kernels read in place.
 
 A standalone index (the library API) has a pool of its own with one slot. In serving, each
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from vllm_retro.index.store import fill_steady
+from vllm_retro.kernels import cpu_decode
 
 
 def ring_size(local_window: int, update_segment: int) -> int:
@@ -118,9 +120,14 @@ class SteadyPool:
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
-        """``k[slots[i], rows[i]] = keys[i]`` (and values) for every i: one ``index_put`` per
-        tensor for a whole batch. slots, rows: [B] int64 on the pool's device; keys, values:
-        [B, H, D]."""
+        """``k[slots[i], rows[i]] = keys[i]`` (and values) for every i, for a whole batch at
+        once: on the CPU one call of the extension (:func:`cpu_decode.steady_write`),
+        elsewhere one ``index_put`` per tensor. slots, rows: [B] int64 on the pool's device;
+        keys, values: [B, H, D]."""
+        if (self.device.type == "cpu" and keys.dtype == self.dtype
+                and values.dtype == self.dtype and cpu_decode.available()):
+            cpu_decode.steady_write(self.k, self.v, slots, rows, keys, values)
+            return
         self.k.index_put_((slots, rows), keys.to(self.dtype))
         self.v.index_put_((slots, rows), values.to(self.dtype))
 

@@ -37,6 +37,21 @@ class RetroDecode:
     index before decoding."""
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeColumn:
+    """The ``k``-th token of every indexed request that has one this step (one column per
+    step without speculative tokens): which decodes take part, and their batch token rows."""
+
+    k: int
+    members: list[int] | None
+    """Positions in :attr:`BatchPlan.decodes` of the requests taking part, in order; None
+    when all do."""
+    part: slice | None
+    """Their batch rows as a slice when consecutive (decodes come first, one token each)."""
+    tokens: torch.Tensor | None
+    """Else their batch rows ([n] int64, CPU)."""
+
+
 @dataclass
 class BatchPlan:
     """Rows of one batch by path."""
@@ -48,6 +63,24 @@ class BatchPlan:
     """Per decode token position k, where the first layer's forward wrote the step's new
     K/V in its steady pool (:func:`vllm_retro.index.batched.append_batch`): the same slots
     and rows in every layer, so later layers reuse the index tensors."""
+    _columns: list[DecodeColumn] | None = None
+
+    def columns(self) -> list[DecodeColumn]:
+        """The decodes' token columns, worked out by the step's first layer and kept for
+        the others (the same in every layer)."""
+        if self._columns is None:
+            cols = []
+            for k in range(max((d.count for d in self.decodes), default=0)):
+                members = [j for j, d in enumerate(self.decodes) if d.count > k]
+                tokens = [self.decodes[j].first + k for j in members]
+                first = tokens[0]
+                consecutive = tokens == list(range(first, first + len(tokens)))
+                cols.append(DecodeColumn(
+                    k, None if len(members) == len(self.decodes) else members,
+                    slice(first, first + len(tokens)) if consecutive else None,
+                    None if consecutive else torch.tensor(tokens)))
+            self._columns = cols
+        return self._columns
 
 
 def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,

@@ -247,20 +247,17 @@ class RouteImplMixin:
                                             first=index.num_tokens)
                 if index.append(keys, values):
                     rt.counters.index_updates += 1
-        for k in range(max(d.count for d in decodes)):
-            live = [(d.first + k, index) for d, index in zip(decodes, indexes, strict=True)
-                    if d.count > k]
-            rows = [i for _, i in live]
-            tokens = [t for t, _ in live]
-            first = tokens[0]
-            if tokens == list(range(first, first + len(tokens))):  # decodes come first: a slice
-                part = slice(first, first + len(tokens))
+        for col in plan.columns():
+            rows = indexes if col.members is None else [indexes[j] for j in col.members]
+            k = col.k
+            if col.part is not None:
+                part = col.part
                 landed, plan.append_rows[k] = append_batch(rows, key[part], value[part],
                                                            plan.append_rows.get(k))
                 decode_batch(rows, query[part], self.scale, out=out[part],
                              cache=self.meta_views)
             else:
-                idx = torch.tensor(tokens, device=query.device)
+                idx = col.tokens.to(query.device)
                 landed, plan.append_rows[k] = append_batch(
                     rows, key.index_select(0, idx), value.index_select(0, idx),
                     plan.append_rows.get(k))
@@ -268,7 +265,7 @@ class RouteImplMixin:
                                    cache=self.meta_views)
                 out.index_copy_(0, idx, res.to(out.dtype))
             rt.counters.index_updates += landed
-            rt.counters.retro_decode_tokens += len(live)
+            rt.counters.retro_decode_tokens += len(rows)
 
 
 class RouteBackendMixin:
