@@ -1,0 +1,158 @@
+"""The Python around the fused CPU kernel in a layer's decode call, this tree against another
+git revision.
+
+A served layer's decode step for B indexed rows is what ``RouteImplMixin._decode_indexed``
+runs: :func:`~vllm_retro.index.batched.append_batch` (the step's new K/V into the layer's
+steady pool, then each index's bookkeeping) and :func:`~vllm_retro.index.batched.decode_batch`
+(one fused kernel call), with the layer's :class:`~vllm_retro.index.padded.MetaViewCache`.
+Here ``--layers`` such layers of B rows each (wave indexes over ``--context`` random tokens,
+Qwen2.5-0.5B's layer shape by default: 2 KV heads, 7 query heads each, head_dim 64, bf16)
+take one step after another, each layer right after the previous one's kernel call, as in a
+model. Printed per batch and revision, microseconds per layer call (medians over
+``--steps``): the append, ``decode_batch`` less the kernel call, and the kernel call itself
+(binding its arguments included).
+
+Each revision runs in a process of its own on its own checkout (a temporary ``git
+worktree``; its extension is built on first use), the two in alternating order for
+``--rounds`` rounds::
+
+    .venv/bin/python bench/route_overhead.py --rev HEAD~1 --batches 3 8 --out /tmp/route.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Time the layer calls in this process, importing the package from ``$ROUTE_ROOT``."""
+    sys.path.insert(0, os.environ.get("ROUTE_ROOT", str(ROOT)))
+    import torch
+
+    from bench.append_step import build_layers
+    from vllm_retro.index.batched import append_batch, decode_batch
+    from vllm_retro.index.padded import MetaViewCache
+    from vllm_retro.kernels import cpu_decode
+
+    mod = cpu_decode.load()
+    if mod is None:
+        raise SystemExit(f"the fused CPU kernel is unavailable: {cpu_decode.load_error()}")
+    kernel_s = [0.0]
+
+    class Timed:  # the extension with its decode call timed
+        def __getattr__(self, name: str):
+            return getattr(mod, name)
+
+        def decode_rows(self, *a):
+            t = time.perf_counter()
+            try:
+                return mod.decode_rows(*a)
+            finally:
+                kernel_s[0] += time.perf_counter() - t
+
+    timed = Timed()
+    cpu_decode.load = lambda: timed
+    h, group, d, dtype = args.kv_heads, args.group, args.head_dim, torch.bfloat16
+    torch.manual_seed(0)
+    out = {}
+    for batch in args.batches:
+        layers = build_layers(args.layers, batch, args.context, h, d, dtype, pooled=True)
+        caches = [MetaViewCache() for _ in layers]
+        g = torch.Generator().manual_seed(1)
+        res = []
+        for step in range(args.steps + 5):
+            k_new = torch.randn(batch, h, d, generator=g).to(dtype)
+            q = torch.randn(batch, h * group, d, generator=g).to(dtype)
+            o = torch.empty_like(q)
+            rows = None
+            t_app = t_dec = 0.0
+            kernel_s[0] = 0.0
+            for row, cache in zip(layers, caches, strict=True):
+                t0 = time.perf_counter()
+                _, rows = append_batch(row, k_new, k_new, rows)
+                t1 = time.perf_counter()
+                decode_batch(row, q, d ** -0.5, out=o, cache=cache)
+                t_dec += time.perf_counter() - t1
+                t_app += t1 - t0
+            if step >= 5:  # warm-up steps
+                res.append((t_app, t_dec - kernel_s[0], kernel_s[0]))
+        per = [statistics.median(r[i] for r in res) * 1e6 / args.layers for i in range(3)]
+        out[str(batch)] = dict(zip(("append_us", "decode_python_us", "kernel_us"), per,
+                                   strict=True))
+    return out
+
+
+def checkout(rev: str) -> tuple[str, pathlib.Path]:
+    """(short sha, a temporary worktree of ``rev``)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    path = pathlib.Path(tempfile.mkdtemp(prefix=f"retro-route-{sha}-"))
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), sha], cwd=ROOT,
+                   check=True, capture_output=True)
+    return sha, path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default=None, help="git revision to compare with (none: tree only)")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--batches", type=int, nargs="+", default=[3, 8])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--group", type=int, default=7)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    roots = {"tree": ROOT}
+    worktree = None
+    if args.rev:
+        sha, worktree = checkout(args.rev)
+        roots[sha] = worktree
+        args.rev = sha  # recorded by its commit, not by a name that moves
+    argv = list(sys.argv[1:])
+    runs: dict[str, list[dict]] = {name: [] for name in roots}
+    try:
+        for r in range(args.rounds):
+            order = list(roots) if r % 2 == 0 else list(roots)[::-1]
+            for name in order:
+                proc = subprocess.run(
+                    [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--worker"],
+                    env={**os.environ, "ROUTE_ROOT": str(roots[name])}, check=True,
+                    capture_output=True, text=True)
+                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
+                           capture_output=True)
+    result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "cases": {}}
+    for batch in map(str, args.batches):
+        case = result["cases"][batch] = {}
+        for name, rr in runs.items():
+            case[name] = {k: statistics.median(x[batch][k] for x in rr) for k in rr[0][batch]}
+            c = case[name]
+            print(f"batch {batch} {name:>8}: append {c['append_us']:6.1f} us, decode_batch "
+                  f"less kernel {c['decode_python_us']:6.1f} us, kernel call "
+                  f"{c['kernel_us']:7.1f} us per layer", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
