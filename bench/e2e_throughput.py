@@ -15,11 +15,17 @@ engine (prefix caching off, so every run prefills for real) runs, in the same pr
 2. capacity: a separate engine whose KV pool holds ``--pool-requests`` long requests,
    given ``--capacity-requests`` of them at once -> the largest number decoded in one step.
 
+``--repeats N`` runs every configuration N times, the order reversed every other repeat (in
+one process the engine run second has measured 3-10% slower steps whichever it was), and
+reports each quantity's median and the median of each repeat's ratio.
+
 Printed as a table with retro/stock ratios and written to
 ``bench/results/e2e_throughput_<device>.{json,png}``.
 
     .venv/bin/python bench/e2e_throughput.py                  # Qwen2.5-Coder-0.5B, 4 x 4K
     .venv/bin/python bench/e2e_throughput.py --prompt-tokens 8192 --requests 2
+    .venv/bin/python bench/e2e_throughput.py --requests 3 --capacity-requests 0 \
+        --configs stock retro --repeats 2
 """
 
 from __future__ import annotations
@@ -201,6 +207,24 @@ def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any
     return row
 
 
+RATIO_KEYS = ("prompt_tokens_per_s", "ttft_mean_s", "ttft_max_s", "decode_tokens_per_s",
+              "peak_concurrent_decodes")
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's row over its repeats: the first run's, with every number that
+    rates the run (:data:`RATIO_KEYS`, decode steps) the median over the runs, and the runs
+    themselves under ``"repeats"`` when there are several."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for k in (*RATIO_KEYS, "decode_step_median_s", "prefill_s", "decode_s"):
+        values = [r[k] for r in rows if r[k] is not None]
+        out[k] = statistics.median(values) if values else None
+    out["repeats"] = rows
+    return out
+
+
 def plot(result: dict, path: pathlib.Path) -> None:
     """Bars of retro / stock for each measured quantity."""
     import matplotlib
@@ -241,8 +265,15 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                     help="configurations to run (ratios are against the first, and need "
                          "'stock' first)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every configuration, in the given order then reversed, "
+                         "alternating (the engine run second in a process measured 3-10%% "
+                         "slower steps whichever it was); ratios are medians of each "
+                         "repeat's ratios")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: accepted 1 or more")
 
     import torch
     from transformers import AutoTokenizer
@@ -260,17 +291,27 @@ def main() -> None:
         "cpu": cpu_description(), "threads": torch.get_num_threads(),
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "dtype": args.dtype, "eager": args.eager,
-        "configs": [run_config(name, CONFIGS[name], model, ps, args) for name in args.configs],
     }
-    base = result["configs"][0]
-    result["ratios_over_" + base["config"]] = ratios = {}
-    for cfg in result["configs"][1:]:
-        ratios[cfg["config"]] = {
-            k: cfg[k] / base[k] for k in ("prompt_tokens_per_s", "ttft_mean_s", "ttft_max_s",
-                                          "decode_tokens_per_s", "peak_concurrent_decodes")
-            if base[k] and cfg[k] is not None}
-        print(f"{cfg['config']} / {base['config']}:",
-              {k: round(v, 3) for k, v in ratios[cfg["config"]].items()})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.configs}
+    for r in range(args.repeats):
+        order = args.configs if r % 2 == 0 else args.configs[::-1]
+        for name in order:
+            row = run_config(name, CONFIGS[name], model, ps, args)
+            row["order"] = order.index(name)
+            runs[name].append(row)
+    result["configs"] = [median_row(runs[name]) for name in args.configs]
+    base_name = args.configs[0]
+    result["ratios_over_" + base_name] = ratios = {}
+    for name in args.configs[1:]:
+        per = [{k: cfg[k] / base[k] for k in RATIO_KEYS if base[k] and cfg[k] is not None}
+               for cfg, base in zip(runs[name], runs[base_name], strict=True)]
+        ratios[name] = {k: statistics.median(p[k] for p in per) for k in per[0]}
+        if args.repeats > 1:
+            result.setdefault("ratios_per_repeat", {})[name] = per
+        print(f"{name} / {base_name}:", {k: round(v, 3) for k, v in ratios[name].items()},
+              "" if args.repeats == 1 else
+              f"(median of {args.repeats}; decode per repeat "
+              f"{[round(p['decode_tokens_per_s'], 3) for p in per]})")
     result["wall_s"] = time.perf_counter() - t0
     out = args.out or ROOT / "bench" / "results" / f"e2e_throughput_{device}.json"
     out.write_text(json.dumps(result, indent=2))
