@@ -57,22 +57,17 @@ FUSED_SCORING = (WaveIndex, QuestIndex)
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when ``index`` can decode ``query`` through the fused CPU kernel, scoring
     included: a plain :class:`WaveIndex` or a :class:`QuestIndex` (:data:`FUSED_SCORING`)
-    and :func:`fused_rows`."""
-    return type(index) in FUSED_SCORING and fused_rows(index, query)
-
-
-def fused_rows(index: WaveIndex, query: torch.Tensor) -> bool:
-    """True when the fused CPU kernel can read ``index``'s rows for ``query``: on the CPU
-    with the 'auto' kernel backend, a store that exposes its rows
-    (:class:`RowAddressedStore`), the query in the index's dtype, and the kernel built."""
-    return fused_path(index.backend, query.device) and _rows_readable(index, query.dtype)
+    whose rows the kernel can read (:func:`fused_batch` of that one index)."""
+    return fused_batch([index], query, FUSED_SCORING)
 
 
 def fused_batch(indexes: list[WaveIndex], query: torch.Tensor,
                 kinds: tuple[type, ...] | None = None) -> bool:
-    """True when every index (one layer's batch) passes :func:`fused_rows` for ``query``
-    and, when ``kinds`` is given, is one of them; the kernel's availability is asked once
-    for the batch, not per row (this runs in every layer's forward)."""
+    """True when the fused CPU kernel can read every index's rows (one layer's batch) for
+    ``query``: on the CPU with the 'auto' kernel backend and the kernel built (asked once
+    for the batch: this runs in every layer's forward), a store that exposes its rows
+    (:class:`RowAddressedStore`), the query in the index's dtype; and, when ``kinds`` is
+    given, every index one of them."""
     if not fused_path("auto", query.device):
         return False
     dtype = query.dtype
@@ -81,7 +76,7 @@ def fused_batch(indexes: list[WaveIndex], query: torch.Tensor,
 
 
 def _rows_readable(index: WaveIndex, dtype: torch.dtype) -> bool:
-    """:func:`fused_rows` less the device and kernel checks."""
+    """:func:`fused_batch`'s per-index checks."""
     if index.backend != "auto":
         return False
     kind = type(index.store)
