@@ -720,37 +720,54 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     mark(0);
     // The top k by (score desc, id asc), split into the first r (retrieval) and the rest
     // (estimation), each listed in ascending cluster id (memory order, so zone reads
-    // stream; the sums are order-independent up to fp32 rounding). No sort: the k-th and
-    // r-th largest scores come from a radix select over their order-preserving bit keys,
-    // then one pass in id order admits clusters above each threshold and, in id order, as
-    // many ties at it as the ranking would.
-    thread_local std::vector<uint32_t> keys, kbuf;
+    // stream; the sums are order-independent up to fp32 rounding). No sort: the k-th
+    // largest score comes from a radix select over the order-preserving bit keys of all C,
+    // the r-th from one over the >= k keys at or above it only; then one branch-free pass
+    // in id order admits clusters above each threshold and, in id order, as many ties at
+    // it as the ranking would (selection at 128K, batch 8: 2.45 -> see bench/README.md).
+    thread_local std::vector<uint32_t> keys, kbuf, top;
+    thread_local std::vector<int64_t> ret_ids, est_ids;
     keys.resize(C);
     kbuf.resize(C);
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) keys[c] = order_key(score[c]);
-    const float thr_k = key_value(kth_largest_key(keys.data(), C, k, kbuf.data()));
-    const float thr_r = r > 0 ? key_value(kth_largest_key(keys.data(), C, r, kbuf.data()))
-                              : std::numeric_limits<float>::infinity();
+    const uint32_t key_k = kth_largest_key(keys.data(), C, k, kbuf.data());
+    float thr_r = std::numeric_limits<float>::infinity();
+    if (r > 0) {
+      top.resize(C);
+      int64_t m = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        top[m] = keys[c];
+        m += keys[c] >= key_k;
+      }
+      thr_r = key_value(kth_largest_key(top.data(), m, r, kbuf.data()));
+    }
+    const float thr_k = key_value(key_k);
     int64_t above_r = 0, above_k = 0;
+#pragma omp simd reduction(+ : above_r, above_k)
     for (int64_t c = 0; c < C; ++c) {
       above_r += score[c] > thr_r;
       above_k += score[c] > thr_k;
     }
     const int64_t ties_r = r - above_r, ties_k = k - above_k;
-    order.assign(k, 0);
+    ret_ids.resize(r + 1);  // each pass writes one slot past its last admission
+    est_ids.resize(k - r + 1);
     int64_t nr = 0, ne_ = 0, tr = 0, tk = 0;
-    for (int64_t c = 0; c < C && nr + ne_ < k; ++c) {
+    for (int64_t c = 0; c < C; ++c) {
       const float sc = score[c];
-      if (sc > thr_r || (sc == thr_r && tr < ties_r)) {
-        order[nr++] = c;
-        tr += sc == thr_r;
-        tk += sc == thr_k;
-      } else if (sc > thr_k || (sc == thr_k && tk < ties_k)) {
-        order[r + ne_++] = c;
-        tk += sc == thr_k;
-      }
+      const int64_t tie_r = sc == thr_r, tie_k = sc == thr_k;
+      const int64_t is_r = (sc > thr_r) | (tie_r & (tr < ties_r));
+      const int64_t is_e = (1 - is_r) & ((sc > thr_k) | (tie_k & (tk < ties_k)));
+      tr += tie_r & is_r;
+      tk += tie_k & (is_r | is_e);
+      ret_ids[nr] = c;
+      nr += is_r;
+      est_ids[ne_] = c;
+      ne_ += is_e;
     }
+    order.resize(k);
+    std::copy(ret_ids.begin(), ret_ids.begin() + r, order.begin());
+    std::copy(est_ids.begin(), est_ids.begin() + (k - r), order.begin() + r);
     if (sel != nullptr) {  // the ranking itself (tests, diagnostics)
       std::vector<int64_t> ranked(order);
       std::sort(ranked.begin(), ranked.end(), [&](int64_t x, int64_t y) {
