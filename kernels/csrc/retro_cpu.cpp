@@ -755,8 +755,11 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
       above_k += score[c] > thr_k;
     }
     const int64_t ties_r = r - above_r, ties_k = k - above_k;
-    ret_ids.resize(r + 1);  // each pass writes one slot past its last admission
-    est_ids.resize(k - r + 1);
+    // each pass writes one slot past its last admission. Zeroed: with NaN scores (a NaN
+    // query head) nothing is admitted and the zones name cluster 0, not a stale id of
+    // another row; k + 1 long, a bound for any mix of NaN and finite scores.
+    ret_ids.assign(r + 1, 0);
+    est_ids.assign(k + 1, 0);
     int64_t nr = 0, ne_ = 0, tr = 0, tk = 0;
     for (int64_t c = 0; c < C; ++c) {
       const float sc = score[c];

@@ -90,6 +90,29 @@ def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d, scoring_i
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_query_row_leaves_the_other_rows_exact(dtype):
+    """A row whose query holds NaNs (a model that overflowed) scores NaN everywhere; its
+    selection must still name clusters of its own (no read outside its pools, no write past
+    the kernel's scratch), and every other row of the batch decodes as the reference does."""
+    rng = torch.Generator().manual_seed(11)
+    h, group, d = 2, 4, 64
+    rows = [_row(h, d, c, 4, 16, dtype, rng, paged) for c, paged in
+            [(400, True), (60, False), (400, False), (9, True)]]
+    q = torch.randn(len(rows), h * group, d, generator=rng).to(dtype)
+    q[0, :group] = float("nan")  # row 0, KV head 0: every score NaN
+    q[2, group:, 5] = float("nan")  # row 2, KV head 1
+    out, lse, _ = decode_rows(q, rows, d ** -0.5, True)
+    ref_out, ref_lse, _ = decode_rows_ref(q, rows, d ** -0.5, True)
+    for b in (1, 3):
+        torch.testing.assert_close(out[b].float(), ref_out[b].float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse[b], ref_lse[b], rtol=1e-5, atol=1e-5)
+    for b in (0, 2):  # the heads without a NaN are untouched by the one that has them
+        good = slice(group, None) if b == 0 else slice(0, group)
+        torch.testing.assert_close(out[b, good].float(), ref_out[b, good].float(),
+                                   rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_tied_and_empty_clusters_select_like_the_reference(dtype, tol):
     """Scores that tie exactly (a zero query scores every cluster alike) are taken in id
