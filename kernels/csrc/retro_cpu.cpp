@@ -777,9 +777,11 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
     std::copy(ret_ids.begin(), ret_ids.begin() + r, order.begin());
     std::copy(est_ids.begin(), est_ids.begin() + (k - r), order.begin() + r);
     if (sel != nullptr) {  // the ranking itself (tests, diagnostics)
+      // by the scores' order keys: the same order as the floats' (scores are never -0),
+      // and a strict weak one with NaNs too, which std::sort needs not to read out of range
       std::vector<int64_t> ranked(order);
       std::sort(ranked.begin(), ranked.end(), [&](int64_t x, int64_t y) {
-        return score[x] > score[y] || (score[x] == score[y] && x < y);
+        return keys[x] > keys[y] || (keys[x] == keys[y] && x < y);
       });
       for (int64_t i = 0; i < S; ++i) sel[i] = i < k ? ranked[i] : -1;
     }

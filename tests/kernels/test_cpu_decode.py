@@ -93,8 +93,9 @@ def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d, scoring_i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_nan_query_row_leaves_the_other_rows_exact(dtype):
     """A row whose query holds NaNs (a model that overflowed) scores NaN everywhere; its
-    selection must still name clusters of its own (no read outside its pools, no write past
-    the kernel's scratch), and every other row of the batch decodes as the reference does."""
+    selection and its ranking must still name clusters of its own (no read outside its
+    pools, no write past the kernel's scratch, no sort on a NaN-broken order), and every
+    other row of the batch decodes and ranks as the reference does."""
     rng = torch.Generator().manual_seed(11)
     h, group, d = 2, 4, 64
     rows = [_row(h, d, c, 4, 16, dtype, rng, paged) for c, paged in
@@ -102,8 +103,14 @@ def test_a_nan_query_row_leaves_the_other_rows_exact(dtype):
     q = torch.randn(len(rows), h * group, d, generator=rng).to(dtype)
     q[0, :group] = float("nan")  # row 0, KV head 0: every score NaN
     q[2, group:, 5] = float("nan")  # row 2, KV head 1
-    out, lse, _ = decode_rows(q, rows, d ** -0.5, True)
-    ref_out, ref_lse, _ = decode_rows_ref(q, rows, d ** -0.5, True)
+    width = max(r.n_retrieval + r.n_estimation for r in rows)
+    out, lse, sel = decode_rows(q, rows, d ** -0.5, True, selection_width=width)
+    ref_out, ref_lse, ref_sel = decode_rows_ref(q, rows, d ** -0.5, True)
+    for b, r in enumerate(rows):  # the ranking too (NaN scores ranked without a fault)
+        c = r.centroids.shape[1]
+        assert ((sel[b] >= 0) & (sel[b] < c) | (sel[b] == -1)).all()
+        if b in (1, 3):
+            assert torch.equal(sel[b, :, :ref_sel[b].shape[1]], ref_sel[b])
     for b in (1, 3):
         torch.testing.assert_close(out[b].float(), ref_out[b].float(), rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(lse[b], ref_lse[b], rtol=1e-5, atol=1e-5)
