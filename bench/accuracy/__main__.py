@@ -1,5 +1,6 @@
 """Command line: ``python -m bench.accuracy [--contexts 4096 8192] [--tasks ...] [--configs ...]
-[--samples N] [--out bench/results/accuracy_{ctx}.json] [--quick] [--margin M]``.
+[--samples N] [--out bench/results/accuracy_{ctx}.json] [--quick] [--margin M]
+[--dtype D]``.
 
 Generates the samples, serves them under each configuration (one engine at a time), prints the
 task x config table and writes one JSON (+ PNG bar plot) per context. With ``--quick`` (CI):
@@ -20,8 +21,9 @@ from typing import Any
 from bench.accuracy.report import plot, summarize, table, write_json
 from bench.accuracy.runner import CONFIGS, make_samples, run_config, settings, tokenizer_fns
 from bench.accuracy.tasks import TASKS
+from bench.machine import model_dtype
 
-MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF dequantised, served in bf16)"
+MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF dequantised)"
 QUICK = {"tasks": ["niah_single"], "contexts": [2560], "configs": ["full", "retro"],
          "samples": 3}
 #: With 3 quick samples one answer flipping (0.33) is tolerated, two (0.67) fail the gate.
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--margin", type=float, help="fail (exit 1) if a config's mean accuracy is "
                     f"below full's by more than this (default {QUICK_MARGIN} with --quick, "
                     "else no gate)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "auto"], default="bfloat16",
+                    help="the engines' dtype (default bfloat16, the model's own; 'auto': "
+                    "float32 on a CPU without native bf16, where bf16 runs several times "
+                    "slower, see bench/machine.py)")
     ap.add_argument("--model", help="model directory (default: ensure_qwen_coder())")
     ap.add_argument("--saap-file", help="the model's SAAP file (`vllm-retro calibrate MODEL "
                     "--out FILE`), for the 'saap' configuration (default configurations "
@@ -63,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     else "bench/results/accuracy_{ctx}.json")
     if len(args.contexts) > 1 and "{ctx}" not in args.out:
         ap.error("--out needs '{ctx}' when several contexts are run")
+    if args.dtype == "auto":
+        args.dtype = model_dtype()
     if args.margin is None and args.quick:
         args.margin = QUICK_MARGIN
     return args
@@ -112,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out.replace("{ctx}", str(ctx)))
         runs = resumed_runs(out.with_suffix(".partial.json"), command, args.configs)
         for c in args.configs[len(runs):]:
-            runs.append(run_config(model_dir, c, samples, saap_file=args.saap_file))
+            runs.append(run_config(model_dir, c, samples, saap_file=args.saap_file,
+                                   dtype=args.dtype))
             # Checkpoint after each configuration, so an interrupted long run keeps its results.
             write_json({"command": command, "context_tokens": ctx, "complete": False,
                         "runs": runs}, out.with_suffix(".partial.json"))
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['config']} {r['wall_s']:.0f} s" for r in runs))
         result = {
             "command": command, "model": MODEL_NAME, "model_dir": str(model_dir),
+            "dtype": args.dtype,
             "context_tokens": ctx, "tasks": args.tasks, "samples_per_task": args.samples,
             "seeds": list(range(args.seed, args.seed + args.samples)),
             "configs": {c: settings(c, args.saap_file) for c in args.configs},

@@ -1,7 +1,7 @@
 """Configurations and the serving loop: one vLLM offline engine per configuration, in process.
 
 Engines start the way the test-suite starts them (``tests/vllm/engines.py``): in-process engine
-core, bf16, eager, and an explicit shutdown so the next configuration starts clean.
+core, bf16 (or ``--dtype``), eager, and an explicit shutdown so the next configuration starts clean.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def make_samples(tasks: Sequence[str], contexts: Sequence[int], samples: int, se
 
 
 @contextmanager
-def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: int
-           ) -> Iterator[Any]:
-    """An in-process ``vllm.LLM`` (bf16, eager) with retro at ``retro`` settings, or stock
+def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: int,
+           dtype: str = "bfloat16") -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` (``dtype``, eager) with retro at ``retro`` settings, or stock
     vLLM for ``None``; shut down on exit (see ``tests/vllm/engines.py`` for why)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
@@ -79,7 +79,7 @@ def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: i
     from vllm_retro.vllm import engine_kwargs
 
     extra = engine_kwargs(**retro) if retro is not None else {}
-    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=max_model_len,
+    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
               enforce_eager=True, seed=0, **extra)
     try:
         yield llm
@@ -102,17 +102,17 @@ def settings(name: str, saap_file: str | None = None) -> dict[str, Any] | None:
 
 
 def run_config(model_dir: Path | str, name: str, samples: Sequence[Sample],
-               log: Callable[[str], None] = print, saap_file: str | None = None
-               ) -> dict[str, Any]:
+               log: Callable[[str], None] = print, saap_file: str | None = None,
+               dtype: str = "bfloat16") -> dict[str, Any]:
     """Serve every sample under configuration ``name`` (a key of :data:`CONFIGS`) with greedy
-    decoding; returns ``{"config", "retro", "wall_s", "engine_start_s", "samples": [...]}``
-    where each sample record holds the answer and its score in [0, 1]."""
+    decoding in ``dtype``; returns ``{"config", "retro", "wall_s", "engine_start_s",
+    "samples": [...]}`` where each sample record holds the answer and its score in [0, 1]."""
     from vllm import SamplingParams
 
     retro = settings(name, saap_file)
     max_len = max(s.prompt_tokens + s.max_tokens for s in samples) + 16
     t0 = time.perf_counter()
-    with engine(model_dir, retro, max_len) as llm:
+    with engine(model_dir, retro, max_len, dtype) as llm:
         t_start = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in samples]
         outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)

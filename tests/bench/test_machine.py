@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from bench.machine import cpu_description
+from bench.machine import cpu_description, model_dtype, native_bf16
 
 _AMX_CPU = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8480+
@@ -29,6 +29,14 @@ def test_a_cpu_without_avx512_or_amx_lists_only_what_it_has() -> None:
     assert text.startswith("AMD EPYC 7B12; ")
     assert text.endswith("; avx2")
     assert cpu_description("processor\t: 0\n").endswith("; no AVX2")
+
+
+def test_real_model_runs_use_bf16_only_where_the_cpu_multiplies_it() -> None:
+    assert native_bf16(_AMX_CPU) and model_dtype(_AMX_CPU) == "bfloat16"
+    avx512_bf16 = _AVX2_CPU.replace("f16c", "f16c avx512f avx512_bf16")
+    assert native_bf16(avx512_bf16) and model_dtype(avx512_bf16) == "bfloat16"
+    assert not native_bf16(_AVX2_CPU) and model_dtype(_AVX2_CPU) == "float32"
+    assert model_dtype("processor\t: 0\n") == "float32"
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.machine import model_dtype
 from tests.vllm.engines import TINY_RETRO, engine, greedy, random_prompts
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.vllm.host_budget import (
@@ -138,12 +139,13 @@ def test_a_request_larger_than_the_budget_decodes_densely_like_stock(tiny_model_
 @pytest.mark.real_model
 @pytest.mark.usefixtures("inprocess")
 def test_reservations_bound_the_host_bytes_of_the_real_model(qwen_model_dir):
-    # Qwen2.5-0.5B in bf16 (index meta data is fp32, so bf16 is the larger ratio), update
+    # Qwen2.5-0.5B in bf16 where the CPU has it (index meta data is fp32, so bf16 is the larger
+    # ratio; fp32 elsewhere: bench.machine.model_dtype), update
     # blocks every 64 tokens so the host pools grow within the test: at every step the
     # host bytes the worker holds stay within the requests' reservations.
     retro = {"update_segment": 64, "update_clusters": 4, "local_window": 16,
              "segment_size": 512}
-    with engine(qwen_model_dir, retro=retro, dtype="bfloat16", max_model_len=8192) as llm:
+    with engine(qwen_model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         eng, rt, conn = llm.llm_engine, get_runtime(), _connector(llm)
         for i, n in enumerate([1200, 3000]):
             eng.add_request(str(i), random_prompts([n], seed=i)[0], greedy(400))

@@ -1,9 +1,11 @@
-"""Real pretrained models under retro at default budgets, against stock vLLM (CPU, bf16)."""
+"""Real pretrained models under retro at default budgets, against stock vLLM (CPU; bf16 where
+the CPU multiplies it natively, else fp32: :func:`bench.machine.model_dtype`)."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.machine import model_dtype
 from tests.vllm.engines import engine, finish_step
 from vllm_retro.capture import real_prose
 from vllm_retro.config import RetroConfig
@@ -40,7 +42,7 @@ def _run(model_dir, retro):
     doc = tok(real_prose(CONTINUATION_TOKENS * 6), add_special_tokens=False)["input_ids"]
     prompts.append(TokensPrompt(prompt_token_ids=doc[:CONTINUATION_TOKENS]))
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
-    with engine(model_dir, retro=retro, dtype="bfloat16", max_model_len=8192) as llm:
+    with engine(model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         outs = llm.generate(prompts, greedy)
         counters = get_runtime().counters
     answers = [o.outputs[0].text.strip() for o in outs[:-1]]
@@ -74,7 +76,7 @@ def _gemma_run(model_dir, retro):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     doc = tok(real_prose(20000))["input_ids"][:3000]
     prompts = [TokensPrompt(prompt_token_ids=doc), "Once upon a time,"]
-    with engine(model_dir, retro=retro, dtype="bfloat16", max_model_len=8192) as llm:
+    with engine(model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
         counters = get_runtime().counters
     return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs], \
