@@ -1,13 +1,16 @@
-"""kernels.cpu_decode's build: one build directory per build command, and a build killed
-midway does not hold later loads (in other processes) forever."""
+"""kernels.cpu_decode's build: one build directory per build command, a build killed
+midway does not hold later loads (in other processes) forever, and every source compiles as
+C++17."""
 
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_retro.kernels import cpu_decode
 
@@ -67,3 +70,40 @@ def test_builds_of_deleted_checkouts_are_pruned(tmp_path) -> None:
         removed = cpu_decode._prune_orphans(tmp_path, keep)
     assert removed == [gone] and not gone.exists()
     assert live.exists() and busy.exists() and bare.exists() and keep.exists()
+
+
+def _compiler() -> str | None:
+    """The C++ compiler torch's extension builds use ($CXX, else c++), else g++."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def test_every_source_compiles_as_cxx17() -> None:
+    """Every ``kernels/csrc/*.cpp`` is C++17 (torch 2.11's extension builds pass -std=c++17,
+    2.13's -std=c++20): a syntax-only compile with the build's defines, include paths and
+    flags. -pedantic-errors makes the C++20 features GCC takes as extensions in C++17 mode
+    (designated initialisers) fail too."""
+    cxx = _compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    from torch.utils import cpp_extension
+
+    _, key = cpu_decode._build_dir()
+    includes = [*cpp_extension.include_paths(),
+                sysconfig.get_path("include", scheme="posix_prefix")]
+    # the build's own -O3 kept: __OPTIMIZE__ changes which code the intrinsics headers hold
+    flags = [f"-DTORCH_EXTENSION_NAME=vllm_retro_cpu_{key}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(flag for path in includes for flag in ("-isystem", path)),
+             "-fPIC", "-std=c++17", "-pedantic-errors", "-fsyntax-only", *cpu_decode._flags()]
+    sources = sorted(cpu_decode._CSRC.glob("*.cpp"))
+    assert set(cpu_decode._SOURCES) <= set(sources)
+    # all at once: parsing torch's headers takes most of each compile's time
+    procs = {src: subprocess.Popen([cxx, *flags, str(src)], stderr=subprocess.PIPE, text=True)
+             for src in sources}
+    failed = {}
+    for src, proc in procs.items():
+        err = proc.communicate(timeout=900)[1]
+        if proc.returncode:
+            failed[src.name] = err
+    assert not failed, "not C++17:\n" + "\n".join(f"== {name}\n{err[:6000]}"
+                                                   for name, err in failed.items())
