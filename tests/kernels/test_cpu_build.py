@@ -1,7 +1,8 @@
 """kernels.cpu_decode's build: one build directory per build command, a build killed
-midway does not hold later loads (in other processes) forever, and every source compiles as
-C++17."""
+midway does not hold later loads (in other processes) forever, a failed build is not retried
+for the same build key, and every source compiles as C++17."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -107,3 +108,46 @@ def test_every_source_compiles_as_cxx17() -> None:
             failed[src.name] = err
     assert not failed, "not C++17:\n" + "\n".join(f"== {name}\n{err[:6000]}"
                                                    for name, err in failed.items())
+
+
+def test_a_failed_build_is_remembered_per_build_key(tmp_path, monkeypatch, caplog) -> None:
+    """A failed build leaves the compiler's output in its build directory; a later load with
+    the same build key (the process's own memory cleared, as in a new process) does not build
+    again and warns once, naming the marker; deleting the marker lets it build again."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("ninja is not installed: torch builds no extension")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "deliberately broken"\n')
+    monkeypatch.setenv("VLLM_RETRO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_decode, "_SOURCES", (broken,))
+    monkeypatch.setattr(cpu_decode, "_module", None)
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    marker = cpu_decode._build_dir()[0] / cpu_decode.FAILED_MARKER
+
+    assert cpu_decode.load() is None
+    assert "deliberately broken" in marker.read_text()
+    assert "deliberately broken" in cpu_decode.load_error()
+    assert str(marker) in cpu_decode.load_error()
+
+    builds = []
+
+    def build(**kwargs):
+        builds.append(kwargs["name"])
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.logger.name):
+        assert cpu_decode.load() is None
+    assert builds == []
+    error = cpu_decode.load_error()
+    assert "deliberately broken" in error and f"{marker}: delete it to retry" in error
+    warned = [r.getMessage() for r in caplog.records if r.name == cpu_decode.logger.name]
+    assert len(warned) == 1 and "\n" not in warned[0] and error in warned[0], warned
+
+    marker.unlink()
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    assert cpu_decode.load() is not None and len(builds) == 1
