@@ -20,12 +20,15 @@ per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_r
 The extension is compiled by the README's setup command (``python -m
 vllm_retro.kernels.cpu_decode``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded from there;
 :func:`load` compiles it on first use when missing, and returns None (with the reason in
-:func:`load_error`) when it cannot be built, so callers fall back to the per-row path. The
-build directory is keyed by everything the build command contains (sources and their paths,
-flags, torch's and Python's include paths), so checkouts and environments sharing one cache
-never rebuild over each other's builds; a build is serialised across processes by an
-advisory file lock that dies with its holder, so a build killed midway (which leaves torch's
-own ``lock`` file behind) cannot make every later load wait forever.
+:func:`load_error`) when it cannot be built, so callers fall back to the per-row path. A
+failed build is remembered in its build directory (:data:`FAILED_MARKER`, the compiler's
+output): later loads with the same build key, in any process, do not build again until the
+marker is deleted. The build directory is keyed by everything the build command contains
+(sources and their paths, flags, torch's and Python's include paths), so checkouts and
+environments sharing one cache never rebuild over each other's builds; a build is
+serialised across processes by an advisory file lock that dies with its holder, so a build
+killed midway (which leaves torch's own ``lock`` file behind) cannot make every later load
+wait forever.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import pathlib
 import platform
 import re
 import shutil
+import subprocess
 import sysconfig
 import threading
 import time
@@ -58,6 +62,9 @@ _SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cp
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
+
+FAILED_MARKER = "build-failed.txt"
+"""A build directory's record of its failed build (the build command's output)."""
 
 
 @dataclass(frozen=True)
@@ -136,9 +143,27 @@ def _build_dir() -> tuple[pathlib.Path, str]:
     return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
 
 
+class _BuildFailed(RuntimeError):
+    """The build with this key failed, now or before (``marker``, its output, exists)."""
+
+    def __init__(self, marker: pathlib.Path, now: bool) -> None:
+        super().__init__(_first_error(marker.read_text()))
+        self.marker = marker
+        self.now = now
+
+
+def _first_error(output: str) -> str:
+    """The line of a failed build's ``output`` that says why: the compiler's first error
+    (ninja's last line says only that it stopped)."""
+    lines = output.strip().splitlines() or [""]
+    return next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
+
+
 def _compile(directory: pathlib.Path, key: str) -> Any:
     """Build (unless built) and import the extension in ``directory``, holding the directory's
-    build lock (an ``flock``, released by the kernel when its holder dies)."""
+    build lock (an ``flock``, released by the kernel when its holder dies). Raises
+    :class:`_BuildFailed` when the build command fails (writing :data:`FAILED_MARKER`) or
+    failed before."""
     from torch.utils import cpp_extension
 
     name = f"vllm_retro_cpu_{key}"
@@ -151,12 +176,23 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
             logger.warning("vllm-retro: removing %s, left by a kernel build that was killed",
                            stale)
             stale.unlink()
+        failed = directory / FAILED_MARKER
+        if failed.exists():
+            raise _BuildFailed(failed, now=False)
         if not (directory / f"{name}.so").exists():
             logger.info("vllm-retro: compiling the fused CPU kernels into %s (once per "
                         "checkout and environment, a minute or two)", directory)
-        return cpp_extension.load(
-            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_flags()),
-            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        try:
+            return cpp_extension.load(
+                name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_flags()),
+                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        except RuntimeError as exc:
+            # only a failed build command is remembered (the same sources, flags and headers
+            # fail the same way again); a missing ninja or a failed import is not
+            if not isinstance(exc.__cause__, subprocess.CalledProcessError):
+                raise
+            failed.write_text(str(exc))
+            raise _BuildFailed(failed, now=True) from exc
 
 
 def _prune_orphans(extensions: pathlib.Path, keep: pathlib.Path) -> list[pathlib.Path]:
@@ -197,11 +233,14 @@ def load() -> Any:
                 _prune_orphans(directory.parent, directory)
             except OSError as exc:
                 logger.debug("vllm-retro: pruning old kernel builds: %s", exc)
+        except _BuildFailed as exc:
+            _error = f"{exc}; remembered in {exc.marker}: delete it to retry the build"
+            logger.warning("vllm-retro: the fused CPU kernels %s (%s); decoding falls back to "
+                           "the per-row path and index builds to the torch k-means",
+                           "could not be built" if exc.now else "failed to build before",
+                           _error)
         except Exception as exc:  # compiler missing, headers missing, ...
-            lines = str(exc).strip().splitlines() or [""]
-            # the compiler's first error says why; ninja's last line only that it stopped
-            first = next((ln for ln in lines if "error:" in ln), lines[-1])
-            _error = f"{type(exc).__name__}: {first.strip()}"
+            _error = f"{type(exc).__name__}: {_first_error(str(exc))}"
             logger.warning("vllm-retro: the fused CPU kernels could not be built (%s); "
                            "decoding falls back to the per-row path and index builds to "
                            "the torch k-means", _error)

@@ -20,25 +20,37 @@ from vllm_retro.index.padded import MetaViewCache, decode_padded
 from vllm_retro.index.steady import SteadyPool
 
 
+def sdpa_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """SDPA on tiny inputs, called as the bench calls it (raises what a backend refuses):
+    :meth:`DenseStack.step`'s decode, 1 query ([1, 4, 1, head_dim]) over 17 keys of a
+    32-row buffer ([1, 2, 17, head_dim], strided), not causal; and
+    :func:`~bench.gpu.runner.time_prefill`'s causal prefill, 16 queries over 16 keys. Causal
+    calls are square only: PyTorch's causal mask is top-left aligned and FlashAttention
+    refuses it with fewer queries than keys. Both with native GQA (4 query heads, 2 KV)."""
+    query = torch.zeros(1, 4, head_dim, dtype=dtype, device=device)
+    keys = torch.zeros(1, 2, 32, head_dim, dtype=dtype, device=device)
+    F.scaled_dot_product_attention(query[:, :, None], keys[:, :, :17], keys[:, :, :17],
+                                   enable_gqa=True)
+    prompt = torch.zeros(1, 4, 16, head_dim, dtype=dtype, device=device)
+    F.scaled_dot_product_attention(prompt, keys[:, :, :16], keys[:, :, :16], is_causal=True,
+                                   enable_gqa=True)
+
+
 def sdpa_context(device: torch.device, dtype: torch.dtype, head_dim: int
                  ) -> tuple[Callable[[], AbstractContextManager], str]:
     """(context-manager factory, name) selecting the SDPA backend: FlashAttention on CUDA,
-    else memory-efficient attention (both with native GQA), probed on a tiny input; on CPU
-    PyTorch's default choice."""
+    else memory-efficient attention (both with native GQA), the first that runs
+    :func:`sdpa_probe`; on CPU PyTorch's default choice."""
     if device.type != "cuda":
         return nullcontext, "torch SDPA (CPU)"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q = torch.zeros(1, 4, 1, head_dim, dtype=dtype, device=device)
-    kv = torch.zeros(1, 2, 16, head_dim, dtype=dtype, device=device)
     errors = []
     for backend, name in ((SDPBackend.FLASH_ATTENTION, "FlashAttention"),
                           (SDPBackend.EFFICIENT_ATTENTION, "memory-efficient")):
         try:
             with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-                F.scaled_dot_product_attention(q.expand(1, 4, 8, head_dim), kv, kv,
-                                               is_causal=True, enable_gqa=True)
+                sdpa_probe(device, dtype, head_dim)
         except RuntimeError as exc:
             errors.append(f"{name}: {exc}")
             continue

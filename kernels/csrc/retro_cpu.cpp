@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +72,18 @@ inline void check_window(int64_t n_sink, int64_t sink_rows, int64_t n_win, int64
               ", window ", n_win, " rows from ", first, " of a ring of ", cap, ")");
 }
 
+// std::bit_cast for C++17 (torch's cpp_extension may build with -std=c++17); compilers fold
+// the memcpy into a register move, also inside `omp simd` loops.
+template <typename To, typename From>
+RETRO_INLINE To bits_as(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as: sizes differ");
+  static_assert(std::is_trivially_copyable_v<To> && std::is_trivially_copyable_v<From>,
+                "bits_as: types not trivially copyable");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
 // ---- vectorisable float math (plain C++; GCC vectorises these inside `omp simd` loops,
 // where libm calls would not be). Accuracy: a few ulp, far inside the kernel's 1e-5.
 
@@ -87,14 +98,14 @@ RETRO_INLINE float fast_exp(float x) {  // exp(x); 0 for x < -87 (and -inf)
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const float two_n = bits_as<float>((static_cast<int32_t>(n) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_n;
 }
 
 RETRO_INLINE float fast_log(float x) {  // log(x) for finite x > 0
-  const int32_t i = std::bit_cast<int32_t>(x);
+  const int32_t i = bits_as<int32_t>(x);
   float e = float(((i >> 23) & 0xff) - 127);
-  float m = std::bit_cast<float>((i & 0x007fffff) | 0x3f800000);  // [1, 2)
+  float m = bits_as<float>((i & 0x007fffff) | 0x3f800000);  // [1, 2)
   const bool big = m > 1.41421356f;
   m = big ? m * 0.5f : m;
   e = big ? e + 1.0f : e;
@@ -178,11 +189,11 @@ RETRO_INLINE float log_tilt(float v, float a, float tv, float den) {
 // Order-preserving uint32 keys of floats (key(x) < key(y) iff x < y; -0 just below +0),
 // and back.
 RETRO_INLINE uint32_t order_key(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t u = bits_as<uint32_t>(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 RETRO_INLINE float key_value(uint32_t k) {
-  return std::bit_cast<float>((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+  return bits_as<float>((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // The k-th largest of keys[0, n) (1 <= k <= n): a most-significant-digit radix select over

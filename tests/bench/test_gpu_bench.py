@@ -11,8 +11,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench.gpu.cli import run
+from bench.gpu.stacks import sdpa_probe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CASE_KEYS = {
@@ -74,6 +76,39 @@ def test_full_budget_is_exact(tmp_path: pathlib.Path) -> None:
     _check_result(result, out)
     assert result["config"]["estimation_budget"] == 0.0
     assert result["cases"][0]["rel_err_max"] < 1e-4
+
+
+def _record_sdpa(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, bool]]:
+    """From now on, every SDPA call's (shape: "decode" for 1 query, "square" or
+    "non-square", is_causal, enable_gqa)."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        n, m = q.shape[-2], k.shape[-2]
+        calls.append(("decode" if n == 1 else "square" if n == m else "non-square",
+                      is_causal, enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    return calls
+
+
+def test_sdpa_probe_calls_sdpa_as_the_bench_does(tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe that picks the CUDA SDPA backend makes the kinds of call the bench makes,
+    and only those: the dense decode's 1 query, not causal, and the prefill timing's square
+    causal call, both GQA. No causal call is non-square (FlashAttention refuses those, the
+    CPU does not, so the reduced mode alone would not show it)."""
+    calls = _record_sdpa(monkeypatch)
+    sdpa_probe(torch.device("cpu"), torch.float32, 16)
+    probed = set(calls)
+    calls.clear()
+    run(["--device", "cpu", "--reduced", "--batches", "1", "--steps", "1", "--warmup", "0",
+         "--layers", "1", "--kmeans-iters", "1", "--out", str(tmp_path / "gpu.json")])
+    assert probed == set(calls) == {("decode", False, True), ("square", True, True)}
 
 
 def test_skips_what_does_not_fit(tmp_path: pathlib.Path) -> None:

@@ -1,13 +1,17 @@
-"""kernels.cpu_decode's build: one build directory per build command, and a build killed
-midway does not hold later loads (in other processes) forever."""
+"""kernels.cpu_decode's build: one build directory per build command, a build killed
+midway does not hold later loads (in other processes) forever, a failed build is not retried
+for the same build key, and every source compiles as C++17."""
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_retro.kernels import cpu_decode
 
@@ -67,3 +71,83 @@ def test_builds_of_deleted_checkouts_are_pruned(tmp_path) -> None:
         removed = cpu_decode._prune_orphans(tmp_path, keep)
     assert removed == [gone] and not gone.exists()
     assert live.exists() and busy.exists() and bare.exists() and keep.exists()
+
+
+def _compiler() -> str | None:
+    """The C++ compiler torch's extension builds use ($CXX, else c++), else g++."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def test_every_source_compiles_as_cxx17() -> None:
+    """Every ``kernels/csrc/*.cpp`` is C++17 (torch 2.11's extension builds pass -std=c++17,
+    2.13's -std=c++20): a syntax-only compile with the build's defines, include paths and
+    flags. -pedantic-errors makes the C++20 features GCC takes as extensions in C++17 mode
+    (designated initialisers) fail too."""
+    cxx = _compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    from torch.utils import cpp_extension
+
+    _, key = cpu_decode._build_dir()
+    includes = [*cpp_extension.include_paths(),
+                sysconfig.get_path("include", scheme="posix_prefix")]
+    # the build's own -O3 kept: __OPTIMIZE__ changes which code the intrinsics headers hold
+    flags = [f"-DTORCH_EXTENSION_NAME=vllm_retro_cpu_{key}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(flag for path in includes for flag in ("-isystem", path)),
+             "-fPIC", "-std=c++17", "-pedantic-errors", "-fsyntax-only", *cpu_decode._flags()]
+    sources = sorted(cpu_decode._CSRC.glob("*.cpp"))
+    assert set(cpu_decode._SOURCES) <= set(sources)
+    # all at once: parsing torch's headers takes most of each compile's time
+    procs = {src: subprocess.Popen([cxx, *flags, str(src)], stderr=subprocess.PIPE, text=True)
+             for src in sources}
+    failed = {}
+    for src, proc in procs.items():
+        err = proc.communicate(timeout=900)[1]
+        if proc.returncode:
+            failed[src.name] = err
+    assert not failed, "not C++17:\n" + "\n".join(f"== {name}\n{err[:6000]}"
+                                                   for name, err in failed.items())
+
+
+def test_a_failed_build_is_remembered_per_build_key(tmp_path, monkeypatch, caplog) -> None:
+    """A failed build leaves the compiler's output in its build directory; a later load with
+    the same build key (the process's own memory cleared, as in a new process) does not build
+    again and warns once, naming the marker; deleting the marker lets it build again."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("ninja is not installed: torch builds no extension")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "deliberately broken"\n')
+    monkeypatch.setenv("VLLM_RETRO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_decode, "_SOURCES", (broken,))
+    monkeypatch.setattr(cpu_decode, "_module", None)
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    marker = cpu_decode._build_dir()[0] / cpu_decode.FAILED_MARKER
+
+    assert cpu_decode.load() is None
+    assert "deliberately broken" in marker.read_text()
+    assert "deliberately broken" in cpu_decode.load_error()
+    assert str(marker) in cpu_decode.load_error()
+
+    builds = []
+
+    def build(**kwargs):
+        builds.append(kwargs["name"])
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.logger.name):
+        assert cpu_decode.load() is None
+    assert builds == []
+    error = cpu_decode.load_error()
+    assert "deliberately broken" in error and f"{marker}: delete it to retry" in error
+    warned = [r.getMessage() for r in caplog.records if r.name == cpu_decode.logger.name]
+    assert len(warned) == 1 and "\n" not in warned[0] and error in warned[0], warned
+
+    marker.unlink()
+    monkeypatch.setattr(cpu_decode, "_error", None)
+    assert cpu_decode.load() is not None and len(builds) == 1
