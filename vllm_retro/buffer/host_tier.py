@@ -71,16 +71,25 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+def anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous read-write mapping of ``nbytes`` bytes, zero until written, whose
+    memory the OS commits page by page on first write (``MAP_NORESERVE`` on Linux). It is
+    unmapped when the object and every view of it are gone."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+               mapper: Callable[[int], mmap.mmap] = anonymous_mapping
+               ) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A zero tensor of ``shape`` whose memory the OS commits page by page on first write
-    (a private anonymous mapping, ``MAP_NORESERVE`` on Linux), and its mapping (None when
+    (a mapping of ``mapper``: :func:`anonymous_mapping`), and its mapping (None when
     empty). The tensor keeps the mapping alive; never ``close`` it while a view may be
     read."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype), None
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm = mapper(nbytes)
     return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape), mm
 
 
@@ -107,10 +116,17 @@ class HostTier:
 
     def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype, stats: BufferStats,
                  pin: bool | None = None, reserve_pages: int = 0,
-                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None):
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
+                 mapper: Callable[[int], mmap.mmap] = anonymous_mapping,
+                 fence: Callable[[], None] | None = None):
         """``reserve_pages``: pages the pool is allocated with at its first claim (address
         space until written; 0: just what is claimed, growing by 1.5x). ``pinner``:
-        (register, unregister) of host ranges for the device; default the CUDA driver's."""
+        (register, unregister) of host ranges for the device; default the CUDA driver's.
+        ``mapper``: maps ``nbytes`` of zeroed host memory for the pool's arrays (tests pass
+        one that watches the mappings' lifetimes). ``fence``: returns once no device work
+        submitted so far can still read the pool (on CUDA the owner's device synchronize);
+        called before ranges are unregistered (None: nothing reads the pool
+        asynchronously)."""
         if reserve_pages < 0:
             raise ValueError(f"reserve_pages {reserve_pages}; accepted: >= 0")
         self.head_dim = head_dim
@@ -120,6 +136,8 @@ class HostTier:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.reserve_pages = int(reserve_pages)
         self._register, self._unregister = pinner or (cuda_register, cuda_unregister)
+        self._mapper = mapper
+        self._fence = fence
         self.k = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.v = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.positions = torch.full((0,), -1, dtype=torch.int64)
@@ -271,16 +289,16 @@ class HostTier:
                                "pages; growing it to %d pages (copying %d)", cap, size,
                                self.used_pages)
         try:
-            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
-            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
         except OSError as exc:  # the address space asked for is not there
             if size == need:
                 raise
             logger.warning("retro: could not map %d host pages for a layer (%s); mapping "
                            "%d and growing later", size, exc, need)
             size = need
-            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
-            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
         used = self.used_pages
         pinned = 0
         if self.pin:
@@ -290,9 +308,9 @@ class HostTier:
                 self._pin_range(k, v, 0, pinned)
         bits(k)[:used] = bits(self.k)[:used]
         bits(v)[:used] = bits(self.v)[:used]
-        positions, _ = lazy_zeros((size * self.page_size,), torch.int64)
+        positions, _ = lazy_zeros((size * self.page_size,), torch.int64, self._mapper)
         positions[: used * self.page_size] = self.positions[: used * self.page_size]
-        page_block = lazy_zeros((size,), torch.int64)[0].numpy()
+        page_block = lazy_zeros((size,), torch.int64, self._mapper)[0].numpy()
         page_block[:used] = self.page_block[:used]
         self.k, self.v, self.positions, self.page_block = k, v, positions, page_block
         self._maps = [mk, mv]
@@ -312,10 +330,12 @@ class HostTier:
         self.stats.add(bytes_offloaded=2 * keys.size * self.k.element_size())
 
     def free(self) -> None:
-        """Release the pool (no store is left): its ranges unregistered, its mappings
-        unmapped once no view of them is left."""
+        """Release the pool (no store is left): its ranges unregistered once the device's
+        reads are done (``fence``), its mappings unmapped once no view of them is left."""
         with self._lock:
             pinned, self._pinned = self._pinned, []
+            if pinned and self._fence is not None:
+                self._fence()
             for ptr in pinned:
                 try:
                     self._unregister(ptr)

@@ -92,7 +92,9 @@ class LayerPool:
         page_bytes = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         self.host = HostTier(head_dim, page_size, dtype, stats,
                              pin=self.device.type == "cuda" or None,
-                             reserve_pages=reserve_bytes // page_bytes)
+                             reserve_pages=reserve_bytes // page_bytes,
+                             fence=partial(torch.cuda.synchronize, self.device)
+                             if self.device.type == "cuda" else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
         self.stores: set[WaveBufferStore] = set()
         self._on_empty = on_empty
