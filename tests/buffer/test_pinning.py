@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.buffer.fake_driver import StrictDriver
-from vllm_retro.buffer import BufferStats
+from vllm_retro.buffer import BufferStats, LayerPool
 from vllm_retro.buffer.host_tier import PIN_CHUNK, HostTier, bits
 
 
@@ -52,7 +52,7 @@ def _pool(driver, stats, d=8, page=4, dtype=torch.float32, register=None, **kw):
 
 def _write(host, first, pages, value):
     rows = np.arange(first * host.page_size, (first + pages) * host.page_size)
-    kv = np.full((rows.size, host.head_dim), value, np.int32)
+    kv = np.full((rows.size, host.head_dim), value, bits(host.k).dtype)
     host.write_rows(rows, kv, kv, rows)
 
 
@@ -173,3 +173,15 @@ def test_a_failed_registration_in_growth_keeps_the_old_pool(driver):
     assert host.ensure_room(1000) and host.generation == 2
     assert (bits(host.k)[:20] == 5).all()
     _free(host, driver)
+
+
+def test_a_pool_serving_the_cpu_is_never_pinned(monkeypatch):
+    """Pinning is the owner's decision, from the device its pool serves: a CPU layer's
+    pool stays unpinned (and unfenced) on a machine with CUDA too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pool = LayerPool(2, 8, 4, torch.float32, torch.device("cpu"), BufferStats())
+    assert pool.host.pin is False
+    assert HostTier(8, 4, torch.float32, BufferStats()).pin is False
+    first = pool.host.reserve(3)  # the CUDA driver is never called (it would fail here)
+    pool.host.release(first, 3)
+    pool.release()

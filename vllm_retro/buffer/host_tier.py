@@ -127,11 +127,13 @@ class HostTier:
     with a first-fit extent allocator."""
 
     def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype, stats: BufferStats,
-                 pin: bool | None = None, reserve_pages: int = 0,
+                 pin: bool = False, reserve_pages: int = 0,
                  pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
                  mapper: Callable[[int], mmap.mmap] = anonymous_mapping,
                  fence: Callable[[], None] | None = None):
-        """``reserve_pages``: pages the pool is allocated with at its first claim (address
+        """``pin``: register the pool with the device's driver, for an owner serving a
+        CUDA device (decided there: a pool read only by the CPU is never pinned).
+        ``reserve_pages``: pages the pool is allocated with at its first claim (address
         space until written; 0: just what is claimed, growing by 1.5x). ``pinner``:
         (register, unregister) of host ranges for the device; default the CUDA driver's.
         ``mapper``: maps ``nbytes`` of zeroed host memory for the pool's arrays (tests pass
@@ -145,7 +147,7 @@ class HostTier:
         self.page_size = page_size
         self.dtype = dtype
         self.stats = stats
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = pin
         self.reserve_pages = int(reserve_pages)
         self._register, self._unregister = pinner or (cuda_register, cuda_unregister)
         self._mapper = mapper
