@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tests.buffer.fake_driver import StrictDriver
 from vllm_retro.index.clustering import Clusters
 
 
@@ -48,3 +50,12 @@ class RefCache:
                 self.order.remove(victim)
                 used -= self.pages[victim]
             self.order.append(c)
+
+
+@pytest.fixture
+def driver():
+    """A :class:`~tests.buffer.fake_driver.StrictDriver`, closed (nothing may be left
+    registered, nothing unmapped while registered) when the test ends."""
+    drv = StrictDriver()
+    yield drv
+    drv.close()

@@ -99,54 +99,6 @@ def test_a_reservation_larger_than_memory_is_only_address_space():
     host.free()
 
 
-class _Pinner:
-    """Records the ranges a pool registers (the CUDA driver's role, absent here)."""
-
-    def __init__(self):
-        self.live: dict[int, int] = {}
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        assert ptr not in self.live and nbytes > 0
-        self.live[ptr] = nbytes
-
-    def unregister(self, ptr: int) -> None:
-        del self.live[ptr]
-
-    def covered(self, t: torch.Tensor) -> int:
-        """Bytes of ``t`` registered as one prefix (ranges contiguous from its start)."""
-        at = t.data_ptr()
-        while at in self.live:
-            at += self.live[at]
-        return at - t.data_ptr()
-
-
-def test_a_pinned_pool_registers_its_used_prefix_in_chunks():
-    from vllm_retro.buffer.host_tier import PIN_CHUNK
-
-    pinner = _Pinner()
-    stats = BufferStats()
-    d, ps = 128, 8
-    page = ps * d * 2  # bytes of one page of K (or V)
-    host = HostTier(d, ps, torch.bfloat16, stats, pin=True, reserve_pages=200_000,
-                    pinner=(pinner.register, pinner.unregister))
-    host.reserve(10)
-    assert pinner.covered(host.k) == pinner.covered(host.v) == PIN_CHUNK
-    assert len(pinner.live) == 2 and stats.host_bytes == 2 * PIN_CHUNK
-    first = host.reserve(PIN_CHUNK // page)  # past the first chunk: the next one
-    assert pinner.covered(host.k) == pinner.covered(host.v) == 2 * PIN_CHUNK
-    host.write_rows(np.arange(first * ps, first * ps + 4), np.ones((4, d), np.int16),
-                    np.ones((4, d), np.int16), np.arange(4))
-    host.release(first, PIN_CHUNK // page)  # pinned memory stays (locked pages)
-    assert int(host.k[first].count_nonzero()) == 4 * d
-    assert host.nbytes() == 4 * PIN_CHUNK == stats.host_bytes
-    host.reserve(200_000)  # past the reservation: a new pool, its used prefix pinned
-    assert host.generation == 2
-    assert pinner.covered(host.k) >= (200_010 * page) and len(pinner.live) > 4
-    assert pinner.covered(host.k) <= host.capacity_pages * page
-    host.free()
-    assert pinner.live == {} and stats.host_bytes == 0
-
-
 def test_block_pool_holds_the_budgets_and_refuses_overcommit():
     stats = BufferStats()
     pool = DeviceBlockPool(4, 2, torch.float32, torch.device("cpu"), stats)

@@ -17,14 +17,26 @@ zero until written, and the OS commits its memory page by page as layouts write 
 released extent's memory goes back to the OS (``MADV_DONTNEED``), so the pool holds the
 live requests' pages and no more (:meth:`nbytes`). Extents freed by finished requests are
 reused first-fit. Only a pool without a reservation (``reserve_pages`` 0: a store's
-private pool, tests) or past it grows, geometrically, copying the used pages into a new
-mapping.
+private pool, tests) or, unpinned, past it grows, geometrically, copying the used pages
+into a new mapping.
 
 On CUDA the pool is pinned so that the gather kernel reads it directly (unified
 addressing). Pinning commits memory, so it follows the high-water mark: each time the used
 pages pass the pinned prefix, the next :data:`PIN_CHUNK` bytes are registered with the
-driver (``cudaHostRegister``), and everything registered is unregistered when the pool is
-freed. Pinned pages stay committed (locked pages cannot be given back) until then.
+driver (``cudaHostRegister``). Pinned pages stay committed (locked pages cannot be given
+back) until the pool is freed. A registered range must stay mapped until it is
+unregistered: the driver keeps an unmapped range in its table, so the next mapping the
+kernel puts at those addresses (a pool's, or torch's pinned allocator's) fails to register
+("already registered", "resource already mapped"). So every registered range holds its
+mapping, and only :meth:`free` unregisters, after the owner's ``fence`` (the device's
+reads are done); the mapping goes once no view of it is left. Hence:
+
+- a pinned pool with a reservation is registered in chunks of one mapping that is never
+  replaced: a claim past the reservation fails (the runtime reserves every layer twice its
+  share of the most host memory the budget admits, so admitted requests fit:
+  :func:`vllm_retro.vllm.runtime.pool_reserve_bytes`, :mod:`vllm_retro.vllm.host_budget`);
+- a pinned pool without one grows as above, and the pools it replaced stay mapped and
+  registered (a reader may hold them) until :meth:`free`.
 
 The pool also holds the one record of which device block caches each page
 (``page_block``) and each row's absolute position, indexed like the pages; both are set
@@ -71,16 +83,25 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+def anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous read-write mapping of ``nbytes`` bytes, zero until written, whose
+    memory the OS commits page by page on first write (``MAP_NORESERVE`` on Linux). It is
+    unmapped when the object and every view of it are gone."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+               mapper: Callable[[int], mmap.mmap] = anonymous_mapping
+               ) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A zero tensor of ``shape`` whose memory the OS commits page by page on first write
-    (a private anonymous mapping, ``MAP_NORESERVE`` on Linux), and its mapping (None when
+    (a mapping of ``mapper``: :func:`anonymous_mapping`), and its mapping (None when
     empty). The tensor keeps the mapping alive; never ``close`` it while a view may be
     read."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype), None
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm = mapper(nbytes)
     return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape), mm
 
 
@@ -106,20 +127,31 @@ class HostTier:
     with a first-fit extent allocator."""
 
     def __init__(self, head_dim: int, page_size: int, dtype: torch.dtype, stats: BufferStats,
-                 pin: bool | None = None, reserve_pages: int = 0,
-                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None):
-        """``reserve_pages``: pages the pool is allocated with at its first claim (address
+                 pin: bool = False, reserve_pages: int = 0,
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
+                 mapper: Callable[[int], mmap.mmap] = anonymous_mapping,
+                 fence: Callable[[], None] | None = None):
+        """``pin``: register the pool with the device's driver, for an owner serving a
+        CUDA device (decided there: a pool read only by the CPU is never pinned).
+        ``reserve_pages``: pages the pool is allocated with at its first claim (address
         space until written; 0: just what is claimed, growing by 1.5x). ``pinner``:
-        (register, unregister) of host ranges for the device; default the CUDA driver's."""
+        (register, unregister) of host ranges for the device; default the CUDA driver's.
+        ``mapper``: maps ``nbytes`` of zeroed host memory for the pool's arrays (tests pass
+        one that watches the mappings' lifetimes). ``fence``: returns once no device work
+        submitted so far can still read the pool (on CUDA the owner's device synchronize);
+        called before ranges are unregistered (None: nothing reads the pool
+        asynchronously)."""
         if reserve_pages < 0:
             raise ValueError(f"reserve_pages {reserve_pages}; accepted: >= 0")
         self.head_dim = head_dim
         self.page_size = page_size
         self.dtype = dtype
         self.stats = stats
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = pin
         self.reserve_pages = int(reserve_pages)
         self._register, self._unregister = pinner or (cuda_register, cuda_unregister)
+        self._mapper = mapper
+        self._fence = fence
         self.k = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.v = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.positions = torch.full((0,), -1, dtype=torch.int64)
@@ -134,12 +166,13 @@ class HostTier:
         """Pools replaced so far (a growth replaces ``k``, ``v`` and ``positions``)."""
         self._maps: list[mmap.mmap] = []
         """The mappings of the current ``k`` and ``v`` (released extents are discarded)."""
-        self._pinned: list[int] = []
-        """Start of every range registered with the driver, current and replaced pools."""
+        self._pinned: list[tuple[int, mmap.mmap]] = []
+        """Start of every range registered with the driver, current and replaced pools, and
+        the mapping it lies in (held: it stays mapped until :meth:`free` unregisters it)."""
         self._pinned_bytes = 0
         """Prefix of the current ``k`` (and ``v``) registered, bytes."""
         self._retired_pinned = 0
-        """Bytes still registered in pools a growth replaced (kept until :meth:`free`)."""
+        """Bytes still registered in pools a growth replaced (held until :meth:`free`)."""
         self._counted = 0
         """Bytes this pool has added to ``stats.host_bytes``."""
         self._lock = threading.Lock()
@@ -194,8 +227,8 @@ class HostTier:
             else:
                 self._ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
                 start = self.used_pages
+                self._pin_upto(start + pages)
                 self.used_pages = start + pages
-                self._pin_upto(self.used_pages)
             self.page_block[start:start + pages] = -1
             self.positions.numpy()[start * self.page_size:(start + pages) * self.page_size] = -1
             self._account()
@@ -242,26 +275,52 @@ class HostTier:
         total = self.capacity_pages * self._array_page_bytes()
         target = min(total, -(-pages * self._array_page_bytes() // PIN_CHUNK) * PIN_CHUNK)
         if target > self._pinned_bytes:
-            self._pin_range(self.k, self.v, self._pinned_bytes, target)
+            mk, mv = self._maps
+            self._pin_range([(self.k, mk), (self.v, mv)], self._pinned_bytes, target)
             self._pinned_bytes = target
 
-    def _pin_range(self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> None:
-        for t in (k, v):
-            self._register(t.data_ptr() + lo, hi - lo)
-            self._pinned.append(t.data_ptr() + lo)
+    def _pin_range(self, arrays: list[tuple[torch.Tensor, mmap.mmap]], lo: int, hi: int
+                   ) -> None:
+        """Register bytes ``lo:hi`` of each array (with the mapping it lies in), all or
+        none: when one fails, those just registered are unregistered again (no reader was
+        given them) and the error raised."""
+        done: list[tuple[int, mmap.mmap]] = []
+        try:
+            for t, mm in arrays:
+                self._register(t.data_ptr() + lo, hi - lo)
+                done.append((t.data_ptr() + lo, mm))
+        except BaseException:
+            for ptr, _ in done:
+                self._unregister(ptr)
+            raise
+        self._pinned += done
+
+    def _fixed(self) -> bool:
+        """The pool is never replaced: pinned and mapped at its reservation."""
+        return self.pin and self.reserve_pages > 0 and self.capacity_pages > 0
 
     def ensure_room(self, pages: int) -> bool:
         """Grow the pool unless ``pages`` more fit past the high-water mark; True when it
         grew. The grown pool replaces the old one whole, after the copy, so a reader holding
-        the old pool still reads every page laid out before."""
+        the old pool still reads every page laid out before. A pool that is never replaced
+        (pinned, with a reservation) is left as it is: a claim that does not fit then fails
+        (:meth:`reserve`)."""
         with self._lock:
-            return self._ensure_room(pages)
+            return False if self._fixed() else self._ensure_room(pages)
 
     def _ensure_room(self, pages: int) -> bool:
         need = self.used_pages + pages
         cap = self.capacity_pages
         if need <= cap:
             return False
+        if self._fixed():
+            raise RuntimeError(
+                f"a layer's pinned host pool is full: {pages} more pages do not fit "
+                f"past page {self.used_pages} of its reservation of {cap} pages "
+                f"({cap * self.page_nbytes() / 2**30:.2f} GiB); a pinned pool is never "
+                "remapped (the device reads it by address), so its requests must fit the "
+                "reservation (WaveBufferManager(pool_reserve_bytes=...), kept by the host "
+                "budget's admission)")
         if cap == 0 and self.reserve_pages:
             size = max(need, self.reserve_pages)
         else:
@@ -271,28 +330,28 @@ class HostTier:
                                "pages; growing it to %d pages (copying %d)", cap, size,
                                self.used_pages)
         try:
-            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
-            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
         except OSError as exc:  # the address space asked for is not there
             if size == need:
                 raise
             logger.warning("retro: could not map %d host pages for a layer (%s); mapping "
                            "%d and growing later", size, exc, need)
             size = need
-            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
-            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype)
+            k, mk = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
+            v, mv = lazy_zeros((size, self.page_size, self.head_dim), self.dtype, self._mapper)
         used = self.used_pages
         pinned = 0
         if self.pin:
             pinned = min(size * self._array_page_bytes(),
                          -(-used * self._array_page_bytes() // PIN_CHUNK) * PIN_CHUNK)
             if pinned:
-                self._pin_range(k, v, 0, pinned)
+                self._pin_range([(k, mk), (v, mv)], 0, pinned)
         bits(k)[:used] = bits(self.k)[:used]
         bits(v)[:used] = bits(self.v)[:used]
-        positions, _ = lazy_zeros((size * self.page_size,), torch.int64)
+        positions, _ = lazy_zeros((size * self.page_size,), torch.int64, self._mapper)
         positions[: used * self.page_size] = self.positions[: used * self.page_size]
-        page_block = lazy_zeros((size,), torch.int64)[0].numpy()
+        page_block = lazy_zeros((size,), torch.int64, self._mapper)[0].numpy()
         page_block[:used] = self.page_block[:used]
         self.k, self.v, self.positions, self.page_block = k, v, positions, page_block
         self._maps = [mk, mv]
@@ -312,11 +371,13 @@ class HostTier:
         self.stats.add(bytes_offloaded=2 * keys.size * self.k.element_size())
 
     def free(self) -> None:
-        """Release the pool (no store is left): its ranges unregistered, its mappings
-        unmapped once no view of them is left."""
+        """Release the pool (no store is left): its ranges unregistered once the device's
+        reads are done (``fence``), its mappings unmapped once no view of them is left."""
         with self._lock:
             pinned, self._pinned = self._pinned, []
-            for ptr in pinned:
+            if pinned and self._fence is not None:
+                self._fence()
+            for ptr, _ in pinned:
                 try:
                     self._unregister(ptr)
                 except RuntimeError as exc:  # the memory goes with the mapping regardless

@@ -90,9 +90,11 @@ class LayerPool:
         self.dtype = dtype
         self.device = torch.device(device)
         page_bytes = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
-        self.host = HostTier(head_dim, page_size, dtype, stats,
-                             pin=self.device.type == "cuda" or None,
-                             reserve_pages=reserve_bytes // page_bytes)
+        cuda = self.device.type == "cuda"  # the pool is read by this device's kernels
+        self.host = HostTier(head_dim, page_size, dtype, stats, pin=cuda,
+                             reserve_pages=reserve_bytes // page_bytes,
+                             fence=partial(torch.cuda.synchronize, self.device) if cuda
+                             else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
         self.stores: set[WaveBufferStore] = set()
         self._on_empty = on_empty
