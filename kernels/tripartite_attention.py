@@ -395,7 +395,9 @@ def tripartite_decode_triton(
         spreads = deviates = qvar = torch.zeros(r, 1, dtype=torch.float32, device=dev)
     block_d = block_size(d)
     block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
-    total = int((n_exact + n_est).max().item()) if r else 0
+    # the grid from the operands' widths (a bound on n_exact + n_est the host knows), not
+    # from the lengths: reading them would wait for the device
+    total = k_exact.shape[1] + est_ids.shape[1] if r else 0
     splits = num_splits or _default_splits(r, total, block_n)
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(total, 1), splits), block_n) * block_n)
     splits = max(1, triton.cdiv(max(total, 1), chunk))

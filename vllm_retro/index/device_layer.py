@@ -1,0 +1,323 @@
+"""One attention layer's wave indexes resident on the device, decoded by one fixed sequence of
+tensor operations with no host synchronisation (the GPU decode step, KV on the device).
+
+The regime where the context's KV fits the device (DESIGN.md, "offload only under memory
+pressure"): every indexed token is read in place from device memory, so a step moves no
+KV over PCIe and needs no cache policy. State is preallocated per layer, as vLLM's paged KV
+and gpt-fast's in-place buffers are, in rows of ``R = slots x H`` (one per (request slot,
+KV head)):
+
+- ``keys``, ``values`` [slots * H, N_cap, D]: each row's indexed tokens, cluster-contiguous
+  (cluster c of a row at ``starts[row, c]``, ``sizes[row, c]`` tokens);
+- the meta pool [slots * H, C_cap, ...]: centroids, value sums (KV dtype), sizes (int32, 0
+  as padding), starts (int64), spreads and deviates (fp32) — and per row the tilted
+  estimator's residual model (profile [D], key and value factors [D, rank], fp32);
+- the steady zone (sinks and the window's ring) is read in place from the layer's shared
+  :class:`~vllm_retro.index.steady.SteadyPool`, where the route's append writes it.
+
+A :class:`DeviceLayer` mirrors the host-side :class:`WaveIndex` objects of the batch: a slot
+is (re)loaded when its index's meta index changes (a block landing: every ``update_segment``
+decoded tokens), never per token. Per step, the host builds a :class:`StepPlan` — the
+batch's integers as one [8, B] int64 tensor, copied to the device without waiting — and
+:func:`decode_step` runs the same sequence of operations whatever the data:
+
+1. the batch's rows of the meta pool: one scoring product (fp32, as the reference), the
+   empty-vs-padding mask, one top-k of ``r_max + e_max`` (static: the largest zones of the
+   loaded indexes);
+2. the retrieval zone's token rows by arithmetic on the selected clusters' starts and sizes
+   (a cumulative sum and a ``searchsorted`` over a static width ``T_ret``, the largest token
+   count any loaded row's retrieval zone can reach, so nothing is ever cut off), the
+   steady zone's rows in closed form (sinks, then the ring from the window's start);
+3. one gather per K and V from each source (the cluster pool, the steady pool) and one
+   select between them: the execution buffer, packed (steady zone first, then the retrieved
+   tokens), with ``n_exact`` per row;
+4. the estimation zone's meta rows gathered, the tilted estimator's query terms;
+5. one tripartite attention call (:func:`vllm_retro.kernels.tripartite_decode`).
+
+Every shape depends only on the batch size and the layer's bounds (``C_live``, ``r_max``,
+``e_max``, ``T_ret``, the steady width), which change only when a slot is loaded: a CUDA
+graph captured per bound set replays the step. ``tests/index/test_device_layer.py`` runs
+the step on CPU tensors under :class:`kernels.sync_check.SyncCheck` (no operation that
+would wait for the device) and against the per-row reference :meth:`WaveIndex.decode`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_retro import kernels
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.estimator import residual_query_terms
+from vllm_retro.index.steady import SteadyPool
+from vllm_retro.index.store import expand_runs
+from vllm_retro.index.wave_index import WaveIndex
+
+_BUCKET = 64
+"""Static widths (clusters scored, retrieval tokens, steady rows) are rounded up to a
+multiple of this, so a CUDA graph captured at one width serves many loads."""
+
+PLAN_FIELDS = ("slot", "steady_slot", "clusters", "retrieval", "estimation", "sinks",
+               "ring_start", "window")
+"""The rows of a :class:`StepPlan`'s tensor, per batch row: the request's slot in the
+layer's pools and in the steady pool, its clusters, zone sizes (clusters), sinks, and its
+window (first ring row, tokens)."""
+
+
+def _round_up(n: int, to: int = _BUCKET) -> int:
+    return max(to, -(-n // to) * to)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's integers for :func:`decode_step`, made before the step (by
+    :meth:`DeviceLayer.plan`)."""
+
+    ints: torch.Tensor
+    """[len(PLAN_FIELDS), B] int64 on the layer's device (see :data:`PLAN_FIELDS`)."""
+    steady: SteadyPool
+    """The steady pool the batch's windows are in."""
+    clusters: int
+    """C_live: meta columns scored (>= every row's clusters; a multiple of 64)."""
+    retrieval: int
+    """r_max: ranking slots kept for the retrieval zone (>= every row's)."""
+    estimation: int
+    """e_max: ranking slots kept for the estimation zone (>= every row's)."""
+    retrieval_tokens: int
+    """T_ret: exact tokens the retrieval zone may read per row (>= every row's bound)."""
+    steady_tokens: int
+    """Steady-zone width of the execution buffer (>= every row's sinks + window)."""
+
+
+class DeviceLayer:
+    """The device-resident wave indexes of one attention layer (see the module docstring).
+
+    ``slots`` requests at once, each with at most ``max_clusters`` clusters and
+    ``max_tokens`` indexed tokens per KV head. Allocated once; a request gets a slot from
+    its caller (the same slot numbering as the steady pool's is natural, not required).
+    """
+
+    def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, slots: int,
+                 max_clusters: int, max_tokens: int, rank: int):
+        for name, v in (("slots", slots), ("max_clusters", max_clusters),
+                        ("max_tokens", max_tokens), ("rank", rank)):
+            if v < 1:
+                raise ValueError(f"DeviceLayer: {name}={v}; accepted: an integer >= 1")
+        self.config = config
+        self.num_kv_heads = h = num_kv_heads
+        self.head_dim = d = head_dim
+        self.dtype = dtype
+        self.device = dev = torch.device(device)
+        self.num_slots = slots
+        self.max_clusters = c = max_clusters
+        self.max_tokens = n = max_tokens
+        rows = slots * h
+        f32 = torch.float32
+        # zero-filled: rows past a row's data are read (and masked) by the gathers
+        self.keys = torch.zeros(rows, n, d, dtype=dtype, device=dev)
+        self.values = torch.zeros(rows, n, d, dtype=dtype, device=dev)
+        self.centroids = torch.zeros(rows, c, d, dtype=dtype, device=dev)
+        self.value_sums = torch.zeros(rows, c, d, dtype=dtype, device=dev)
+        self.sizes = torch.zeros(rows, c, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(rows, c, dtype=torch.int64, device=dev)
+        self.spreads = torch.zeros(rows, c, dtype=f32, device=dev)
+        self.deviates = torch.zeros(rows, c, dtype=f32, device=dev)
+        self.profile = torch.zeros(rows, d, dtype=f32, device=dev)
+        self.key_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
+        self.value_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
+        self._loaded: dict[int, tuple[int, int]] = {}
+        """slot -> (uid, meta generation) of the index loaded there."""
+        self._bounds: dict[int, tuple[int, int]] = {}
+        """slot -> (clusters, retrieval-zone token bound) of the index loaded there."""
+
+    # ------------------------------------------------------------------ host side
+    def nbytes(self) -> int:
+        """Bytes held on the device."""
+        return sum(t.numel() * t.element_size() for t in (
+            self.keys, self.values, self.centroids, self.value_sums, self.sizes, self.starts,
+            self.spreads, self.deviates, self.profile, self.key_factor, self.value_factor))
+
+    def load(self, slot: int, index: WaveIndex) -> None:
+        """Copy ``index``'s meta index, residual model and indexed KV into ``slot``
+        (host-side work when a block lands or a request arrives, not per step). The index
+        must fit the layer's bounds; its store must address its clusters as rows
+        (:meth:`~vllm_retro.index.store.RowAddressedStore.cluster_rows`)."""
+        h, c = self.num_kv_heads, index.num_clusters
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"DeviceLayer.load: slot={slot}; accepted: 0..{self.num_slots - 1}")
+        if (index.num_kv_heads, index.head_dim) != (h, self.head_dim):
+            raise ValueError(f"DeviceLayer.load: index has {index.num_kv_heads} x "
+                             f"{index.head_dim} heads; the layer {h} x {self.head_dim}")
+        if c > self.max_clusters:
+            raise ValueError(f"DeviceLayer.load: {c} clusters; accepted: at most "
+                             f"{self.max_clusters} (max_clusters)")
+        if index.residuals.rank != self.key_factor.shape[2]:
+            raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
+                             f"layer's is {self.key_factor.shape[2]}")
+        sizes = index.sizes.long().cpu()
+        tokens = int(sizes.sum(1).max()) if c else 0
+        if tokens > self.max_tokens:
+            raise ValueError(f"DeviceLayer.load: {tokens} indexed tokens per head; accepted: "
+                             f"at most {self.max_tokens} (max_tokens)")
+        rows = slice(slot * h, (slot + 1) * h)
+        for pool in (self.sizes, self.starts, self.spreads, self.deviates):
+            pool[rows] = 0
+        dev = self.device
+        if c:
+            keys, values, starts, head_rows, mult = index.store.cluster_rows()
+            src = starts[:, :c].cpu() * mult + head_rows * torch.arange(h)[:, None]
+            idx, _, totals = expand_runs(src, sizes)
+            for j in range(h):
+                t = int(totals[j])
+                take = idx[j, :t].to(keys.device)
+                self.keys[slot * h + j, :t] = keys.index_select(0, take).to(dev, self.dtype)
+                self.values[slot * h + j, :t] = values.index_select(0, take).to(dev, self.dtype)
+            self.centroids[rows, :c] = index.centroids.to(dev, self.dtype)
+            self.value_sums[rows, :c] = index.value_sums.to(dev, self.dtype)
+            self.sizes[rows, :c] = index.sizes.to(dev, torch.int32)
+            self.starts[rows, :c] = (sizes.cumsum(1) - sizes).to(dev)
+            self.spreads[rows, :c] = index.spreads.to(dev, torch.float32)
+            self.deviates[rows, :c] = index.deviates.to(dev, torch.float32)
+        res = index.residuals
+        self.profile[rows] = res.profile.to(dev)
+        self.key_factor[rows] = res.key_factor.to(dev)
+        self.value_factor[rows] = res.value_factor.to(dev)
+        r = self.config.num_retrieval(c)
+        bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
+        self._loaded[slot] = (index.uid, index.meta_generation)
+        self._bounds[slot] = (c, bound)
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s index (its rows are overwritten by the next load)."""
+        self._loaded.pop(slot, None)
+        self._bounds.pop(slot, None)
+
+    def refresh(self, slots: list[int], indexes: list[WaveIndex]) -> None:
+        """(Re)load every slot whose index is not the one loaded there, or whose meta index
+        changed since."""
+        for slot, index in zip(slots, indexes, strict=True):
+            if self._loaded.get(slot) != (index.uid, index.meta_generation):
+                self.load(slot, index)
+
+    def plan(self, slots: list[int], indexes: list[WaveIndex]) -> StepPlan:
+        """The step's integers for ``indexes`` in ``slots`` (each loaded, see
+        :meth:`refresh`), sharing one steady pool; one host->device copy, not waited for."""
+        if not indexes:
+            raise ValueError("DeviceLayer.plan: an empty batch")
+        steady = indexes[0].steady
+        if any(i.steady is not steady for i in indexes):
+            raise ValueError("DeviceLayer.plan: the indexes' steady zones are in different "
+                             "pools; a layer's decode needs them in one (adopt_steady)")
+        cfg = self.config
+        cols, width = [], 0
+        for slot, index in zip(slots, indexes, strict=True):
+            if self._loaded.get(slot) != (index.uid, index.meta_generation):
+                raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
+                                 "current meta index (refresh first)")
+            c = index.num_clusters
+            cols.append((slot, index.slot, c, cfg.num_retrieval(c), cfg.num_estimation(c),
+                         index.num_sinks, index.ring_start, index.win_len))
+            width = max(width, index.num_sinks + index.win_len)
+        host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        bounds = [self._bounds[s] for s in slots]
+        c_live = min(_round_up(max(b[0] for b in bounds)), self.max_clusters)
+        return StepPlan(
+            ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
+            retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
+            retrieval_tokens=_round_up(max(b[1] for b in bounds)),
+            steady_tokens=min(_round_up(width), steady.sink_cap + steady.ring))
+
+
+def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Tripartite decode of ``query[b]`` ([B, Hq, D]) over the index in the plan's batch row
+    b, for the whole batch, with no host synchronisation (see the module docstring).
+    Returns ``out`` ([B, Hq, D], query dtype; allocated when None). Equals
+    :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster choice is the same up to exact
+    ties of scores)."""
+    h, d = layer.num_kv_heads, layer.head_dim
+    dev = layer.device
+    b = query.shape[0]
+    r = b * h
+    cap = layer.max_clusters
+    c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
+    k_top = min(r_max + e_max, c)
+    ints = plan.ints[:, :, None].expand(-1, -1, h).contiguous().view(len(PLAN_FIELDS), r)
+    slot, st_slot, n_cl, n_ret, n_est, sinks, ring_start, window = ints.unbind(0)
+    heads = torch.arange(h, device=dev).repeat(b)
+    rows = slot * h + heads  # [R] rows of the layer's pools
+    q = query.reshape(r, -1, d)
+
+    # 1. scoring and ranking over the rows' first C_live meta columns
+    col = torch.arange(c, device=dev)
+    sizes = layer.sizes[:, :c].index_select(0, rows)  # [R, C]
+    scores = kernels.cluster_scores(q, layer.centroids[:, :c].index_select(0, rows), sizes,
+                                    scale, backend=layer.config.kernel_backend)
+    # a row's empty clusters rank above its padding, so no zone reaches the padding
+    empty = (sizes == 0) & (col[None, :] < n_cl[:, None])
+    scores = scores.masked_fill(empty, torch.finfo(scores.dtype).min)
+    top = torch.topk(scores, k_top, dim=1, sorted=True).indices  # [R, K]
+
+    # 2. the retrieval zone's token rows (cluster-contiguous runs) and the steady rows
+    ret = top[:, :r_max]
+    keep = torch.arange(r_max, device=dev)[None, :] < n_ret[:, None]
+    flat_ret = rows[:, None] * cap + ret
+    lengths = torch.take(layer.sizes, flat_ret).long() * keep  # [R, r_max]
+    ends = lengths.cumsum(1)
+    begins = ends - lengths
+    run_starts = torch.take(layer.starts, flat_ret)
+    n_steady = sinks + window
+    w = plan.steady_tokens + plan.retrieval_tokens
+    j = torch.arange(w, device=dev)[None, :].expand(r, w)
+    u = (j - n_steady[:, None]).clamp_min(0)  # token of the retrieval zone at slot j
+    run = torch.searchsorted(ends, u, right=True).clamp_max(max(r_max - 1, 0))
+    tok = torch.gather(run_starts, 1, run) + u - torch.gather(begins, 1, run)
+    n_exact = n_steady + ends[:, -1] if r_max else n_steady
+    in_steady = j < n_steady[:, None]
+    valid = j < n_exact[:, None]
+    tok = torch.where(valid & ~in_steady, tok, 0)  # row 0 of the row: finite, masked
+    ring = plan.steady.ring
+    steady_row = torch.where(
+        j < sinks[:, None], j,
+        plan.steady.sink_cap + (ring_start[:, None] + j - sinks[:, None]) % ring)
+    steady_row = torch.where(in_steady, steady_row, 0)
+
+    # 3. the execution buffer: [R, W, D], steady zone first, then the retrieved tokens
+    n = layer.max_tokens
+    src_ret = (rows[:, None] * n + tok).reshape(-1)
+    # the steady pool is [slots, sink_cap + ring, H, D]: row (slot, t, head)
+    z = plan.steady.sink_cap + ring
+    src_st = ((st_slot[:, None] * z + steady_row) * h + heads[:, None]).reshape(-1)
+    pick = in_steady.reshape(-1, 1)
+    exec_k = torch.where(pick, plan.steady.k.view(-1, d).index_select(0, src_st),
+                         layer.keys.view(-1, d).index_select(0, src_ret)).view(r, w, d)
+    exec_v = torch.where(pick, plan.steady.v.view(-1, d).index_select(0, src_st),
+                         layer.values.view(-1, d).index_select(0, src_ret)).view(r, w, d)
+
+    # 4. the estimation zone's rows of the meta pool, and the tilted estimator's terms
+    est_slots = (n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
+        max(k_top - 1, 0))
+    flat_est = rows[:, None] * cap + torch.gather(top, 1, est_slots)  # [R, e_max]
+    cen_e = layer.centroids.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    vs_e = layer.value_sums.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    sz_e = torch.take(layer.sizes, flat_est)
+    local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
+    tilt = None
+    if layer.config.estimator == "tilted" and e_max:
+        qvar, vshift = residual_query_terms(
+            q, layer.profile.index_select(0, rows), layer.key_factor.index_select(0, rows),
+            layer.value_factor.index_select(0, rows), scale)
+        tilt = kernels.TiltTerms(torch.take(layer.spreads, flat_est),
+                                 torch.take(layer.deviates, flat_est), qvar, vshift)
+
+    # 5. one tripartite attention call
+    res, _ = kernels.tripartite_decode(q, exec_k, exec_v, n_exact, cen_e, vs_e, sz_e, local,
+                                       n_est, scale, tilt, backend=layer.config.kernel_backend)
+    if out is None:
+        return res.view(query.shape)
+    out.copy_(res.view(out.shape))
+    return out
