@@ -204,3 +204,45 @@ def test_decode_step_with_triton_kernels(triton_device):
         out = _step(layer, [1, 4, 0], indexes, q, d ** -0.5, SyncCheck())
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol):
+    """On a GPU: the step equals the per-row reference, passes
+    ``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph replays it exactly."""
+    from vllm_retro.index.device_graph import StepGraphs
+    from vllm_retro.index.wave_index import WaveIndex
+
+    g = torch.Generator().manual_seed(9)
+    cfg = _cfg(kernel_backend="auto")
+    h, d, dev = 2, 128, torch.device("cuda")
+    indexes = [WaveIndex.build(torch.randn(h, n, d, generator=g).to(dev, dtype),
+                               torch.randn(h, n, d, generator=g).to(dev, dtype), cfg)
+               for n in (700, 2500)]
+    pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
+                      dtype, dev, slots=2, zeroed=True)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    layer = DeviceLayer(cfg, h, d, dtype, dev, slots=4, max_clusters=256, max_tokens=4096,
+                        rank=indexes[0].residuals.rank)
+    graphs = StepGraphs(layer)
+    slots = [3, 1]
+    for _ in range(3):
+        for index in indexes:
+            index.append(torch.randn(h, 1, d, generator=g).to(dev, dtype),
+                         torch.randn(h, 1, d, generator=g).to(dev, dtype))
+        q = torch.randn(2, h * 4, d, generator=g).to(dev, dtype)
+        layer.refresh(slots, indexes)
+        plan = layer.plan(slots, indexes)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = decode_step(layer, plan, q, d ** -0.5)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        replay = graphs(plan, q, d ** -0.5)
+        torch.testing.assert_close(replay, eager, rtol=0, atol=0)
+        ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+        torch.testing.assert_close(eager.float(), ref.float(), rtol=tol, atol=tol)
+    assert graphs.captures == 1

@@ -1,0 +1,218 @@
+"""One decode step of a layer with its KV resident on the device: dense vs the device step.
+
+The regime where a request's KV fits the device (DESIGN.md: offload only under memory
+pressure). A Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128, bf16 on
+CUDA), one wave index per context length built once on the device from synthetic clustered
+KV and loaded into every slot of a :class:`~vllm_retro.index.device_layer.DeviceLayer`
+(each row decodes its own query). Per step, interleaved, timed with CUDA events and the
+query already on the device:
+
+- **dense**: SDPA with ``enable_gqa`` (FlashAttention on CUDA, else the first backend that
+  runs), a 1-query non-causal decode over every row's materialised KV;
+- **eager**: :func:`~vllm_retro.index.device_layer.decode_step`;
+- **graph**: the same step replayed from a CUDA graph
+  (:class:`~vllm_retro.index.device_graph.StepGraphs`).
+
+Checks recorded in the JSON (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` passes over
+an eager step; graph replay equals eager (max abs difference); the step's relative error
+against the per-row reference :meth:`WaveIndex.decode` (row 0) and against dense. Off
+CUDA the same code runs on the CPU against torch's SDPA (a smoke run: the CPU's serving
+path is the fused kernel, ``bench/decode_step.py``).
+
+    python bench/device_step.py --out DIR/device_step.json          # 32K, 128K x batch 1, 8
+    python bench/device_step.py --contexts 4096 --batches 1 2 --heads 8 2 64   # small, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_step import QueryWalk, synthetic_kv  # noqa: E402
+from bench.gpu.stacks import sdpa_context  # noqa: E402
+from kernels.sync_check import SyncCheck  # noqa: E402
+from vllm_retro.config import RetroConfig  # noqa: E402
+from vllm_retro.index import WaveIndex  # noqa: E402
+from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
+from vllm_retro.index.device_layer import DeviceLayer, decode_step  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="default 32768 131072 (CPU: 8192)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128],
+                    metavar=("HQ", "HKV", "D"))
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (50; CPU 5)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                    help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--kmeans-iters", type=int, default=None,
+                    help="k-means rounds of the index build (default: the config's)")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    return ap.parse_args(argv)
+
+
+class Timer:
+    """Times calls with CUDA events on CUDA (the host's clock elsewhere); milliseconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+        self.times: dict[str, list[float]] = {}
+
+    def __call__(self, name: str, fn):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self.pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            self.times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def medians(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for name, start, end in self.pending:
+                self.times.setdefault(name, []).append(start.elapsed_time(end))
+            self.pending.clear()
+        return {k: statistics.median(v) for k, v in self.times.items()}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).mean())
+
+
+def bench_context(n: int, batches: list[int], args, device: torch.device, dtype: torch.dtype,
+                  cfg: RetroConfig, sdpa) -> list[dict]:
+    """Every batch size at context ``n``: one index built on the device, loaded per slot."""
+    hq, hkv, d = args.heads
+    keys, values, centers = synthetic_kv(1, n, dtype, seed=n, hkv=hkv, d=d)
+    t0 = time.perf_counter()
+    index = WaveIndex.build(keys[0].to(device), values[0].to(device), cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    kv = (keys.to(device), values.to(device))
+    del keys, values
+    cases = [{"context": n, "batch": b, "clusters": index.num_clusters, "index_build_s": build_s,
+              **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa)}
+             for b in batches]
+    index.free()
+    return cases
+
+
+def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers: torch.Tensor,
+               b: int, args, device: torch.device, dtype: torch.dtype, cfg: RetroConfig,
+               sdpa) -> dict:
+    """One batch size: ``index`` in each of ``b`` slots, dense over ``b`` copies of ``kv``."""
+    hq, hkv, d = args.heads
+    n, scale = kv[0].shape[2], d ** -0.5
+    layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
+                        max_tokens=n, rank=index.residuals.rank)
+    slots, rows = list(range(b)), [index] * b
+    layer.refresh(slots, rows)
+    plan = layer.plan(slots, rows)
+    graphs = StepGraphs(layer)
+    dk, dv = (t.expand(b, -1, -1, -1).contiguous() for t in kv)
+    walk = QueryWalk(b, centers, seed=b, hq=hq)
+
+    def dense(q):
+        with sdpa():
+            return F.scaled_dot_product_attention(q[:, :, None], dk, dv, scale=scale,
+                                                  enable_gqa=True)[:, :, 0]
+
+    q = walk.step().to(device, dtype)
+    checks: dict = {}
+    with SyncCheck() as check:  # the op sequence (host-side dispatch: counts only)
+        decode_step(layer, plan, q, scale)
+    checks["torch_ops"] = check.launches
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            decode_step(layer, plan, q, scale)
+            checks["sync_debug_error_mode"] = "passed"
+        except RuntimeError as exc:
+            checks["sync_debug_error_mode"] = f"failed: {exc}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    eager = decode_step(layer, plan, q, scale)
+    replay = graphs(plan, q, scale).clone()
+    checks["graph_vs_eager_max_abs"] = float((replay.float() - eager.float()).abs().max())
+    checks["graph_captures"] = graphs.captures
+    # correctness: the per-row reference (WaveIndex.decode) on row 0; the error against
+    # dense is the approximation's on this synthetic data, whose random values make a
+    # diffuse attention's output small (large relative errors mean nothing there)
+    checks["rel_err_vs_reference"] = _rel(replay[0], index.decode(q[0], scale).output)
+    checks["rel_err_vs_dense_synthetic"] = _rel(replay, dense(q))
+    timer = Timer(device)
+    for _ in range(3):  # warm-up
+        dense(q), decode_step(layer, plan, q, scale), graphs(plan, q, scale)
+    for _ in range(args.steps or (50 if device.type == "cuda" else 5)):
+        q = walk.step().to(device, dtype)
+        timer("dense", lambda q=q: dense(q))
+        timer("eager", lambda q=q: decode_step(layer, plan, q, scale))
+        timer("graph", lambda q=q: graphs(plan, q, scale))
+    ms = timer.medians()
+    case = {
+        "dense_ms": ms["dense"], "eager_ms": ms["eager"], "graph_ms": ms["graph"],
+        "speedup_eager": ms["dense"] / ms["eager"], "speedup_graph": ms["dense"] / ms["graph"],
+        "dense_GBps": 2 * dk.numel() * dk.element_size() / ms["dense"] / 1e6,
+        "widths": {"clusters": plan.clusters, "retrieval": plan.retrieval,
+                   "estimation": plan.estimation, "retrieval_tokens": plan.retrieval_tokens,
+                   "steady_tokens": plan.steady_tokens},
+        "layer_bytes": layer.nbytes(), **checks,
+    }
+    print(f"{n:>7} x {b:<3} dense {ms['dense']:.3f} ms  eager {ms['eager']:.3f} ms "
+          f"({case['speedup_eager']:.2f}x)  graph {ms['graph']:.3f} ms "
+          f"({case['speedup_graph']:.2f}x)  graph-eager {checks['graph_vs_eager_max_abs']:.2g}"
+          f"  vs reference {checks['rel_err_vs_reference']:.2g}  ops {checks['torch_ops']}",
+          flush=True)
+    return case
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    cfg = RetroConfig() if args.kmeans_iters is None else RetroConfig(
+        kmeans_iters=args.kmeans_iters)
+    sdpa, sdpa_name = sdpa_context(device, dtype, args.heads[2])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        platform.processor() or platform.machine())
+    contexts = args.contexts or ([32768, 131072] if device.type == "cuda" else [8192])
+    print(f"device step on {name}: heads {args.heads}, {dtype}, dense = {sdpa_name}",
+          flush=True)
+    result = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "dtype": str(dtype).removeprefix("torch."), "heads": args.heads,
+              "dense_kernel": sdpa_name, "config": cfg.to_dict(), "cases": []}
+    out = args.out or ROOT / "bench" / "results" / f"device_step_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for n in contexts:
+        result["cases"] += bench_context(n, args.batches, args, device, dtype, cfg, sdpa)
+        out.write_text(json.dumps(result, indent=2))  # partial results survive a kill
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Everything a lent GPU should verify, in one command, within 8 minutes.
+
+    python3 bench/gpu_check.py OUTDIR
+
+Runs from the source tree with plain torch + Triton (no install, no vLLM, no network), each
+stage in its own process under a time limit, and writes into OUTDIR:
+
+- ``log.txt``: every stage's output;
+- ``summary.json``: the machine (GPU, driver, torch, Triton, CUDA) and per stage its exit
+  status, seconds and last lines;
+- the benchmarks' JSON: ``device_step_cuda.json`` (:mod:`bench.device_step`: one layer step
+  with the KV on the device, dense SDPA vs the device step eager and from a CUDA graph,
+  ``set_sync_debug_mode("error")``, graph = eager) and ``gpu_stack.json`` (``bench.gpu``:
+  the wave index + wave buffer stack, KV in the host tier, 2 layers, 32K x batch 1 and 8).
+
+Stages: the CUDA tests (Triton kernels compiled for the GPU, the padded path, the device
+step, the pinning lifecycle), then the two benchmarks. A stage that fails or runs out of time
+is recorded and the next one still runs. Exit status 0 only when every stage passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+TESTS = ["tests/kernels", "tests/index/test_device_layer.py", "tests/index/test_padded.py",
+         "tests/index/test_wave_index.py", "tests/buffer/test_pinning.py"]
+
+
+def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds) of each stage, in order (<= 470 s in all)."""
+    py = sys.executable
+    return [
+        ("cuda_tests", [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *TESTS],
+         200),
+        ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
+                         "--batches", "1", "8", "--out", str(out / "device_step_cuda.json")],
+         170),
+        ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
+                       "--layers", "2", "--steps", "8", "--prefill-reps", "1",
+                       "--out", str(out / "gpu_stack.json")], 100),
+    ]
+
+
+def machine() -> dict:
+    """The GPU and the software versions (whatever can be read; never raises)."""
+    info: dict = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                    cuda_available=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            free, total = torch.cuda.mem_get_info()
+            info["gpu_memory_gib"] = round(total / 2**30, 1)
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        info["torch_error"] = repr(exc)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        info["triton_error"] = repr(exc)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["nvidia_smi"] = f"unavailable: {exc}"
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python3 bench/gpu_check.py OUTDIR", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args[0]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)  # compile the Triton kernels for the GPU
+    summary = {"machine": machine(), "stages": {}}
+    print(json.dumps(summary["machine"]), flush=True)
+    ok = True
+    with open(out / "log.txt", "w") as log:
+        for name, cmd, limit in stages(out):
+            log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit} s)\n")
+            log.flush()
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, timeout=limit)
+                rc, text = proc.returncode, proc.stdout
+            except subprocess.TimeoutExpired as exc:
+                rc = "timeout"
+                text = exc.stdout if isinstance(exc.stdout, str) else \
+                    (exc.stdout or b"").decode(errors="replace")
+            seconds = round(time.perf_counter() - t0, 1)
+            log.write(text)
+            log.flush()
+            tail = text.strip().splitlines()[-15:]
+            summary["stages"][name] = {"rc": rc, "seconds": seconds, "tail": tail}
+            ok &= rc == 0
+            print(f"{name}: rc {rc} in {seconds} s", *tail[-6:], sep="\n  ", flush=True)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""bench/device_step.py and bench/gpu_check.py: the GPU check's stages fit its time, and the
+device-step benchmark runs end to end (on the CPU here, small)."""
+
+import json
+import subprocess
+import sys
+
+from bench import device_step, gpu_check
+
+
+def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
+    out = tmp_path / "ds.json"
+    result = device_step.main(["--device", "cpu", "--contexts", "2048", "--batches", "1", "2",
+                               "--heads", "4", "2", "32", "--steps", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [(c["context"], c["batch"]) for c in result["cases"]] == [(2048, 1), (2048, 2)]
+    for case in result["cases"]:
+        assert case["rel_err_vs_reference"] < 1e-5  # fp32: the step is the reference's
+        assert case["graph_vs_eager_max_abs"] == 0  # off CUDA the "graph" runs eagerly
+        assert case["dense_ms"] > 0 and case["eager_ms"] > 0 and case["torch_ops"] > 0
+
+
+def test_gpu_check_fits_a_device_lease(tmp_path):
+    # one 10-minute command of a 15-minute lease, with room for a rerun: <= 8 minutes
+    stages = gpu_check.stages(tmp_path)
+    assert sum(limit for _, _, limit in stages) <= 480
+    for path in gpu_check.TESTS:
+        assert (gpu_check.ROOT / path).exists(), path
+    for name, cmd, _ in stages[1:]:  # the benchmarks accept their arguments
+        help_cmd = cmd[:cmd.index("--out")] + ["--help"] if "--out" in cmd else cmd
+        proc = subprocess.run(help_cmd, cwd=gpu_check.ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+
+
+def test_gpu_check_needs_its_output_directory():
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=gpu_check.ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage: python3 bench/gpu_check.py OUTDIR" in proc.stderr

@@ -1,0 +1,85 @@
+"""CUDA graphs of a layer's device decode step (:func:`~vllm_retro.index.device_layer.decode_step`).
+
+The step's shapes depend only on the batch size and the plan's static widths
+(:class:`~vllm_retro.index.device_layer.StepPlan`), so one graph per such key replays it:
+per step the query and the plan's integers are copied into the graph's static inputs, then
+the whole step is one replay (no per-operation launch cost). A key also holds the steady
+pool's storage, which the graph reads by address: a grown pool is a new key. Off CUDA the
+step runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from vllm_retro.index.device_layer import DeviceLayer, StepPlan, decode_step
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    query: torch.Tensor
+    ints: torch.Tensor
+    out: torch.Tensor
+
+
+class StepGraphs:
+    """Replays :func:`decode_step` of one :class:`DeviceLayer` from CUDA graphs, captured on
+    first use per (batch shape, widths, steady storage, scale); at most ``capacity`` kept
+    (least recently used dropped)."""
+
+    def __init__(self, layer: DeviceLayer, capacity: int = 16):
+        if capacity < 1:
+            raise ValueError(f"StepGraphs: capacity={capacity}; accepted: an integer >= 1")
+        self.layer = layer
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.captures = 0
+        """Graphs captured so far (a count for benchmarks and tests)."""
+
+    def _key(self, plan: StepPlan, query: torch.Tensor, scale: float) -> tuple:
+        return (tuple(query.shape), query.dtype, plan.clusters, plan.retrieval,
+                plan.estimation, plan.retrieval_tokens, plan.steady_tokens,
+                plan.steady.k.data_ptr(), plan.steady.v.data_ptr(), float(scale))
+
+    def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float) -> _Captured:
+        static_q = query.clone()
+        static_plan = replace(plan, ints=plan.ints.clone())
+        stream = torch.cuda.Stream(device=query.device)
+        stream.wait_stream(torch.cuda.current_stream(query.device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
+            for _ in range(2):
+                decode_step(self.layer, static_plan, static_q, scale)
+        torch.cuda.current_stream(query.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = decode_step(self.layer, static_plan, static_q, scale)
+        self.captures += 1
+        return _Captured(graph, static_q, static_plan.ints, out)
+
+    def __call__(self, plan: StepPlan, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step's output [B, Hq, D] (on CUDA a view of the graph's static output, valid
+        until the next call with the same key)."""
+        if query.device.type != "cuda":
+            return decode_step(self.layer, plan, query, scale)
+        key = self._key(plan, query, scale)
+        cap = self._graphs.get(key)
+        if cap is None:
+            cap = self._capture(plan, query, scale)
+            self._graphs[key] = cap
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        cap.query.copy_(query)
+        cap.ints.copy_(plan.ints)
+        cap.graph.replay()
+        return cap.out
+
+    def clear(self) -> None:
+        """Drop every graph (their memory pools with them)."""
+        self._graphs.clear()
