@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_retro.config import (
     CACHE_POLICIES,
+    DEVICE_RESIDENT,
     ESTIMATORS,
     INDEXES,
     KERNEL_BACKENDS,
@@ -16,7 +17,7 @@ from vllm_retro.config import (
 )
 
 _CHOICES = {"cache_policy": CACHE_POLICIES, "kernel_backend": KERNEL_BACKENDS,
-            "estimator": ESTIMATORS, "index": INDEXES}
+            "estimator": ESTIMATORS, "index": INDEXES, "device_resident": DEVICE_RESIDENT}
 _DEST = "retro__"
 
 

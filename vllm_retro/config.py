@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+DEVICE_RESIDENT = ("auto", "on", "off")
 ESTIMATORS = ("tilted", "centroid")
 CACHE_POLICIES = ("lru", "lfu")
 INDEXES = ("wave", "pqcache", "saap", "graph", "quest", "streaming")
@@ -205,6 +206,12 @@ class RetroConfig:
     # --- execution --------------------------------------------------------------------------
     kernel_backend: str = "auto"
     """'triton' (CUDA), 'torch' (reference, any device) or 'auto' (triton on CUDA)."""
+    device_resident: str = "auto"
+    """Decode a layer from a device-resident copy of its indexed KV (one fixed sequence of
+    device operations per layer step, no host synchronisation, replayed from CUDA graphs;
+    vllm_retro.index.device_layer): 'auto' on CUDA while the copy fits the device's free
+    memory, else the host tier and device block cache serve it; 'on' on any device (tests,
+    benchmarks); 'off' never."""
 
     def __post_init__(self) -> None:
         for name in ("enabled", "async_updates"):
@@ -260,6 +267,7 @@ class RetroConfig:
             _check_float("host_memory_gb", self.host_memory_gb, 0.0, float(1 << 20),
                          lo_open=True)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        _check_choice("device_resident", self.device_resident, DEVICE_RESIDENT)
 
     def check_head_dim(self, head_dim: int, index: str | None = None) -> None:
         """Raise :class:`ConfigError` unless the settings fit a model of ``head_dim`` served

@@ -66,19 +66,31 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
         assert c.index_step_seconds == pytest.approx(c.index_build_seconds, rel=0.05)
 
 
-def test_padded_batched_path_matches_the_fused_path(tiny_model_dir):
-    # The batched path over padded rows (CUDA's, here through the 'torch' kernels) and the
-    # fused CPU kernel decode the same rows to the same greedy tokens: mixed lengths,
-    # continuous batching, update blocks every 64 tokens, a request finishing early.
+def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir, monkeypatch):
+    # CUDA's two batched paths, here through the 'torch' kernels — over padded rows (KV in
+    # the wave buffer) and from device-resident KV (one fixed op sequence per layer step) —
+    # and the fused CPU kernel decode the same rows to the same greedy tokens: mixed
+    # lengths, continuous batching, update blocks every 64 tokens, a request finishing early.
+    from vllm_retro.index.resident import ResidentDecode
+
+    resident_rows = []
+    decode = ResidentDecode.decode
+    monkeypatch.setattr(ResidentDecode, "decode", lambda self, indexes, *a: (
+        resident_rows.append(len(indexes)), decode(self, indexes, *a))[1])
     lengths, max_tokens = [90, 700, 1500, 3000], [40, 150, 150, 150]
     runs = {}
-    for backend in ("auto", "torch"):
+    for backend, resident in (("auto", "auto"), ("torch", "off"), ("torch", "on")):
         with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0,
-                                           "kernel_backend": backend}) as llm:
-            runs[backend] = generate_tokens(llm, lengths, max_tokens)
+                                           "kernel_backend": backend,
+                                           "device_resident": resident}) as llm:
+            runs[backend, resident] = generate_tokens(llm, lengths, max_tokens)
             c = get_runtime().counters
             assert c.retro_decode_tokens > 2 * 3 * 140 and c.index_updates > 0
-    assert runs["torch"] == runs["auto"]
+        if resident != "on":
+            assert resident_rows == []
+    assert sum(resident_rows) == c.retro_decode_tokens  # every indexed row of the last run
+    assert runs["torch", "off"] == runs["auto", "auto"]
+    assert runs["torch", "on"] == runs["auto", "auto"]
 
 
 def _free_blocks(llm) -> int:

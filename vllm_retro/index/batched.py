@@ -164,6 +164,10 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     clusters given, or :func:`~vllm_retro.index.padded.decode_given`; graph indexes on the
     CPU through one fused kernel call (:func:`~vllm_retro.index.graph_index.decode_graph`).
 
+    Before all of these, a layer's plain wave indexes decode from device-resident KV when
+    ``config.device_resident`` says so (:class:`~vllm_retro.index.resident.ResidentDecode`,
+    held by ``cache``: on CUDA by default, while the copy fits the device).
+
     All indexes share one config and head layout (one layer of one model). Returns
     ``out`` ([B, Hq, D], query dtype; allocated when None).
     """
@@ -176,6 +180,8 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     kind = type(indexes[0])
     same = all(type(i) is kind for i in indexes)
+    if cache is not None and cache.resident.applies(indexes, query):
+        return cache.resident.decode(indexes, query, scale, out)
     if same and out.dtype == query.dtype and fused_batch(indexes, query, FUSED_SCORING):
         tilted = kind is WaveIndex and indexes[0].config.estimator == "tilted"
         rows = [packed_row(i, tilted) for i in indexes]

@@ -90,6 +90,20 @@ class StepPlan:
     """Steady-zone width of the execution buffer (>= every row's sinks + window)."""
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    """What a slot of a :class:`DeviceLayer` holds."""
+
+    uid: int
+    generation: int
+    """The index's :attr:`WaveIndex.meta_generation` when loaded."""
+    clusters: int
+    head_tokens: torch.Tensor
+    """[H] int64 (host) indexed tokens per KV head."""
+    retrieval_bound: int
+    """Most tokens any head's retrieval zone can read (its largest clusters)."""
+
+
 class DeviceLayer:
     """The device-resident wave indexes of one attention layer (see the module docstring).
 
@@ -127,10 +141,8 @@ class DeviceLayer:
         self.profile = torch.zeros(rows, d, dtype=f32, device=dev)
         self.key_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
         self.value_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
-        self._loaded: dict[int, tuple[int, int]] = {}
-        """slot -> (uid, meta generation) of the index loaded there."""
-        self._bounds: dict[int, tuple[int, int]] = {}
-        """slot -> (clusters, retrieval-zone token bound) of the index loaded there."""
+        self._loaded: dict[int, _Loaded] = {}
+        """What each slot holds."""
 
     # ------------------------------------------------------------------ host side
     def nbytes(self) -> int:
@@ -141,8 +153,11 @@ class DeviceLayer:
 
     def load(self, slot: int, index: WaveIndex) -> None:
         """Copy ``index``'s meta index, residual model and indexed KV into ``slot``
-        (host-side work when a block lands or a request arrives, not per step). The index
-        must fit the layer's bounds; its store must address its clusters as rows
+        (host-side work when a request arrives or a block lands, not per step). When the
+        slot already holds an earlier generation of the same index, only the clusters added
+        since are copied (a wave index's meta index only grows: blocks append clusters),
+        with the residual model, which every block refines. The index must fit the
+        layer's bounds; its store must address its clusters as rows
         (:meth:`~vllm_retro.index.store.RowAddressedStore.cluster_rows`)."""
         h, c = self.num_kv_heads, index.num_clusters
         if not 0 <= slot < self.num_slots:
@@ -157,48 +172,60 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
         sizes = index.sizes.long().cpu()
-        tokens = int(sizes.sum(1).max()) if c else 0
-        if tokens > self.max_tokens:
-            raise ValueError(f"DeviceLayer.load: {tokens} indexed tokens per head; accepted: "
-                             f"at most {self.max_tokens} (max_tokens)")
+        prev = self._loaded.get(slot)
+        grow = prev is not None and prev.uid == index.uid and prev.clusters <= c
+        first = prev.clusters if grow else 0
+        held = prev.head_tokens if grow else torch.zeros(h, dtype=torch.int64)
+        added = sizes[:, first:]
+        tokens = held + added.sum(1)
+        if int(tokens.max()) > self.max_tokens:
+            raise ValueError(f"DeviceLayer.load: {int(tokens.max())} indexed tokens per head; "
+                             f"accepted: at most {self.max_tokens} (max_tokens)")
         rows = slice(slot * h, (slot + 1) * h)
-        for pool in (self.sizes, self.starts, self.spreads, self.deviates):
-            pool[rows] = 0
+        if not grow:
+            for pool in (self.sizes, self.starts, self.spreads, self.deviates):
+                pool[rows] = 0
         dev = self.device
-        if c:
+        if c > first:
             keys, values, starts, head_rows, mult = index.store.cluster_rows()
-            src = starts[:, :c].cpu() * mult + head_rows * torch.arange(h)[:, None]
-            idx, _, totals = expand_runs(src, sizes)
+            src = starts[:, first:c].cpu() * mult + head_rows * torch.arange(h)[:, None]
+            idx, _, totals = expand_runs(src, added)
             for j in range(h):
-                t = int(totals[j])
+                t0, t = int(held[j]), int(totals[j])
                 take = idx[j, :t].to(keys.device)
-                self.keys[slot * h + j, :t] = keys.index_select(0, take).to(dev, self.dtype)
-                self.values[slot * h + j, :t] = values.index_select(0, take).to(dev, self.dtype)
-            self.centroids[rows, :c] = index.centroids.to(dev, self.dtype)
-            self.value_sums[rows, :c] = index.value_sums.to(dev, self.dtype)
-            self.sizes[rows, :c] = index.sizes.to(dev, torch.int32)
-            self.starts[rows, :c] = (sizes.cumsum(1) - sizes).to(dev)
-            self.spreads[rows, :c] = index.spreads.to(dev, torch.float32)
-            self.deviates[rows, :c] = index.deviates.to(dev, torch.float32)
+                self.keys[slot * h + j, t0:t0 + t] = keys.index_select(0, take).to(dev, self.dtype)
+                self.values[slot * h + j, t0:t0 + t] = values.index_select(0, take).to(
+                    dev, self.dtype)
+            new = slice(first, c)
+            self.centroids[rows, new] = index.centroids[:, new].to(dev, self.dtype)
+            self.value_sums[rows, new] = index.value_sums[:, new].to(dev, self.dtype)
+            self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
+            self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
+            self.spreads[rows, new] = index.spreads[:, new].to(dev, torch.float32)
+            self.deviates[rows, new] = index.deviates[:, new].to(dev, torch.float32)
         res = index.residuals
         self.profile[rows] = res.profile.to(dev)
         self.key_factor[rows] = res.key_factor.to(dev)
         self.value_factor[rows] = res.value_factor.to(dev)
         r = self.config.num_retrieval(c)
         bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
-        self._loaded[slot] = (index.uid, index.meta_generation)
-        self._bounds[slot] = (c, bound)
+        self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound)
+
+    def loaded(self, slot: int, index: WaveIndex) -> bool:
+        """True when ``slot`` holds ``index``'s current meta index."""
+        held = self._loaded.get(slot)
+        return held is not None and (held.uid, held.generation) == (index.uid,
+                                                                      index.meta_generation)
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s index (its rows are overwritten by the next load)."""
         self._loaded.pop(slot, None)
-        self._bounds.pop(slot, None)
 
     def refresh(self, slots: list[int], indexes: list[WaveIndex]) -> None:
         """(Re)load every slot whose index is not the one loaded there, or whose meta index
-        changed since."""
+        changed since (then only what was added)."""
         for slot, index in zip(slots, indexes, strict=True):
-            if self._loaded.get(slot) != (index.uid, index.meta_generation):
+            if not self.loaded(slot, index):
                 self.load(slot, index)
 
     def plan(self, slots: list[int], indexes: list[WaveIndex]) -> StepPlan:
@@ -213,7 +240,7 @@ class DeviceLayer:
         cfg = self.config
         cols, width = [], 0
         for slot, index in zip(slots, indexes, strict=True):
-            if self._loaded.get(slot) != (index.uid, index.meta_generation):
+            if not self.loaded(slot, index):
                 raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
                                  "current meta index (refresh first)")
             c = index.num_clusters
@@ -223,12 +250,12 @@ class DeviceLayer:
         host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
         if self.device.type == "cuda":
             host = host.pin_memory()
-        bounds = [self._bounds[s] for s in slots]
-        c_live = min(_round_up(max(b[0] for b in bounds)), self.max_clusters)
+        held = [self._loaded[s] for s in slots]
+        c_live = min(_round_up(max(x.clusters for x in held)), self.max_clusters)
         return StepPlan(
             ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
             retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
-            retrieval_tokens=_round_up(max(b[1] for b in bounds)),
+            retrieval_tokens=_round_up(max(x.retrieval_bound for x in held)),
             steady_tokens=min(_round_up(width), steady.sink_cap + steady.ring))
 
 

@@ -46,6 +46,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.index.estimator import residual_query_terms
+from vllm_retro.index.resident import ResidentDecode
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import shared_batch_group
 from vllm_retro.index.wave_index import PhaseClock, WaveIndex
@@ -106,6 +107,9 @@ class MetaViewCache:
         self._unjoined: list[WaveIndex] = []
         """Indexes whose last step's cache update is still to be joined (at this layer's next
         call, before its execution buffer is refilled)."""
+        self.resident = ResidentDecode()
+        """The layer's decode from device-resident KV, where it applies
+        (:mod:`vllm_retro.index.resident`)."""
 
     def join(self) -> None:
         """Join the cache updates of this layer's previous call (their admissions are copied
@@ -149,7 +153,8 @@ class MetaViewCache:
         if self.view is not None:
             held += [t for t in vars(self.view).values() if isinstance(t, torch.Tensor)]
         unique = {t.data_ptr(): t for t in held}  # ``scoring`` may be ``centroids``
-        return sum(t.numel() * t.element_size() for t in unique.values())
+        return sum(t.numel() * t.element_size() for t in unique.values()) + \
+            self.resident.nbytes()
 
     def clear(self) -> None:
         """Join what is pending, then drop the view and the execution buffer (the layer has
@@ -158,6 +163,7 @@ class MetaViewCache:
         self.view = None
         self.packed = None
         self._exec = None
+        self.resident.clear()
 
 
 def join_stores(stores: list) -> None:

@@ -1,0 +1,87 @@
+"""vllm_retro.index.resident: a layer decodes from device-resident KV where the config says
+so — through decode_batch, equal to the per-row reference, grown as its batch grows, and not
+at all where it does not apply."""
+
+import pytest
+import torch
+
+from tests.helpers import random_indexes
+from vllm_retro.buffer import WaveBufferManager
+from vllm_retro.config import RetroConfig
+from vllm_retro.index.batched import append_batch, decode_batch
+from vllm_retro.index.padded import MetaViewCache
+from vllm_retro.index.steady import SteadyPool, ring_size
+
+
+def _cfg(**kw):
+    base = dict(segment_size=512, update_segment=64, update_clusters=4, local_window=16,
+                sink_tokens=4, kmeans_iters=3, kernel_backend="torch", device_resident="on")
+    base.update(kw)
+    return RetroConfig(**base)
+
+
+def _pool(cfg, h, d, dtype, slots):
+    return SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
+                      dtype, "cpu", slots=slots, zeroed=True)
+
+
+@pytest.mark.parametrize("wave_buffer", [True, False])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, dtype, tol):
+    """A layer's rows in one steady pool, decoded through decode_batch as the route does
+    (append_batch, then decode_batch with the layer's cache): 90 steps through update blocks
+    (incremental loads); a request leaves and a longer one joins in its slot (a full load and
+    a grown layer)."""
+    g = torch.Generator().manual_seed(11)
+    cfg = _cfg()
+    h, d = 2, 64
+    mgr = WaveBufferManager(cfg) if wave_buffer else None
+    indexes = random_indexes([40, 700, 1300], cfg, h, d, dtype, g, mgr)
+    pool = _pool(cfg, h, d, dtype, 3)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    updates, grown = 0, set()
+    for step in range(90):
+        if step == 40:  # a request leaves; a longer one takes its slot
+            old = indexes.pop(1)
+            slot = old.slot
+            old.free()
+            new = random_indexes([3000], cfg, h, d, dtype, g, mgr, first=5)[0]
+            new.adopt_steady(pool, slot)
+            indexes.insert(1, new)
+        keys, values = torch.randn(2, len(indexes), h, d, generator=g).to(dtype)
+        updates += append_batch(indexes, keys, values)[0]
+        q = torch.randn(len(indexes), h * 4, d, generator=g).to(dtype)
+        out = decode_batch(indexes, q, d ** -0.5, cache=cache)
+        grown.add(id(cache.resident.layer))
+        ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
+                                   msg=f"step {step}")
+    assert updates >= 2 and len(grown) == 2  # one growth for the 3000-token request
+    assert cache.nbytes() >= cache.resident.nbytes() > 0
+    cache.clear()
+    assert cache.resident.layer is None
+    if mgr:
+        for index in indexes:
+            index.free()
+        mgr.close()
+
+
+def test_resident_path_only_where_it_applies():
+    g = torch.Generator().manual_seed(12)
+    h, d = 2, 32
+    for mode in ("auto", "off"):  # auto: CUDA only
+        cfg = _cfg(device_resident=mode)
+        indexes = random_indexes([300, 500], cfg, h, d, torch.float32, g)
+        pool = _pool(cfg, h, d, torch.float32, 2)
+        for slot, index in enumerate(indexes):
+            index.adopt_steady(pool, slot)
+        cache = MetaViewCache()
+        assert not cache.resident.applies(indexes, torch.zeros(2, h, d))
+        assert cache.resident.layer is None
+    # steady zones in pools of their own: not one layer's batch
+    cfg = _cfg()
+    indexes = random_indexes([300, 500], cfg, h, d, torch.float32, g)
+    assert not MetaViewCache().resident.applies(indexes, torch.zeros(2, h, d))

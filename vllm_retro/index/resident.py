@@ -1,0 +1,110 @@
+"""A layer's decode from device-resident KV: when it applies, and the :class:`DeviceLayer` it
+runs on, sized to the layer's batch and grown on demand.
+
+``RetroConfig.device_resident`` decides: 'auto' takes this path on CUDA while the layer's
+resident copy fits the device's free memory (checked when it grows; else the wave buffer's
+host tier and device cache serve the layer: :func:`vllm_retro.index.padded.decode_padded`),
+'on' takes it on any device (tests, benchmarks), 'off' never. A request keeps its steady-pool
+slot as its slot here, so the layer's tables are indexed the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_retro.index.device_graph import StepGraphs
+from vllm_retro.index.device_layer import DeviceLayer
+from vllm_retro.index.wave_index import WaveIndex
+
+GROWTH = 1.5
+"""A grown layer holds this many times what its batch needs (fewer regrowths)."""
+HEADROOM_BYTES = 2 << 30
+"""Device memory left free after a resident layer grows under 'auto' (allocator slack,
+activations of the next steps)."""
+
+
+def _round_up(n: int, to: int) -> int:
+    return max(to, -(-n // to) * to)
+
+
+def resident_capable(index: WaveIndex) -> bool:
+    """True when ``index`` can decode from a :class:`DeviceLayer`: a plain wave index whose
+    store addresses its clusters as rows."""
+    return type(index) is WaveIndex and hasattr(index.store, "cluster_rows")
+
+
+class ResidentDecode:
+    """One layer's resident decode state (held by the layer's
+    :class:`~vllm_retro.index.padded.MetaViewCache`)."""
+
+    def __init__(self) -> None:
+        self.layer: DeviceLayer | None = None
+        self.graphs: StepGraphs | None = None
+        self._refused: tuple | None = None
+        """The need (slots, clusters, tokens) that did not fit the device under 'auto'; the
+        layer is not asked again until it needs more than that or less than it holds."""
+
+    def nbytes(self) -> int:
+        """Device bytes held."""
+        return self.layer.nbytes() if self.layer is not None else 0
+
+    def clear(self) -> None:
+        """Drop the layer and its graphs."""
+        self.layer = self.graphs = None
+
+    def applies(self, indexes: list[WaveIndex], query: torch.Tensor) -> bool:
+        """True when this batch decodes here (see the module docstring); grows the layer
+        when it must and can."""
+        first = indexes[0]
+        mode = first.config.device_resident
+        if mode == "off" or (mode == "auto" and query.device.type != "cuda"):
+            return False
+        if not all(resident_capable(i) for i in indexes) or any(
+                i.steady is not first.steady for i in indexes):
+            return False
+        need = (first.steady.num_slots, max(i.num_clusters for i in indexes),
+                max(int(i.sizes.sum(1).max()) if i.num_clusters else 0 for i in indexes))
+        lay = self.layer
+        if lay is not None and lay.dtype == first.centroids.dtype and \
+                lay.device == first.centroids.device and need[0] <= lay.num_slots and \
+                need[1] <= lay.max_clusters and need[2] <= lay.max_tokens:
+            return True
+        if mode == "auto" and self._refused is not None and all(
+                n <= r for n, r in zip(need, self._refused, strict=True)):
+            return False
+        return self._grow(first, need, mode)
+
+    def _grow(self, first: WaveIndex, need: tuple[int, int, int], mode: str) -> bool:
+        lay = self.layer
+        held = (0, 0, 0) if lay is None else (lay.num_slots, lay.max_clusters, lay.max_tokens)
+        slots = max(need[0], held[0])
+        clusters = max(_round_up(int(need[1] * GROWTH), 64), held[1])
+        tokens = max(_round_up(int(need[2] * GROWTH), 1024), held[2])
+        dev, dtype = first.centroids.device, first.centroids.dtype
+        h, d, rank = first.num_kv_heads, first.head_dim, first.residuals.rank
+        if mode == "auto":
+            elem = torch.empty(0, dtype=dtype).element_size()
+            want = slots * h * (2 * tokens * d * elem + clusters * (2 * d * elem + 24)
+                                + 4 * d * (1 + 2 * rank))
+            free = torch.cuda.mem_get_info(dev)[0] + self.nbytes()
+            if want + HEADROOM_BYTES > free:
+                self._refused = need
+                return False
+        self.clear()  # the old layer's memory first
+        self.layer = DeviceLayer(first.config, h, d, dtype, dev, slots=slots,
+                                 max_clusters=clusters, max_tokens=tokens, rank=rank)
+        self.graphs = StepGraphs(self.layer)
+        self._refused = None
+        return True
+
+    def decode(self, indexes: list[WaveIndex], query: torch.Tensor, scale: float,
+               out: torch.Tensor) -> torch.Tensor:
+        """Decode ``query[b]`` ([B, Hq, D]) over ``indexes[b]`` (after :meth:`applies`
+        said yes) into ``out``."""
+        assert self.layer is not None and self.graphs is not None
+        slots = [i.slot for i in indexes]
+        self.layer.refresh(slots, indexes)
+        plan = self.layer.plan(slots, indexes)
+        out.copy_(self.graphs(plan, query, scale))
+        return out
+
