@@ -27,7 +27,12 @@ from vllm_retro.kernels.kmeans import (
     scatter_sum_torch,
     scatter_sum_triton,
 )
-from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
+from vllm_retro.kernels.scoring import (
+    cluster_scores_ref,
+    cluster_scores_triton,
+    pool_scores_ref,
+    pool_scores_triton,
+)
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     tripartite_decode_torch,
@@ -39,6 +44,7 @@ __all__ = [
     "cluster_scores",
     "gather_runs",
     "kmeans_assign",
+    "pool_scores",
     "resolve_backend",
     "scatter_sum",
     "tripartite_decode",
@@ -93,6 +99,16 @@ def cluster_scores(query: Tensor, centroids: Tensor, sizes: Tensor, scale: float
     if resolve_backend(backend, query.device) == "triton":
         return cluster_scores_triton(query, centroids, sizes, scale)
     return cluster_scores_ref(query, centroids, sizes, scale)
+
+
+def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, rows: Tensor,
+                num_clusters: Tensor, width: int, scale: float, backend: str = "auto") -> Tensor:
+    """Dispatching :func:`kernels.scoring.pool_scores_ref` (scores of batch rows read from
+    a layer's meta pool)."""
+    args = (query, centroids, sizes, rows, num_clusters, width, scale)
+    if resolve_backend(backend, query.device) == "triton":
+        return pool_scores_triton(*args)
+    return pool_scores_ref(*args)
 
 
 def tripartite_decode(

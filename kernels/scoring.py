@@ -132,3 +132,143 @@ def cluster_scores_triton(
         BLOCK_G=block_size(g), BLOCK_C=64 if block_d <= 128 else 32, BLOCK_D=block_d,
     )
     return out
+
+
+def pool_scores_ref(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor,
+                    rows: torch.Tensor, num_clusters: torch.Tensor, width: int, scale: float
+                    ) -> torch.Tensor:
+    """Cluster scores of batch rows read from a layer's meta pool, for ranking.
+
+    query: [R, G, D]; centroids: [P, C_cap, D] and sizes: [P, C_cap] (the pool's rows);
+    rows: [R] int64, the pool row of each batch row; num_clusters: [R] int64 clusters of each
+    row; ``width`` <= C_cap columns scored. Returns [R, width] fp32:
+    :func:`cluster_scores_ref` of the row's first ``width`` centroids, except that a row's
+    empty clusters (size 0, index < num_clusters) score the lowest finite fp32 instead of
+    ``-inf`` — they rank above the padding past the row's clusters, so a top-k of at most
+    ``num_clusters`` never reaches the padding."""
+    sz = sizes[:, :width].index_select(0, rows)
+    scores = cluster_scores_ref(query, centroids[:, :width].index_select(0, rows), sz, scale)
+    col = torch.arange(width, device=query.device)
+    empty = (sz == 0) & (col[None, :] < num_clusters[:, None])
+    return scores.masked_fill(empty, torch.finfo(torch.float32).min)
+
+
+@triton.jit
+def _pool_logits_kernel(
+    Q, CEN, SZ, ROWS, LOGITS, PART,
+    G, W, D, scale,
+    sq_r, sq_g, sc_p, sc_c, ssz_p, sl_r, sl_g, sp_r, sp_b,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one program per (row, block of BLOCK_C clusters): its logits [G, BLOCK_C] stored, and
+    # per query head the block's max and sum of exp (the softmax's partial terms)
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    p = tl.load(ROWS + r)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    cmask = offs_c < W
+    q = tl.load(Q + r * sq_r + offs_g[:, None] * sq_g + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    sz = tl.load(SZ + p * ssz_p + offs_c, mask=cmask, other=0)
+    valid = cmask & (sz > 0)
+    cen = tl.load(CEN + p * sc_p + offs_c[:, None] * sc_c + offs_d[None, :],
+                  mask=valid[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        logit = tl.dot(q.to(tl.float32), tl.trans(cen.to(tl.float32)), input_precision="ieee")
+    else:  # 16-bit operands are exact in tf32: tensor-core products, fp32 sums
+        logit = tl.dot(q.to(tl.float32), tl.trans(cen.to(tl.float32)), input_precision="tf32")
+    logit = tl.where(valid[None, :], logit * scale, float("-inf"))
+    tl.store(LOGITS + r * sl_r + offs_g[:, None] * sl_g + offs_c[None, :], logit,
+             mask=gmask[:, None] & cmask[None, :])
+    m = tl.max(logit, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
+    tl.store(PART + r * sp_r + blk * sp_b + offs_g, m, mask=gmask)
+    tl.store(PART + r * sp_r + blk * sp_b + G + offs_g, s, mask=gmask)
+
+
+@triton.jit
+def _pool_scores_kernel(
+    LOGITS, PART, SZ, ROWS, NCL, OUT,
+    G, W, NB,
+    sl_r, sl_g, sp_r, sp_b, ssz_p, so_r,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    # one program per (row, block): each head's log-sum-exp from every block's partial
+    # terms, then the block's group scores log(sum_g exp(logit_g - lse_g))
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < G
+    offs_b = tl.arange(0, BLOCK_B)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    ssum = tl.zeros([BLOCK_G], tl.float32)
+    for b0 in range(0, NB, BLOCK_B):
+        bmask = (b0 + offs_b) < NB
+        pm = tl.load(PART + r * sp_r + (b0 + offs_b)[:, None] * sp_b + offs_g[None, :],
+                     mask=bmask[:, None] & gmask[None, :], other=float("-inf"))
+        ps = tl.load(PART + r * sp_r + (b0 + offs_b)[:, None] * sp_b + G + offs_g[None, :],
+                     mask=bmask[:, None] & gmask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        ssum = ssum * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[None, :]), axis=0)
+        m = m_new
+    lse = tl.where(ssum > 0, m + tl.log(tl.maximum(ssum, 1e-30)), float("inf"))
+    lse = tl.where(gmask, lse, float("inf"))  # padding heads contribute exp(-inf) = 0
+    offs_c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = offs_c < W
+    logit = tl.load(LOGITS + r * sl_r + offs_g[:, None] * sl_g + offs_c[None, :],
+                    mask=gmask[:, None] & cmask[None, :], other=float("-inf"))
+    logp = logit - lse[:, None]
+    mx = tl.max(logp, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    score = mx_safe + tl.log(tl.maximum(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0), 1e-30))
+    p = tl.load(ROWS + r)
+    sz = tl.load(SZ + p * ssz_p + offs_c, mask=cmask, other=0)
+    ncl = tl.load(NCL + r)
+    score = tl.where(sz > 0, score, tl.where(offs_c < ncl, -3.4028234663852886e38,
+                                             float("-inf")))
+    tl.store(OUT + r * so_r + offs_c, score, mask=cmask)
+
+
+def pool_scores_triton(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor,
+                       rows: torch.Tensor, num_clusters: torch.Tensor, width: int, scale: float
+                       ) -> torch.Tensor:
+    """Triton version of :func:`pool_scores_ref` (same arguments and result; 16-bit
+    centroids multiply on tensor cores as tf32, which holds them exactly, with fp32 sums;
+    fp32 ones in IEEE fp32): two
+    launches, each over (rows x blocks of clusters), so a batch of one still spreads over
+    the whole GPU; the centroids are read once, in place (no copy of the batch's rows)."""
+    check_float("query", query)
+    check_float("centroids", centroids)
+    r, g, d = query.shape
+    out = torch.empty(r, width, dtype=torch.float32, device=query.device)
+    if r == 0 or width == 0:
+        return out
+    block_d = block_size(d)
+    block_c = 128 if block_d <= 128 else 64
+    nb = triton.cdiv(width, block_c)
+    ieee = centroids.dtype == torch.float32
+    q = query.contiguous() if ieee else query.to(centroids.dtype).contiguous()
+    logits = torch.empty(r, g, width, dtype=torch.float32, device=query.device)
+    part = torch.empty(r, nb, 2 * g, dtype=torch.float32, device=query.device)
+    rows = rows.to(torch.int64)
+    _pool_logits_kernel[(r, nb)](
+        q, centroids, sizes, rows, logits, part,
+        g, width, d, float(scale),
+        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), sizes.stride(0),
+        logits.stride(0), logits.stride(1), part.stride(0), part.stride(1),
+        BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_D=block_d, IEEE=ieee,
+    )
+    _pool_scores_kernel[(r, nb)](
+        logits, part, sizes, rows, num_clusters.to(torch.int64), out,
+        g, width, nb,
+        logits.stride(0), logits.stride(1), part.stride(0), part.stride(1), sizes.stride(0),
+        out.stride(0),
+        BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_B=min(64, block_size(nb)),
+    )
+    return out

@@ -16,7 +16,9 @@ number of device operations per step. What it treats as a synchronisation:
 
 Operations that only make a view (reshape, slice, transpose, ...) are not counted as
 launches; every other ``aten`` operation is (an upper bound on CUDA kernel launches: some
-are fused or free there, none are hidden).
+are fused or free there, none are hidden), and so is every Triton kernel launch (compiled,
+or run by the interpreter under ``TRITON_INTERPRET=1``, whose own torch operations are
+neither counted nor checked).
 """
 
 from __future__ import annotations
@@ -26,9 +28,24 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
+
+
+def _triton_launchers() -> list[type]:
+    """Triton's kernel classes whose ``run`` launches (compiled, interpreted), if any."""
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        classes.append(JITFunction)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    return classes
 
 
 class HostSyncError(RuntimeError):
@@ -81,27 +98,49 @@ class SyncCheck(TorchDispatchMode):
         super().__init__()
         self.launches = 0
         self.ops: Counter[str] = Counter()
-        self._saved: dict[str, Any] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._in_kernel = False
 
     def __enter__(self) -> SyncCheck:
         owner = threading.get_ident()
         for name in ("cpu", "numpy", "tolist"):
-            self._saved[name] = original = getattr(torch.Tensor, name)
+            original = getattr(torch.Tensor, name)
 
             def refuse(*a: Any, _name: str = name, _fn: Any = original, **k: Any) -> Any:
-                if threading.get_ident() != owner:  # other threads (workers) are not checked
+                # other threads (workers) and a Triton kernel's own run are not checked
+                if threading.get_ident() != owner or self._in_kernel:
                     return _fn(*a, **k)
                 raise HostSyncError(f"Tensor.{_name}() moves device data to the host")
 
-            setattr(torch.Tensor, name, refuse)
+            self._patch(torch.Tensor, name, refuse)
+        for cls in _triton_launchers():
+            original = cls.run
+
+            def run(fn: Any, *a: Any, _run: Any = original, **k: Any) -> Any:
+                if threading.get_ident() != owner or self._in_kernel or k.get("warmup"):
+                    return _run(fn, *a, **k)
+                self.launches += 1
+                self.ops[f"triton:{getattr(fn, '__name__', fn)}"] += 1
+                self._in_kernel = True
+                try:  # the interpreter runs a kernel with torch ops: not the step's
+                    with _disable_current_modes():
+                        return _run(fn, *a, **k)
+                finally:
+                    self._in_kernel = False
+
+            self._patch(cls, "run", run)
         return super().__enter__()
+
+    def _patch(self, owner: Any, name: str, fn: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fn)
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            for name, fn in self._saved.items():
-                setattr(torch.Tensor, name, fn)
+            for owner, name, fn in reversed(self._saved):
+                setattr(owner, name, fn)
             self._saved.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from vllm_retro.kernels.scoring import cluster_scores_ref, cluster_scores_triton
+from vllm_retro.kernels.scoring import (
+    cluster_scores_ref,
+    cluster_scores_triton,
+    pool_scores_ref,
+    pool_scores_triton,
+)
 
 
 def test_ref_matches_naive(rng):
@@ -56,3 +61,55 @@ def test_all_empty_row_is_minus_inf(triton_device):
         out = fn(q.to(dev), cen.to(dev), sizes.to(dev), 0.2).cpu()
         assert torch.isinf(out[0]).all() and torch.isfinite(out[1, 2])
         assert torch.isinf(out[1, [0, 1, 3, 4]]).all()
+
+
+def _pool(rng, p, cap, d, dtype, counts):
+    """A meta pool of ``p`` rows: row i has counts[i] clusters (some empty), zeros after."""
+    cen = torch.zeros(p, cap, d)
+    sizes = torch.zeros(p, cap, dtype=torch.int32)
+    for i, n in enumerate(counts):
+        cen[i, :n] = torch.randn(n, d, generator=rng)
+        sizes[i, :n] = torch.randint(0, 4, (n,), generator=rng)
+        sizes[i, 0] = 3
+    return cen.to(dtype), sizes
+
+
+@pytest.mark.parametrize("g,d,width", [(1, 32, 64), (4, 128, 300), (7, 64, 129), (8, 256, 70)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3),
+                                       (torch.float16, 2e-3)])
+def test_pool_scores_triton_matches_ref(g, d, width, dtype, tol, rng, triton_device):
+    """Rows read from a pool through indices (permuted, one repeated), ragged clusters with
+    empty ones (lowest finite score) and padding (-inf), widths across block edges."""
+    counts = [width, width // 2, 1, width - 3]
+    cen, sizes = _pool(rng, 5, width + 16, d, dtype, counts)
+    rows = torch.tensor([3, 0, 2, 1, 0])
+    ncl = torch.tensor(counts + [0])[rows]
+    q = torch.randn(len(rows), g, d, generator=rng).to(dtype)
+    ref = pool_scores_ref(q, cen, sizes, rows, ncl, width, d ** -0.5)
+    dev = triton_device
+    got = pool_scores_triton(q.to(dev), cen.to(dev), sizes.to(dev), rows.to(dev), ncl.to(dev),
+                             width, d ** -0.5).cpu()
+    assert not got.isnan().any()
+    assert torch.equal(got == float("-inf"), ref == float("-inf"))
+    lowest = torch.finfo(torch.float32).min
+    assert torch.equal(got == lowest, ref == lowest) and (ref == lowest).any()
+    fin = torch.isfinite(ref) & (ref > lowest)
+    # 16-bit operands: the products are exact, only their order of summation differs
+    torch.testing.assert_close(got[fin], ref[fin], rtol=tol, atol=tol)
+    # the ranking the step takes from them
+    k = 5
+    agree = (got.topk(k, dim=1).indices == ref.topk(k, dim=1).indices).float().mean()
+    assert agree >= (1.0 if dtype == torch.float32 else 0.9)
+
+
+def test_pool_scores_nan_query_row_stays_in_its_row(rng, triton_device):
+    cen, sizes = _pool(rng, 3, 80, 64, torch.float32, [80, 40, 60])
+    rows, ncl = torch.tensor([0, 1, 2]), torch.tensor([80, 40, 60])
+    q = torch.randn(3, 4, 64, generator=rng)
+    q[1, 2, 5] = float("nan")
+    dev = triton_device
+    for fn, d in ((pool_scores_ref, "cpu"), (pool_scores_triton, dev)):
+        out = fn(q.to(d), cen.to(d), sizes.to(d), rows.to(d), ncl.to(d), 80, 0.125).cpu()
+        clean = pool_scores_ref(q[[0, 2]], cen, sizes, rows[[0, 2]], ncl[[0, 2]], 80, 0.125)
+        torch.testing.assert_close(out[[0, 2]], clean, rtol=1e-5, atol=1e-5)
+        assert not out[[0, 2]].isnan().any()

@@ -21,8 +21,9 @@ decoded tokens), never per token. Per step, the host builds a :class:`StepPlan` 
 batch's integers as one [8, B] int64 tensor, copied to the device without waiting — and
 :func:`decode_step` runs the same sequence of operations whatever the data:
 
-1. the batch's rows of the meta pool: one scoring product (fp32, as the reference), the
-   empty-vs-padding mask, one top-k of ``r_max + e_max`` (static: the largest zones of the
+1. scoring of the batch's rows read in place from the meta pool
+   (:func:`vllm_retro.kernels.pool_scores`: two Triton launches over (rows x cluster
+   blocks) on CUDA), one top-k of ``r_max + e_max`` (static: the largest zones of the
    loaded indexes);
 2. the retrieval zone's token rows by arithmetic on the selected clusters' starts and sizes
    (a cumulative sum and a ``searchsorted`` over a static width ``T_ret``, the largest token
@@ -280,13 +281,9 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     q = query.reshape(r, -1, d)
 
     # 1. scoring and ranking over the rows' first C_live meta columns
-    col = torch.arange(c, device=dev)
-    sizes = layer.sizes[:, :c].index_select(0, rows)  # [R, C]
-    scores = kernels.cluster_scores(q, layer.centroids[:, :c].index_select(0, rows), sizes,
-                                    scale, backend=layer.config.kernel_backend)
-    # a row's empty clusters rank above its padding, so no zone reaches the padding
-    empty = (sizes == 0) & (col[None, :] < n_cl[:, None])
-    scores = scores.masked_fill(empty, torch.finfo(scores.dtype).min)
+    # (a row's empty clusters rank above its padding, so no zone reaches the padding)
+    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, rows, n_cl, c, scale,
+                                 backend=layer.config.kernel_backend)  # [R, C]
     top = torch.topk(scores, k_top, dim=1, sorted=True).indices  # [R, K]
 
     # 2. the retrieval zone's token rows (cluster-contiguous runs) and the steady rows
