@@ -27,6 +27,12 @@ from vllm_retro.kernels.kmeans import (
     scatter_sum_torch,
     scatter_sum_triton,
 )
+from vllm_retro.kernels.resident_attention import (
+    BatchRows,
+    LayerPools,
+    resident_attention_torch,
+    resident_attention_triton,
+)
 from vllm_retro.kernels.scoring import (
     cluster_scores_ref,
     cluster_scores_triton,
@@ -45,6 +51,7 @@ __all__ = [
     "gather_runs",
     "kmeans_assign",
     "pool_scores",
+    "resident_attention",
     "resolve_backend",
     "scatter_sum",
     "tripartite_decode",
@@ -109,6 +116,18 @@ def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, rows: Tensor,
     if resolve_backend(backend, query.device) == "triton":
         return pool_scores_triton(*args)
     return pool_scores_ref(*args)
+
+
+def resident_attention(query: Tensor, pools: LayerPools, rows: BatchRows, width: int,
+                       e_max: int, scale: float,
+                       tilt: tuple[Tensor, Tensor] | None = None, backend: str = "auto"
+                       ) -> Tensor:
+    """Dispatching :func:`kernels.resident_attention.resident_attention_torch` (tripartite
+    decode read in place from a layer's pools)."""
+    args = (query, pools, rows, width, e_max, scale, tilt)
+    if resolve_backend(backend, query.device) == "triton":
+        return resident_attention_triton(*args)
+    return resident_attention_torch(*args)
 
 
 def tripartite_decode(

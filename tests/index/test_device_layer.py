@@ -5,7 +5,7 @@ device (held to it on CPU tensors under kernels.sync_check.SyncCheck)."""
 import pytest
 import torch
 
-from kernels.sync_check import HostSyncError, SyncCheck
+from vllm_retro.kernels.sync_check import HostSyncError, SyncCheck
 from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig

@@ -54,6 +54,7 @@ from vllm_retro.index.estimator import residual_query_terms
 from vllm_retro.index.steady import SteadyPool
 from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels.resident_attention import BatchRows, LayerPools, retrieval_runs
 
 _BUCKET = 64
 """Static widths (clusters scored, retrieval tokens, steady rows) are rounded up to a
@@ -146,6 +147,12 @@ class DeviceLayer:
         """What each slot holds."""
 
     # ------------------------------------------------------------------ host side
+    def pools(self, steady: SteadyPool) -> LayerPools:
+        """The layer's tensors with ``steady``'s, as the attention kernels take them."""
+        return LayerPools(self.keys, self.values, self.centroids, self.value_sums, self.sizes,
+                          self.starts, self.spreads, self.deviates, steady.k, steady.v,
+                          steady.sink_cap)
+
     def nbytes(self) -> int:
         """Bytes held on the device."""
         return sum(t.numel() * t.element_size() for t in (
@@ -271,7 +278,7 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     dev = layer.device
     b = query.shape[0]
     r = b * h
-    cap = layer.max_clusters
+    backend = layer.config.kernel_backend
     c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
     k_top = min(r_max + e_max, c)
     ints = plan.ints[:, :, None].expand(-1, -1, h).contiguous().view(len(PLAN_FIELDS), r)
@@ -279,68 +286,24 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     heads = torch.arange(h, device=dev).repeat(b)
     rows = slot * h + heads  # [R] rows of the layer's pools
     q = query.reshape(r, -1, d)
-
-    # 1. scoring and ranking over the rows' first C_live meta columns
-    # (a row's empty clusters rank above its padding, so no zone reaches the padding)
+    # 1. scoring of the rows' first C_live meta columns, read in place, and the ranking
     scores = kernels.pool_scores(q, layer.centroids, layer.sizes, rows, n_cl, c, scale,
-                                 backend=layer.config.kernel_backend)  # [R, C]
+                                 backend=backend)  # [R, C]
     top = torch.topk(scores, k_top, dim=1, sorted=True).indices  # [R, K]
-
-    # 2. the retrieval zone's token rows (cluster-contiguous runs) and the steady rows
-    ret = top[:, :r_max]
-    keep = torch.arange(r_max, device=dev)[None, :] < n_ret[:, None]
-    flat_ret = rows[:, None] * cap + ret
-    lengths = torch.take(layer.sizes, flat_ret).long() * keep  # [R, r_max]
-    ends = lengths.cumsum(1)
-    begins = ends - lengths
-    run_starts = torch.take(layer.starts, flat_ret)
-    n_steady = sinks + window
-    w = plan.steady_tokens + plan.retrieval_tokens
-    j = torch.arange(w, device=dev)[None, :].expand(r, w)
-    u = (j - n_steady[:, None]).clamp_min(0)  # token of the retrieval zone at slot j
-    run = torch.searchsorted(ends, u, right=True).clamp_max(max(r_max - 1, 0))
-    tok = torch.gather(run_starts, 1, run) + u - torch.gather(begins, 1, run)
-    n_exact = n_steady + ends[:, -1] if r_max else n_steady
-    in_steady = j < n_steady[:, None]
-    valid = j < n_exact[:, None]
-    tok = torch.where(valid & ~in_steady, tok, 0)  # row 0 of the row: finite, masked
-    ring = plan.steady.ring
-    steady_row = torch.where(
-        j < sinks[:, None], j,
-        plan.steady.sink_cap + (ring_start[:, None] + j - sinks[:, None]) % ring)
-    steady_row = torch.where(in_steady, steady_row, 0)
-
-    # 3. the execution buffer: [R, W, D], steady zone first, then the retrieved tokens
-    n = layer.max_tokens
-    src_ret = (rows[:, None] * n + tok).reshape(-1)
-    # the steady pool is [slots, sink_cap + ring, H, D]: row (slot, t, head)
-    z = plan.steady.sink_cap + ring
-    src_st = ((st_slot[:, None] * z + steady_row) * h + heads[:, None]).reshape(-1)
-    pick = in_steady.reshape(-1, 1)
-    exec_k = torch.where(pick, plan.steady.k.view(-1, d).index_select(0, src_st),
-                         layer.keys.view(-1, d).index_select(0, src_ret)).view(r, w, d)
-    exec_v = torch.where(pick, plan.steady.v.view(-1, d).index_select(0, src_st),
-                         layer.values.view(-1, d).index_select(0, src_ret)).view(r, w, d)
-
-    # 4. the estimation zone's rows of the meta pool, and the tilted estimator's terms
-    est_slots = (n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
-        max(k_top - 1, 0))
-    flat_est = rows[:, None] * cap + torch.gather(top, 1, est_slots)  # [R, e_max]
-    cen_e = layer.centroids.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
-    vs_e = layer.value_sums.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
-    sz_e = torch.take(layer.sizes, flat_est)
-    local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
+    # 2. the retrieval zones' runs, the tilted estimator's query terms
+    pools = layer.pools(plan.steady)
+    ends, offs = retrieval_runs(pools, rows, top, n_ret, r_max)
     tilt = None
     if layer.config.estimator == "tilted" and e_max:
-        qvar, vshift = residual_query_terms(
+        tilt = residual_query_terms(
             q, layer.profile.index_select(0, rows), layer.key_factor.index_select(0, rows),
             layer.value_factor.index_select(0, rows), scale)
-        tilt = kernels.TiltTerms(torch.take(layer.spreads, flat_est),
-                                 torch.take(layer.deviates, flat_est), qvar, vshift)
-
-    # 5. one tripartite attention call
-    res, _ = kernels.tripartite_decode(q, exec_k, exec_v, n_exact, cen_e, vs_e, sz_e, local,
-                                       n_est, scale, tilt, backend=layer.config.kernel_backend)
+    batch = BatchRows(pool_row=rows, steady_slot=st_slot, head=heads, sinks=sinks,
+                      ring_start=ring_start, n_steady=sinks + window, top=top, n_ret=n_ret,
+                      n_est=n_est, ends=ends, offs=offs)
+    # 3. attention over the steady zone, the retrieved tokens and the estimated clusters
+    res = kernels.resident_attention(q, pools, batch, plan.steady_tokens + plan.retrieval_tokens,
+                                     e_max, scale, tilt, backend=backend)
     if out is None:
         return res.view(query.shape)
     out.copy_(res.view(out.shape))

@@ -1,0 +1,344 @@
+"""Tripartite decode attention read in place from a layer's pools (device-resident KV).
+
+The attention half of the device decode step (:mod:`vllm_retro.index.device_layer`): for
+each row ``r`` (one (request, KV head)) with its ranking ``top[r]`` of cluster ids, the
+exact tokens are
+
+- its steady zone: ``n_sinks`` sinks, then ``n_steady - n_sinks`` window tokens in a ring
+  (window token ``i`` at ring row ``(ring_start + i) % ring``), rows of the layer's steady
+  pool ``[S, sink_cap + ring, H, D]`` at its slot and head;
+- its retrieval zone: the tokens of clusters ``top[r, :n_ret]``, cluster-contiguous rows of
+  the layer's cluster pool ``[P, N, D]`` (cluster c of pool row p at ``starts[p, c]``,
+  ``sizes[p, c]`` tokens);
+
+and the estimated clusters are ``top[r, n_ret:n_ret + n_est]``, each a pseudo-token with its
+centroid as key, its mean value, log-weight ``log(size)`` and, with the tilted estimator,
+the spread correction of :mod:`kernels.tripartite_attention`. The result is that module's
+``tripartite_decode_ref`` over the same tokens: :func:`resident_attention_torch` builds the
+packed execution buffer and calls it (the reference), :func:`resident_attention_triton`
+reads every key and value where it lies — no execution buffer — split along the tokens
+over many programs, in two launches (attention, merge).
+
+Retrieval runs are addressed through two small per-row tables the caller makes with a
+cumulative sum (:func:`retrieval_runs`): ``ends[r, j]``, the zone's token count through
+cluster ``j``, and ``offs[r, j]``, the pool row of the zone's token 0 if it were in cluster
+``j`` (its start minus the tokens before it), so retrieval token ``u`` lies at pool row
+``offs[r, j] + u`` for ``j`` the number of ends ``<= u``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_retro.kernels._common import block_size, tl, triton
+from vllm_retro.kernels.tripartite_attention import (
+    TiltTerms,
+    _log_tilt,
+    tripartite_decode_torch,
+)
+
+
+@dataclass(frozen=True)
+class LayerPools:
+    """A layer's device-resident tensors (rows ``P = slots x H``)."""
+
+    keys: torch.Tensor
+    """[P, N, D] indexed keys, cluster-contiguous per row."""
+    values: torch.Tensor
+    """[P, N, D]."""
+    centroids: torch.Tensor
+    """[P, C, D]."""
+    value_sums: torch.Tensor
+    """[P, C, D]."""
+    sizes: torch.Tensor
+    """[P, C] int32 (0: empty or padding)."""
+    starts: torch.Tensor
+    """[P, C] int64 first row of each cluster in ``keys``."""
+    spreads: torch.Tensor
+    """[P, C] fp32."""
+    deviates: torch.Tensor
+    """[P, C] fp32."""
+    steady_k: torch.Tensor
+    """[S, sink_cap + ring, H, D] the steady pool's keys."""
+    steady_v: torch.Tensor
+    """[S, sink_cap + ring, H, D]."""
+    sink_cap: int
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """One step's rows (``R = B x H``), all [R] int64 except ``top`` and the run tables."""
+
+    pool_row: torch.Tensor
+    """Row of the layer's pools (slot * H + head)."""
+    steady_slot: torch.Tensor
+    head: torch.Tensor
+    sinks: torch.Tensor
+    ring_start: torch.Tensor
+    n_steady: torch.Tensor
+    """Sinks plus window tokens."""
+    top: torch.Tensor
+    """[R, K] int64 cluster ids, best first: retrieval zone, then estimation zone."""
+    n_ret: torch.Tensor
+    n_est: torch.Tensor
+    ends: torch.Tensor
+    """[R, r_max] int64 (:func:`retrieval_runs`)."""
+    offs: torch.Tensor
+    """[R, r_max] int64 (:func:`retrieval_runs`)."""
+
+
+def retrieval_runs(pools: LayerPools, pool_row: torch.Tensor, top: torch.Tensor,
+                   n_ret: torch.Tensor, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ends, offs) [R, r_max] of the retrieval zones ``top[:, :n_ret]`` (see the module
+    docstring); clusters past a row's ``n_ret`` count 0 tokens."""
+    cap = pools.sizes.shape[1]
+    ids = top[:, :r_max]
+    flat = pool_row[:, None] * cap + ids
+    keep = torch.arange(r_max, device=top.device)[None, :] < n_ret[:, None]
+    lengths = torch.take(pools.sizes, flat).long() * keep
+    ends = lengths.cumsum(1)
+    return ends, torch.take(pools.starts, flat) - (ends - lengths)
+
+
+def resident_attention_torch(query: torch.Tensor, pools: LayerPools, rows: BatchRows,
+                             width: int, e_max: int, scale: float,
+                             tilt: tuple[torch.Tensor, torch.Tensor] | None = None
+                             ) -> torch.Tensor:
+    """The reference (torch operations): the packed execution buffer ([R, width, D]: the
+    steady zone, then the retrieval zone's tokens; ``width`` >= every row's exact tokens)
+    gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D];
+    ``tilt``: (qvar [R, G], vshift [R, G, D]) of the tilted estimator, or None. Returns
+    [R, G, D] in the query's dtype."""
+    r, _, d = query.shape
+    dev = query.device
+    ring = pools.steady_k.shape[1] - pools.sink_cap
+    h = pools.steady_k.shape[2]
+    n_cap = pools.keys.shape[1]
+    j = torch.arange(width, device=dev)[None, :].expand(r, width)
+    n_steady, sinks = rows.n_steady[:, None], rows.sinks[:, None]
+    r_max = rows.ends.shape[1]
+    n_exact = rows.n_steady + rows.ends[:, -1] if r_max else rows.n_steady
+    # retrieval token u = j - n_steady lies in run (number of ends <= u)
+    u = (j - n_steady).clamp_min(0)
+    run = torch.searchsorted(rows.ends, u, right=True).clamp_max(max(r_max - 1, 0))
+    tok = torch.gather(rows.offs, 1, run) + u if r_max else torch.zeros_like(u)
+    in_steady = j < n_steady
+    valid = j < n_exact[:, None]
+    tok = torch.where(valid & ~in_steady, tok, 0)  # row 0 of the row: finite, masked
+    zrow = torch.where(j < sinks, j, pools.sink_cap + (rows.ring_start[:, None] + j - sinks)
+                       % ring)
+    zrow = torch.where(in_steady, zrow, 0)
+    src_c = (rows.pool_row[:, None] * n_cap + tok).reshape(-1)
+    z = pools.sink_cap + ring
+    src_s = ((rows.steady_slot[:, None] * z + zrow) * h + rows.head[:, None]).reshape(-1)
+    pick = in_steady.reshape(-1, 1)
+    exec_k = torch.where(pick, pools.steady_k.view(-1, d).index_select(0, src_s),
+                         pools.keys.view(-1, d).index_select(0, src_c)).view(r, width, d)
+    exec_v = torch.where(pick, pools.steady_v.view(-1, d).index_select(0, src_s),
+                         pools.values.view(-1, d).index_select(0, src_c)).view(r, width, d)
+    k_top = rows.top.shape[1]
+    est_slots = (rows.n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
+        max(k_top - 1, 0))
+    cap = pools.sizes.shape[1]
+    flat_est = rows.pool_row[:, None] * cap + torch.gather(rows.top, 1, est_slots)
+    cen_e = pools.centroids.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    vs_e = pools.value_sums.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    terms = None
+    if tilt is not None:
+        terms = TiltTerms(torch.take(pools.spreads, flat_est),
+                          torch.take(pools.deviates, flat_est), *tilt)
+    local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
+    out, _ = tripartite_decode_torch(query, exec_k, exec_v, n_exact, cen_e, vs_e,
+                                     torch.take(pools.sizes, flat_est), local, rows.n_est,
+                                     scale, terms)
+    return out
+
+
+@triton.jit
+def _resident_split_kernel(
+    Q, KP, VP, SKP, SVP, CEN, VS, SZ, SP, DV, QV,
+    PROW, SSLOT, HEAD, SINKS, RSTART, NST, TOP, NRET, NEST, ENDS, OFFS,
+    ACC, MX, LS, RA,
+    G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, chunk, scale,
+    sq_r, sq_g, s_top, s_ends, sacc_r, sacc_s, sacc_g, sm_r, sm_s,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, TILT: tl.constexpr,
+):
+    # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated)
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    prow = tl.load(PROW + r)
+    sslot = tl.load(SSLOT + r)
+    head = tl.load(HEAD + r)
+    sinks = tl.load(SINKS + r)
+    rstart = tl.load(RSTART + r)
+    nst = tl.load(NST + r)
+    nret = tl.load(NRET + r)
+    ne = tl.load(NEST + r)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < R_MAX
+    ends = tl.load(ENDS + r * s_ends + offs_r, mask=rmask, other=2147483647)
+    n_ret_tok = tl.max(tl.where(rmask, ends, 0), axis=0)
+    nx = nst + n_ret_tok
+    total = nx + ne
+    start = sp * chunk
+    end = tl.minimum(start + chunk, total)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    q = tl.load(Q + r * sq_r + offs_g[:, None] * sq_g + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    ssum = tl.zeros([BLOCK_G], tl.float32)
+    racc = tl.zeros([BLOCK_G], tl.float32)
+    if TILT:
+        qv = tl.load(QV + r * G + offs_g, mask=gmask, other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    z = SINK_CAP + RING
+    for off in range(start, end, BLOCK_N):
+        pos = off + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        is_s = valid & (pos < nst)
+        is_c = valid & (pos >= nst) & (pos < nx)
+        is_e = valid & (pos >= nx)
+        # steady rows: sinks, then the window's ring
+        zrow = tl.where(pos < sinks, pos, SINK_CAP + (rstart + pos - sinks) % RING)
+        srow = ((sslot * z + zrow) * H + head).to(tl.int64)
+        # retrieved rows: run j = number of ends <= u
+        u = pos - nst
+        run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+        run = tl.minimum(run, R_MAX - 1)
+        off_run = tl.load(OFFS + r * s_ends + run, mask=is_c, other=0)
+        crow = prow * N_CAP + off_run + u
+        ms = is_s[:, None] & dmask[None, :]
+        mc = is_c[:, None] & dmask[None, :]
+        ks = tl.load(SKP + srow[:, None] * D + offs_d[None, :], mask=ms, other=0.0)
+        vsr = tl.load(SVP + srow[:, None] * D + offs_d[None, :], mask=ms, other=0.0)
+        kc = tl.load(KP + crow[:, None] * D + offs_d[None, :], mask=mc, other=0.0)
+        vc = tl.load(VP + crow[:, None] * D + offs_d[None, :], mask=mc, other=0.0)
+        # estimated clusters: ranking slots n_ret .. n_ret + n_est
+        slot = tl.minimum(nret + pos - nx, K_TOP - 1)
+        cid = tl.load(TOP + r * s_top + slot, mask=is_e, other=0)
+        sz = tl.load(SZ + prow * C_CAP + cid, mask=is_e, other=0).to(tl.float32)
+        is_e = is_e & (sz > 0)
+        me = is_e[:, None] & dmask[None, :]
+        crow_e = (prow * C_CAP + cid).to(tl.int64)
+        ke = tl.load(CEN + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
+        ve = tl.load(VS + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
+        is_x = is_s | is_c
+        k = tl.where(is_s[:, None], ks.to(tl.float32),
+                     tl.where(is_c[:, None], kc.to(tl.float32), ke.to(tl.float32)))
+        vmean = ve.to(tl.float32) / tl.maximum(sz, 1.0)[:, None]
+        v = tl.where(is_s[:, None], vsr.to(tl.float32),
+                     tl.where(is_c[:, None], vc.to(tl.float32), vmean))
+        bias = tl.where(is_x, 0.0, tl.log(tl.maximum(sz, 1.0)))
+        bias = tl.where(is_x | is_e, bias, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") + bias[None, :]
+        if TILT:
+            spr = tl.load(SP + crow_e, mask=is_e, other=0.0)
+            dv = tl.load(DV + crow_e, mask=is_e, other=0.0)
+            s += _log_tilt(qv[:, None] * spr[None, :], dv[None, :])
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        ssum = ssum * alpha + tl.sum(p, axis=1)
+        if TILT:
+            racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    base = r * sacc_r + sp * sacc_s
+    tl.store(ACC + base + offs_g[:, None] * sacc_g + offs_d[None, :], acc,
+             mask=gmask[:, None] & dmask[None, :])
+    tl.store(MX + r * sm_r + sp * sm_s + offs_g, m, mask=gmask)
+    tl.store(LS + r * sm_r + sp * sm_s + offs_g, ssum, mask=gmask)
+    if TILT:
+        tl.store(RA + r * sm_r + sp * sm_s + offs_g, racc, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    ACC, MX, LS, RA, VSH, OUT,
+    S, G, D,
+    sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g, so_r, so_g,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILT: tl.constexpr,
+):
+    # one program per (row, query head): the splits' partial softmax states merged exactly
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < S
+    dmask = offs_d < D
+    m = tl.load(MX + r * sm_r + offs_s * sm_s + g, mask=smask, other=float("-inf"))
+    ls = tl.load(LS + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
+    mmax = tl.max(m, axis=0)
+    mmax = tl.where(mmax == float("-inf"), 0.0, mmax)
+    w = tl.where(smask, tl.exp(m - mmax), 0.0)
+    lsum = tl.sum(ls * w, axis=0)
+    acc = tl.load(ACC + r * sacc_r + offs_s[:, None] * sacc_s + g * sacc_g + offs_d[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    if TILT:
+        ra = tl.load(RA + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
+        vsh = tl.load(VSH + r * svs_r + g * svs_g + offs_d, mask=dmask, other=0.0)
+        num += tl.sum(ra * w, axis=0) * vsh
+    out = tl.where(lsum > 0, num / tl.maximum(lsum, 1.1754943508222875e-38), 0.0)
+    tl.store(OUT + r * so_r + g * so_g + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def resident_attention_triton(query: torch.Tensor, pools: LayerPools, rows: BatchRows,
+                              width: int, e_max: int, scale: float,
+                              tilt: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              num_splits: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`resident_attention_torch` (same arguments and result):
+    keys and values read in place, the row's tokens split over ``num_splits`` programs
+    (default: enough to fill a large GPU) sized from ``width + e_max`` — a bound the host
+    knows, so nothing waits for the device."""
+    r, g, d = query.shape
+    dev = query.device
+    out = torch.empty_like(query)
+    if r == 0:
+        return out
+    block_d = block_size(d)
+    block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
+    total = max(width + e_max, 1)
+    splits = num_splits or max(1, min(triton.cdiv(264, r), triton.cdiv(total, block_n)))
+    chunk = max(block_n, triton.cdiv(triton.cdiv(total, splits), block_n) * block_n)
+    splits = triton.cdiv(total, chunk)
+    acc = torch.empty(r, splits, g, d, dtype=torch.float32, device=dev)
+    mx = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
+    ls = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
+    ra = torch.empty_like(ls) if tilt is not None else ls
+    qvar, vshift = tilt if tilt is not None else (ls, acc)  # never read without TILT
+    query = query.contiguous()
+    r_max = rows.ends.shape[1]
+    ends = rows.ends if r_max else torch.zeros(r, 1, dtype=torch.int64, device=dev)
+    offs = rows.offs if r_max else ends
+    top = rows.top.contiguous()
+    _resident_split_kernel[(r, splits)](
+        query, pools.keys, pools.values, pools.steady_k, pools.steady_v, pools.centroids,
+        pools.value_sums, pools.sizes, pools.spreads, pools.deviates, qvar.contiguous(),
+        rows.pool_row, rows.steady_slot, rows.head, rows.sinks, rows.ring_start,
+        rows.n_steady, top, rows.n_ret, rows.n_est, ends.contiguous(), offs.contiguous(),
+        acc, mx, ls, ra,
+        g, d, pools.steady_k.shape[2], pools.keys.shape[1], pools.sizes.shape[1],
+        pools.sink_cap, pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1),
+        max(top.shape[1], 1), chunk, float(scale),
+        query.stride(0), query.stride(1), top.stride(0), ends.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
+        BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_R=block_size(max(r_max, 1)), TILT=tilt is not None,
+    )
+    vsh = vshift.float().contiguous() if tilt is not None else acc
+    _merge_kernel[(r, g)](
+        acc, mx, ls, ra, vsh, out,
+        splits, g, d,
+        acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
+        vsh.stride(0), vsh.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=block_size(splits, 2), BLOCK_D=block_d, TILT=tilt is not None,
+    )
+    return out
