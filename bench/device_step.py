@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode_step import QueryWalk, synthetic_kv  # noqa: E402
 from bench.gpu.stacks import sdpa_context  # noqa: E402
-from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
 from vllm_retro.index.device_layer import DeviceLayer, decode_step  # noqa: E402
+from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -28,7 +28,6 @@ from vllm_retro.kernels.kmeans import (
     scatter_sum_triton,
 )
 from vllm_retro.kernels.resident_attention import (
-    BatchRows,
     LayerPools,
     resident_attention_torch,
     resident_attention_triton,
@@ -108,23 +107,22 @@ def cluster_scores(query: Tensor, centroids: Tensor, sizes: Tensor, scale: float
     return cluster_scores_ref(query, centroids, sizes, scale)
 
 
-def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, rows: Tensor,
-                num_clusters: Tensor, width: int, scale: float, backend: str = "auto") -> Tensor:
-    """Dispatching :func:`kernels.scoring.pool_scores_ref` (scores of batch rows read from
-    a layer's meta pool)."""
-    args = (query, centroids, sizes, rows, num_clusters, width, scale)
+def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, plan: Tensor, width: int,
+                scale: float, backend: str = "auto") -> Tensor:
+    """Dispatching :func:`kernels.scoring.pool_scores_ref` (scores of a step's rows read
+    from a layer's meta pool)."""
+    args = (query, centroids, sizes, plan, width, scale)
     if resolve_backend(backend, query.device) == "triton":
         return pool_scores_triton(*args)
     return pool_scores_ref(*args)
 
 
-def resident_attention(query: Tensor, pools: LayerPools, rows: BatchRows, width: int,
-                       e_max: int, scale: float,
-                       tilt: tuple[Tensor, Tensor] | None = None, backend: str = "auto"
-                       ) -> Tensor:
+def resident_attention(query: Tensor, pools: LayerPools, plan: Tensor, top: Tensor,
+                       width: int, r_max: int, e_max: int, scale: float, tilted: bool = True,
+                       backend: str = "auto") -> Tensor:
     """Dispatching :func:`kernels.resident_attention.resident_attention_torch` (tripartite
     decode read in place from a layer's pools)."""
-    args = (query, pools, rows, width, e_max, scale, tilt)
+    args = (query, pools, plan, top, width, r_max, e_max, scale, tilted)
     if resolve_backend(backend, query.device) == "triton":
         return resident_attention_triton(*args)
     return resident_attention_torch(*args)

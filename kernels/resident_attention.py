@@ -19,11 +19,14 @@ packed execution buffer and calls it (the reference), :func:`resident_attention_
 reads every key and value where it lies — no execution buffer — split along the tokens
 over many programs, in two launches (attention, merge).
 
-Retrieval runs are addressed through two small per-row tables the caller makes with a
-cumulative sum (:func:`retrieval_runs`): ``ends[r, j]``, the zone's token count through
-cluster ``j``, and ``offs[r, j]``, the pool row of the zone's token 0 if it were in cluster
-``j`` (its start minus the tokens before it), so retrieval token ``u`` lies at pool row
-``offs[r, j] + u`` for ``j`` the number of ends ``<= u``.
+The batch comes as the step's plan, one int64 tensor ``[len(PLAN_FIELDS), B]`` (request b's
+slot, steady slot, clusters, zone sizes, sinks and window), and row ``r`` is request
+``r // H``'s KV head ``r % H``: the kernels derive every per-row integer themselves.
+Retrieval tokens are addressed through the zone's runs (:func:`retrieval_runs`):
+``ends[j]``, the zone's token count through cluster ``j``, and ``offs[j]``, the pool row of
+the zone's token 0 were it in cluster ``j`` (its start minus the tokens before it), so
+retrieval token ``u`` lies at pool row ``offs[j] + u`` for ``j`` the number of ends
+``<= u``; the Triton kernel builds them per program in registers.
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ from dataclasses import dataclass
 import torch
 
 from vllm_retro.kernels._common import block_size, tl, triton
+from vllm_retro.kernels.step_plan import plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
-    _log_tilt,
+    log_tilt_tl,
+    residual_query_terms,
     tripartite_decode_torch,
 )
 
 
 @dataclass(frozen=True)
 class LayerPools:
-    """A layer's device-resident tensors (rows ``P = slots x H``)."""
+    """A layer's device-resident tensors (rows ``P = slots x H``), all contiguous."""
 
     keys: torch.Tensor
     """[P, N, D] indexed keys, cluster-contiguous per row."""
@@ -60,6 +65,12 @@ class LayerPools:
     """[P, C] fp32."""
     deviates: torch.Tensor
     """[P, C] fp32."""
+    profile: torch.Tensor
+    """[P, D] fp32 residual profile (the tilted estimator's)."""
+    key_factor: torch.Tensor
+    """[P, D, rank] fp32."""
+    value_factor: torch.Tensor
+    """[P, D, rank] fp32."""
     steady_k: torch.Tensor
     """[S, sink_cap + ring, H, D] the steady pool's keys."""
     steady_v: torch.Tensor
@@ -67,63 +78,45 @@ class LayerPools:
     sink_cap: int
 
 
-@dataclass(frozen=True)
-class BatchRows:
-    """One step's rows (``R = B x H``), all [R] int64 except ``top`` and the run tables."""
-
-    pool_row: torch.Tensor
-    """Row of the layer's pools (slot * H + head)."""
-    steady_slot: torch.Tensor
-    head: torch.Tensor
-    sinks: torch.Tensor
-    ring_start: torch.Tensor
-    n_steady: torch.Tensor
-    """Sinks plus window tokens."""
-    top: torch.Tensor
-    """[R, K] int64 cluster ids, best first: retrieval zone, then estimation zone."""
-    n_ret: torch.Tensor
-    n_est: torch.Tensor
-    ends: torch.Tensor
-    """[R, r_max] int64 (:func:`retrieval_runs`)."""
-    offs: torch.Tensor
-    """[R, r_max] int64 (:func:`retrieval_runs`)."""
-
-
-def retrieval_runs(pools: LayerPools, pool_row: torch.Tensor, top: torch.Tensor,
-                   n_ret: torch.Tensor, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieval_runs(sizes: torch.Tensor, starts: torch.Tensor, pool_row: torch.Tensor,
+                   top: torch.Tensor, n_ret: torch.Tensor, r_max: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ends, offs) [R, r_max] of the retrieval zones ``top[:, :n_ret]`` (see the module
     docstring); clusters past a row's ``n_ret`` count 0 tokens."""
-    cap = pools.sizes.shape[1]
+    cap = sizes.shape[1]
     ids = top[:, :r_max]
     flat = pool_row[:, None] * cap + ids
     keep = torch.arange(r_max, device=top.device)[None, :] < n_ret[:, None]
-    lengths = torch.take(pools.sizes, flat).long() * keep
+    lengths = torch.take(sizes, flat).long() * keep
     ends = lengths.cumsum(1)
-    return ends, torch.take(pools.starts, flat) - (ends - lengths)
+    return ends, torch.take(starts, flat) - (ends - lengths)
 
 
-def resident_attention_torch(query: torch.Tensor, pools: LayerPools, rows: BatchRows,
-                             width: int, e_max: int, scale: float,
-                             tilt: tuple[torch.Tensor, torch.Tensor] | None = None
-                             ) -> torch.Tensor:
+def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor,
+                             top: torch.Tensor, width: int, r_max: int, e_max: int,
+                             scale: float, tilted: bool = True) -> torch.Tensor:
     """The reference (torch operations): the packed execution buffer ([R, width, D]: the
     steady zone, then the retrieval zone's tokens; ``width`` >= every row's exact tokens)
-    gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D];
-    ``tilt``: (qvar [R, G], vshift [R, G, D]) of the tilted estimator, or None. Returns
-    [R, G, D] in the query's dtype."""
+    gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D]; plan
+    [len(PLAN_FIELDS), B] int64; top [R, K] int64 cluster ids, best first (retrieval zone,
+    then estimation zone; ``r_max`` and ``e_max`` bound the rows' zone sizes); ``tilted``:
+    the tilted estimator (its query terms from the pools' residual model), else the
+    paper's. Returns [R, G, D] in the query's dtype."""
     r, _, d = query.shape
     dev = query.device
-    ring = pools.steady_k.shape[1] - pools.sink_cap
     h = pools.steady_k.shape[2]
+    rows = plan_rows(plan, h)
+    ring = pools.steady_k.shape[1] - pools.sink_cap
     n_cap = pools.keys.shape[1]
+    ends, offs = retrieval_runs(pools.sizes, pools.starts, rows.pool_row, top, rows.n_ret,
+                                r_max)
     j = torch.arange(width, device=dev)[None, :].expand(r, width)
     n_steady, sinks = rows.n_steady[:, None], rows.sinks[:, None]
-    r_max = rows.ends.shape[1]
-    n_exact = rows.n_steady + rows.ends[:, -1] if r_max else rows.n_steady
+    n_exact = rows.n_steady + ends[:, -1] if r_max else rows.n_steady
     # retrieval token u = j - n_steady lies in run (number of ends <= u)
     u = (j - n_steady).clamp_min(0)
-    run = torch.searchsorted(rows.ends, u, right=True).clamp_max(max(r_max - 1, 0))
-    tok = torch.gather(rows.offs, 1, run) + u if r_max else torch.zeros_like(u)
+    run = torch.searchsorted(ends, u, right=True).clamp_max(max(r_max - 1, 0))
+    tok = torch.gather(offs, 1, run) + u if r_max else torch.zeros_like(u)
     in_steady = j < n_steady
     valid = j < n_exact[:, None]
     tok = torch.where(valid & ~in_steady, tok, 0)  # row 0 of the row: finite, masked
@@ -138,17 +131,21 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, rows: Batch
                          pools.keys.view(-1, d).index_select(0, src_c)).view(r, width, d)
     exec_v = torch.where(pick, pools.steady_v.view(-1, d).index_select(0, src_s),
                          pools.values.view(-1, d).index_select(0, src_c)).view(r, width, d)
-    k_top = rows.top.shape[1]
+    k_top = top.shape[1]
     est_slots = (rows.n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
         max(k_top - 1, 0))
     cap = pools.sizes.shape[1]
-    flat_est = rows.pool_row[:, None] * cap + torch.gather(rows.top, 1, est_slots)
+    flat_est = rows.pool_row[:, None] * cap + torch.gather(top, 1, est_slots)
     cen_e = pools.centroids.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
     vs_e = pools.value_sums.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
     terms = None
-    if tilt is not None:
+    if tilted and e_max:
+        qvar, vshift = residual_query_terms(
+            query, pools.profile.index_select(0, rows.pool_row),
+            pools.key_factor.index_select(0, rows.pool_row),
+            pools.value_factor.index_select(0, rows.pool_row), scale)
         terms = TiltTerms(torch.take(pools.spreads, flat_est),
-                          torch.take(pools.deviates, flat_est), *tilt)
+                          torch.take(pools.deviates, flat_est), qvar, vshift)
     local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
     out, _ = tripartite_decode_torch(query, exec_k, exec_v, n_exact, cen_e, vs_e,
                                      torch.take(pools.sizes, flat_est), local, rows.n_est,
@@ -158,30 +155,34 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, rows: Batch
 
 @triton.jit
 def _resident_split_kernel(
-    Q, KP, VP, SKP, SVP, CEN, VS, SZ, SP, DV, QV,
-    PROW, SSLOT, HEAD, SINKS, RSTART, NST, TOP, NRET, NEST, ENDS, OFFS,
+    Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF,
     ACC, MX, LS, RA,
-    G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, chunk, scale,
-    sq_r, sq_g, s_top, s_ends, sacc_r, sacc_s, sacc_g, sm_r, sm_s,
+    B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, chunk, scale,
+    sq_r, sq_g, s_top, sacc_r, sacc_s, sacc_g, sm_r, sm_s,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, TILT: tl.constexpr,
 ):
     # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated)
     r = tl.program_id(0)
     sp = tl.program_id(1)
-    prow = tl.load(PROW + r)
-    sslot = tl.load(SSLOT + r)
-    head = tl.load(HEAD + r)
-    sinks = tl.load(SINKS + r)
-    rstart = tl.load(RSTART + r)
-    nst = tl.load(NST + r)
-    nret = tl.load(NRET + r)
-    ne = tl.load(NEST + r)
+    b = r // H
+    head = r % H
+    prow = tl.load(PLAN + b) * H + head  # the plan's rows: see PLAN_FIELDS
+    sslot = tl.load(PLAN + B + b)
+    nret = tl.load(PLAN + 3 * B + b)
+    ne = tl.load(PLAN + 4 * B + b)
+    sinks = tl.load(PLAN + 5 * B + b)
+    rstart = tl.load(PLAN + 6 * B + b)
+    nst = sinks + tl.load(PLAN + 7 * B + b)
+    # the retrieval zone's runs, in registers: ends (tokens through cluster j), offs
     offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < R_MAX
-    ends = tl.load(ENDS + r * s_ends + offs_r, mask=rmask, other=2147483647)
-    n_ret_tok = tl.max(tl.where(rmask, ends, 0), axis=0)
-    nx = nst + n_ret_tok
+    rmask = offs_r < nret
+    cid_r = tl.load(TOP + r * s_top + offs_r, mask=rmask, other=0)
+    len_r = tl.load(SZ + prow * C_CAP + cid_r, mask=rmask, other=0).to(tl.int64)
+    ends = tl.cumsum(len_r, axis=0)
+    offs_run = tl.load(ST + prow * C_CAP + cid_r, mask=rmask, other=0) - (ends - len_r)
+    ends = tl.where(rmask, ends, 9223372036854775807)
+    nx = nst + tl.sum(len_r, axis=0)
     total = nx + ne
     start = sp * chunk
     end = tl.minimum(start + chunk, total)
@@ -194,8 +195,9 @@ def _resident_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     ssum = tl.zeros([BLOCK_G], tl.float32)
     racc = tl.zeros([BLOCK_G], tl.float32)
-    if TILT:
-        qv = tl.load(QV + r * G + offs_g, mask=gmask, other=0.0)
+    if TILT:  # variance of scale * q.(k - C) per unit of spread
+        prf = tl.load(PRF + prow * D + offs_d, mask=dmask, other=0.0)
+        qv = tl.sum(q * q * prf[None, :], axis=1)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     z = SINK_CAP + RING
     for off in range(start, end, BLOCK_N):
@@ -207,11 +209,11 @@ def _resident_split_kernel(
         # steady rows: sinks, then the window's ring
         zrow = tl.where(pos < sinks, pos, SINK_CAP + (rstart + pos - sinks) % RING)
         srow = ((sslot * z + zrow) * H + head).to(tl.int64)
-        # retrieved rows: run j = number of ends <= u
+        # retrieved rows: run j = number of ends <= u, its offset picked by a one-hot sum
         u = pos - nst
-        run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-        run = tl.minimum(run, R_MAX - 1)
-        off_run = tl.load(OFFS + r * s_ends + run, mask=is_c, other=0)
+        hit = u[:, None] >= ends[None, :]
+        run = tl.sum(hit.to(tl.int32), axis=1)
+        off_run = tl.sum(tl.where(offs_r[None, :] == run[:, None], offs_run[None, :], 0), axis=1)
         crow = prow * N_CAP + off_run + u
         ms = is_s[:, None] & dmask[None, :]
         mc = is_c[:, None] & dmask[None, :]
@@ -240,7 +242,7 @@ def _resident_split_kernel(
         if TILT:
             spr = tl.load(SP + crow_e, mask=is_e, other=0.0)
             dv = tl.load(DV + crow_e, mask=is_e, other=0.0)
-            s += _log_tilt(qv[:, None] * spr[None, :], dv[None, :])
+            s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
@@ -261,12 +263,13 @@ def _resident_split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    ACC, MX, LS, RA, VSH, OUT,
-    S, G, D,
-    sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g, so_r, so_g,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILT: tl.constexpr,
+    ACC, MX, LS, RA, Q, PLAN, KF, VF, OUT,
+    S, G, D, H, RANK, scale,
+    sacc_r, sacc_s, sacc_g, sm_r, sm_s, sq_r, sq_g, so_r, so_g,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr,
 ):
-    # one program per (row, query head): the splits' partial softmax states merged exactly
+    # one program per (row, query head): the splits' partial softmax states merged exactly;
+    # with the tilted estimator, plus the value shift (scale * (q KF) VF^T) per unit of spread
     r = tl.program_id(0)
     g = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -283,26 +286,39 @@ def _merge_kernel(
                   mask=smask[:, None] & dmask[None, :], other=0.0)
     num = tl.sum(acc * w[:, None], axis=0)
     if TILT:
+        prow = tl.load(PLAN + r // H) * H + r % H
+        offs_k = tl.arange(0, BLOCK_K)
+        kmask = offs_k < RANK
+        fmask = dmask[:, None] & kmask[None, :]
+        q = tl.load(Q + r * sq_r + g * sq_g + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        kf = tl.load(KF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :], mask=fmask,
+                     other=0.0)
+        vf = tl.load(VF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :], mask=fmask,
+                     other=0.0)
+        qk = tl.sum(q[:, None] * kf, axis=0)  # [rank]
+        vsh = tl.sum(vf * qk[None, :], axis=1) * scale  # [D]
         ra = tl.load(RA + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
-        vsh = tl.load(VSH + r * svs_r + g * svs_g + offs_d, mask=dmask, other=0.0)
         num += tl.sum(ra * w, axis=0) * vsh
     out = tl.where(lsum > 0, num / tl.maximum(lsum, 1.1754943508222875e-38), 0.0)
     tl.store(OUT + r * so_r + g * so_g + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def resident_attention_triton(query: torch.Tensor, pools: LayerPools, rows: BatchRows,
-                              width: int, e_max: int, scale: float,
-                              tilt: tuple[torch.Tensor, torch.Tensor] | None = None,
+def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor,
+                              top: torch.Tensor, width: int, r_max: int, e_max: int,
+                              scale: float, tilted: bool = True,
                               num_splits: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`resident_attention_torch` (same arguments and result):
-    keys and values read in place, the row's tokens split over ``num_splits`` programs
-    (default: enough to fill a large GPU) sized from ``width + e_max`` — a bound the host
-    knows, so nothing waits for the device."""
+    """Triton version of :func:`resident_attention_torch` (same arguments and result): two
+    launches, every key and value read in place, the row's integers and retrieval runs
+    derived in the kernel, the row's tokens split over ``num_splits`` programs (default:
+    enough to fill a large GPU) sized from ``width + e_max`` — bounds the host knows, so
+    nothing waits for the device."""
     r, g, d = query.shape
     dev = query.device
     out = torch.empty_like(query)
     if r == 0:
         return out
+    h = pools.steady_k.shape[2]
+    tilt = tilted and e_max > 0
     block_d = block_size(d)
     block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
     total = max(width + e_max, 1)
@@ -312,33 +328,29 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, rows: Batc
     acc = torch.empty(r, splits, g, d, dtype=torch.float32, device=dev)
     mx = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
     ls = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
-    ra = torch.empty_like(ls) if tilt is not None else ls
-    qvar, vshift = tilt if tilt is not None else (ls, acc)  # never read without TILT
+    ra = torch.empty_like(ls) if tilt else ls
     query = query.contiguous()
-    r_max = rows.ends.shape[1]
-    ends = rows.ends if r_max else torch.zeros(r, 1, dtype=torch.int64, device=dev)
-    offs = rows.offs if r_max else ends
-    top = rows.top.contiguous()
+    top = top.contiguous()
     _resident_split_kernel[(r, splits)](
-        query, pools.keys, pools.values, pools.steady_k, pools.steady_v, pools.centroids,
-        pools.value_sums, pools.sizes, pools.spreads, pools.deviates, qvar.contiguous(),
-        rows.pool_row, rows.steady_slot, rows.head, rows.sinks, rows.ring_start,
-        rows.n_steady, top, rows.n_ret, rows.n_est, ends.contiguous(), offs.contiguous(),
+        query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
+        pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
+        pools.deviates, pools.profile,
         acc, mx, ls, ra,
-        g, d, pools.steady_k.shape[2], pools.keys.shape[1], pools.sizes.shape[1],
-        pools.sink_cap, pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1),
-        max(top.shape[1], 1), chunk, float(scale),
-        query.stride(0), query.stride(1), top.stride(0), ends.stride(0),
+        plan.shape[1], g, d, h, pools.keys.shape[1], pools.sizes.shape[1], pools.sink_cap,
+        pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), chunk,
+        float(scale),
+        query.stride(0), query.stride(1), top.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
         BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_R=block_size(max(r_max, 1)), TILT=tilt is not None,
+        BLOCK_R=block_size(max(r_max, 1)), TILT=tilt,
     )
-    vsh = vshift.float().contiguous() if tilt is not None else acc
+    rank = pools.key_factor.shape[2]
     _merge_kernel[(r, g)](
-        acc, mx, ls, ra, vsh, out,
-        splits, g, d,
+        acc, mx, ls, ra, query, plan, pools.key_factor, pools.value_factor, out,
+        splits, g, d, h, rank, float(scale),
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
-        vsh.stride(0), vsh.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=block_size(splits, 2), BLOCK_D=block_d, TILT=tilt is not None,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=block_size(splits, 2), BLOCK_D=block_d, BLOCK_K=block_size(rank, 2),
+        TILT=tilt,
     )
     return out

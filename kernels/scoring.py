@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.kernels._common import block_size, check_float, tl, triton
+from vllm_retro.kernels.step_plan import plan_rows
 
 
 def group_scores_from_logits(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -135,28 +136,30 @@ def cluster_scores_triton(
 
 
 def pool_scores_ref(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor,
-                    rows: torch.Tensor, num_clusters: torch.Tensor, width: int, scale: float
-                    ) -> torch.Tensor:
-    """Cluster scores of batch rows read from a layer's meta pool, for ranking.
+                    plan: torch.Tensor, width: int, scale: float) -> torch.Tensor:
+    """Cluster scores of a step's rows read from a layer's meta pool, for ranking.
 
-    query: [R, G, D]; centroids: [P, C_cap, D] and sizes: [P, C_cap] (the pool's rows);
-    rows: [R] int64, the pool row of each batch row; num_clusters: [R] int64 clusters of each
-    row; ``width`` <= C_cap columns scored. Returns [R, width] fp32:
+    query: [R, G, D] (R = B x H: request ``r // H``'s KV head ``r % H``); centroids:
+    [P, C_cap, D] and sizes: [P, C_cap] (the pool's rows, ``slot * H + head``); plan: the
+    step's [len(PLAN_FIELDS), B] int64 (:mod:`kernels.step_plan`: each request's slot and
+    clusters); ``width`` <= C_cap columns scored. Returns [R, width] fp32:
     :func:`cluster_scores_ref` of the row's first ``width`` centroids, except that a row's
-    empty clusters (size 0, index < num_clusters) score the lowest finite fp32 instead of
+    empty clusters (size 0, index < its clusters) score the lowest finite fp32 instead of
     ``-inf`` — they rank above the padding past the row's clusters, so a top-k of at most
-    ``num_clusters`` never reaches the padding."""
-    sz = sizes[:, :width].index_select(0, rows)
-    scores = cluster_scores_ref(query, centroids[:, :width].index_select(0, rows), sz, scale)
+    its clusters never reaches the padding."""
+    rows = plan_rows(plan, query.shape[0] // plan.shape[1])
+    sz = sizes[:, :width].index_select(0, rows.pool_row)
+    scores = cluster_scores_ref(query, centroids[:, :width].index_select(0, rows.pool_row), sz,
+                                scale)
     col = torch.arange(width, device=query.device)
-    empty = (sz == 0) & (col[None, :] < num_clusters[:, None])
+    empty = (sz == 0) & (col[None, :] < rows.clusters[:, None])
     return scores.masked_fill(empty, torch.finfo(torch.float32).min)
 
 
 @triton.jit
 def _pool_logits_kernel(
-    Q, CEN, SZ, ROWS, LOGITS, PART,
-    G, W, D, scale,
+    Q, CEN, SZ, PLAN, LOGITS, PART,
+    G, W, D, H, scale,
     sq_r, sq_g, sc_p, sc_c, ssz_p, sl_r, sl_g, sp_r, sp_b,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -164,7 +167,7 @@ def _pool_logits_kernel(
     # per query head the block's max and sum of exp (the softmax's partial terms)
     r = tl.program_id(0)
     blk = tl.program_id(1)
-    p = tl.load(ROWS + r)
+    p = tl.load(PLAN + r // H) * H + r % H  # the request's slot, then its KV head
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -193,8 +196,8 @@ def _pool_logits_kernel(
 
 @triton.jit
 def _pool_scores_kernel(
-    LOGITS, PART, SZ, ROWS, NCL, OUT,
-    G, W, NB,
+    LOGITS, PART, SZ, PLAN, OUT,
+    B, G, W, H, NB,
     sl_r, sl_g, sp_r, sp_b, ssz_p, so_r,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
@@ -227,17 +230,16 @@ def _pool_scores_kernel(
     mx = tl.max(logp, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     score = mx_safe + tl.log(tl.maximum(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0), 1e-30))
-    p = tl.load(ROWS + r)
+    p = tl.load(PLAN + r // H) * H + r % H
     sz = tl.load(SZ + p * ssz_p + offs_c, mask=cmask, other=0)
-    ncl = tl.load(NCL + r)
+    ncl = tl.load(PLAN + 2 * B + r // H)  # the request's clusters
     score = tl.where(sz > 0, score, tl.where(offs_c < ncl, -3.4028234663852886e38,
                                              float("-inf")))
     tl.store(OUT + r * so_r + offs_c, score, mask=cmask)
 
 
 def pool_scores_triton(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor,
-                       rows: torch.Tensor, num_clusters: torch.Tensor, width: int, scale: float
-                       ) -> torch.Tensor:
+                       plan: torch.Tensor, width: int, scale: float) -> torch.Tensor:
     """Triton version of :func:`pool_scores_ref` (same arguments and result; 16-bit
     centroids multiply on tensor cores as tf32, which holds them exactly, with fp32 sums;
     fp32 ones in IEEE fp32): two
@@ -256,17 +258,17 @@ def pool_scores_triton(query: torch.Tensor, centroids: torch.Tensor, sizes: torc
     q = query.contiguous() if ieee else query.to(centroids.dtype).contiguous()
     logits = torch.empty(r, g, width, dtype=torch.float32, device=query.device)
     part = torch.empty(r, nb, 2 * g, dtype=torch.float32, device=query.device)
-    rows = rows.to(torch.int64)
+    b = plan.shape[1]
     _pool_logits_kernel[(r, nb)](
-        q, centroids, sizes, rows, logits, part,
-        g, width, d, float(scale),
+        q, centroids, sizes, plan, logits, part,
+        g, width, d, r // b, float(scale),
         q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), sizes.stride(0),
         logits.stride(0), logits.stride(1), part.stride(0), part.stride(1),
         BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_D=block_d, IEEE=ieee,
     )
     _pool_scores_kernel[(r, nb)](
-        logits, part, sizes, rows, num_clusters.to(torch.int64), out,
-        g, width, nb,
+        logits, part, sizes, plan, out,
+        b, g, width, r // b, nb,
         logits.stride(0), logits.stride(1), part.stride(0), part.stride(1), sizes.stride(0),
         out.stride(0),
         BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_B=min(64, block_size(nb)),

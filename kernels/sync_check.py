@@ -14,9 +14,10 @@ number of device operations per step. What it treats as a synchronisation:
 - turning host data into a tensor inside the step (``torch.tensor(list)``: ``lift_fresh``),
   a blocking host->device copy on CUDA (a step takes its integers as tensors made before it).
 
-Operations that only make a view (reshape, slice, transpose, ...) are not counted as
-launches; every other ``aten`` operation is (an upper bound on CUDA kernel launches: some
-are fused or free there, none are hidden), and so is every Triton kernel launch (compiled,
+Operations that only make a view (reshape, slice, transpose, ...) or only allocate
+(``empty``, ...) are not counted as launches; every other ``aten`` operation is (an upper
+bound on CUDA kernel launches: some are fused or free there, none are hidden), and so is
+every Triton kernel launch (compiled,
 or run by the interpreter under ``TRITON_INTERPRET=1``, whose own torch operations are
 neither counted nor checked).
 """
@@ -66,6 +67,12 @@ _SYNC_OPS = {
     aten.lift_fresh.default: "makes a tensor from host data inside the step",
 }
 
+_ALLOC_OPS = {
+    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+    aten.empty_strided.default, aten.new_empty_strided.default,
+}
+"""Allocations: counted in :attr:`SyncCheck.ops`, not as launches (no kernel runs)."""
+
 _VIEW_OPS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
     aten.as_strided.default, aten.t.default, aten.transpose.int, aten.permute.default,
@@ -86,7 +93,8 @@ def _has_bool_index(args: tuple) -> bool:
 class SyncCheck(TorchDispatchMode):
     """Raise :class:`HostSyncError` on any operation that would synchronise with a CUDA
     device (see the module docstring) and count the others: :attr:`launches` (operations
-    that are not views) and :attr:`ops` (per operation name).
+    that are neither views nor allocations, and Triton kernels) and :attr:`ops` (per
+    operation name, allocations included).
 
     Use as ``with SyncCheck() as check: step(...)`` around code whose tensors are all
     "device" tensors (on CPU in tests). Tensor-to-host conversions (``cpu``, ``numpy``,
@@ -158,6 +166,6 @@ class SyncCheck(TorchDispatchMode):
         if why is not None:
             raise HostSyncError(f"{func}: {why}")
         if func not in _VIEW_OPS:
-            self.launches += 1
+            self.launches += func not in _ALLOC_OPS
             self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **kwargs)

@@ -55,6 +55,20 @@ class TiltTerms:
     """[R, G, D] shift of an estimated cluster's value per unit of spread, per query head."""
 
 
+def residual_query_terms(query: torch.Tensor, profile: torch.Tensor, key_factor: torch.Tensor,
+                         value_factor: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tilted estimator's per-query terms for rows of queries (see
+    :meth:`vllm_retro.index.estimator.ResidualModel.query_terms`): query [R, G, D];
+    profile [R, D]; key_factor,
+    value_factor [R, D, rank] (fp32), one row per (request, KV head). Returns ``qvar`` [R, G]
+    and ``vshift`` [R, G, D], fp32."""
+    q = query.float()
+    qvar = (q * q) @ profile[..., None] * (scale * scale)
+    vshift = (q @ key_factor) @ value_factor.transpose(1, 2) * scale
+    return qvar[..., 0], vshift
+
+
 def truncated_variance_ref(a: torch.Tensor) -> torch.Tensor:
     """Variance of ``N(0, 1)`` truncated to ``[-a, a]``: ``1 - 2 a phi(a) / erf(a / sqrt 2)``
     (fp64; ``a > 0``)."""
@@ -219,7 +233,7 @@ def _log_erfcx(z):
 
 
 @triton.jit
-def _log_tilt(v, a):
+def log_tilt_tl(v, a):
     # Triton version of log_tilt_ref. With A1 = v/2 + log Phi(a - sqrt v) and
     # A2 = v/2 + log Phi(-a - sqrt v), the result is A1 + log(1 - exp(A2 - A1)) - log erf(a/sqrt2).
     # log Phi(-x) = log(1/2) + log erfcx(x/sqrt2) - x^2/2 (x >= 0), and the v/2 - x^2/2 terms
@@ -297,7 +311,7 @@ def _tripartite_split_kernel(
         if TILT:
             spr = tl.load(SP + r * ssp_r + cid, mask=is_e, other=0.0)
             dv = tl.load(DV + r * sdv_r + cid, mask=is_e, other=0.0)
-            s += _log_tilt(qv[:, None] * spr[None, :], dv[None, :])
+            s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)

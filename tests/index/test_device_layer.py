@@ -5,12 +5,12 @@ device (held to it on CPU tensors under kernels.sync_check.SyncCheck)."""
 import pytest
 import torch
 
-from vllm_retro.kernels.sync_check import HostSyncError, SyncCheck
 from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.device_layer import DeviceLayer, decode_step
 from vllm_retro.index.steady import SteadyPool, ring_size
+from vllm_retro.kernels.sync_check import HostSyncError, SyncCheck
 
 
 def _cfg(**kw):
@@ -106,11 +106,9 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
         q = torch.randn(n, h * 4, d, generator=g)
         _step(layer, list(range(n)), indexes[:n], q, d ** -0.5, check)
         counts.append(check.ops)
-    assert counts[0] == counts[1]
-    # torch operations today (most of them the tilted estimator's fp64 log-tilt and the
-    # reference scoring); the fused kernels' target is <= 8 launches: this bound only grows
-    # the wrong way on purpose
-    assert 0 < sum(counts[0].values()) <= 205, counts[0]
+    assert counts[0] == counts[1] and sum(counts[0].values()) > 0
+    # (the torch path's ~200 operations are the reference's; CUDA's configuration runs the
+    # step in five launches: test_decode_step_with_triton_kernels)
 
 
 def test_load_rejects_what_does_not_fit_naming_the_bound():
@@ -183,12 +181,15 @@ def test_sync_check_counts_launches_not_views():
     assert check.ops["mul"] == 1 and check.ops["sum"] == 1
     assert "view" not in check.ops and "transpose" not in check.ops
     assert check.launches == sum(check.ops.values())
+    with SyncCheck() as check:
+        torch.empty(3), torch.empty_like(t)
+    assert check.launches == 0 and check.ops["empty"] == 1
 
 
 def test_decode_step_with_triton_kernels(triton_device):
     """The same step with the Triton kernels (the CUDA configuration; on the CPU under the
-    interpreter): equal to the per-row reference and, wrappers included, free of host
-    synchronisation."""
+    interpreter): equal to the per-row reference, free of host synchronisation (wrappers
+    included) and five launches."""
     if triton_device != "cpu":
         pytest.skip("runs the indexes on the CPU")
     g = torch.Generator().manual_seed(5)
@@ -201,9 +202,13 @@ def test_decode_step_with_triton_kernels(triton_device):
         q = torch.randn(3, h * 2, d, generator=g)
         for index in indexes:
             index.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
-        out = _step(layer, [1, 4, 0], indexes, q, d ** -0.5, SyncCheck())
+        check = SyncCheck()
+        out = _step(layer, [1, 4, 0], indexes, q, d ** -0.5, check)
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        # CUDA's configuration: scoring (2 Triton kernels), top-k, attention (2): at most 8
+        # launches per layer step, whatever the batch
+        assert check.launches == 5, check.ops
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -5,18 +5,21 @@ import pytest
 import torch
 
 from vllm_retro.kernels.resident_attention import (
-    BatchRows,
     LayerPools,
     resident_attention_torch,
     resident_attention_triton,
     retrieval_runs,
 )
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows
 from vllm_retro.kernels.tripartite_attention import tripartite_decode_ref
 
 
-def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, ring=24):
-    """Random pools and a batch of every slot's rows: clusters of ragged sizes (some empty)
-    per pool row, a window wrapping the ring, a row with no clusters."""
+def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, ring=24,
+          rank=3):
+    """Random pools and a step over every slot: clusters of ragged sizes (some empty) per
+    pool row, a window wrapping the ring, a request with no clusters, steady slots in
+    another order than the pools' slots. Returns (query, pools, plan, top, width, r_max,
+    e_max)."""
     p = slots * h
     sizes = torch.zeros(p, c_cap, dtype=torch.int32)
     starts = torch.zeros(p, c_cap, dtype=torch.int64)
@@ -31,40 +34,38 @@ def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, 
         keys=f(p, n_cap, d).to(dtype), values=f(p, n_cap, d).to(dtype),
         centroids=f(p, c_cap, d).to(dtype), value_sums=(3 * f(p, c_cap, d)).to(dtype),
         sizes=sizes, starts=starts, spreads=f(p, c_cap).abs(),
-        deviates=0.5 + f(p, c_cap).abs(), steady_k=f(slots, sink_cap + ring, h, d).to(dtype),
+        deviates=0.5 + f(p, c_cap).abs(), profile=f(p, d).abs() / d,
+        key_factor=f(p, d, rank) / d ** 0.5, value_factor=f(p, d, rank) / d ** 0.5,
+        steady_k=f(slots, sink_cap + ring, h, d).to(dtype),
         steady_v=f(slots, sink_cap + ring, h, d).to(dtype), sink_cap=sink_cap)
-    order = [2, 0, 1]  # batch row b -> slot
-    b = len(order)
-    r = b * h
-    head = torch.arange(h).repeat(b)
-    slot = torch.tensor(order).repeat_interleave(h)
-    pool_row = slot * h + head
-    n_cl = torch.tensor(counts)[slot]
-    k_top = 12
-    scores = torch.rand(r, c_cap, generator=gen)
-    scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= n_cl[:, None], -1.0)
+    order = [2, 0, 1]  # request b -> its slot
+    k_top, r_max = 12, 3
+    n_cl = torch.tensor(counts)[order]
+    n_ret = torch.minimum(n_cl, torch.tensor(r_max))
+    fields = {"slot": order, "steady_slot": [1, 2, 0], "clusters": n_cl,
+              "retrieval": n_ret, "estimation": torch.minimum(n_cl - n_ret,
+                                                              torch.tensor(k_top - r_max)),
+              "sinks": [4, 2, 0], "ring_start": [17, 0, 22],  # the first wraps the ring
+              "window": [20, 24, 5]}
+    plan = torch.stack([torch.as_tensor(fields[k]) for k in PLAN_FIELDS]).long()
+    rows = plan_rows(plan, h)
+    scores = torch.rand(len(rows.pool_row), c_cap, generator=gen)
+    scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
     top = scores.topk(k_top, dim=1).indices
-    n_ret = torch.minimum(n_cl, torch.tensor(3))
-    n_est = torch.minimum(n_cl - n_ret, torch.tensor(k_top - 3))
-    sinks = torch.tensor([4, 2, 0]).repeat_interleave(h)
-    window = torch.tensor([20, 24, 5]).repeat_interleave(h)
-    ring_start = torch.tensor([17, 0, 22]).repeat_interleave(h)  # slot 0 wraps the ring
-    ends, offs = retrieval_runs(pools, pool_row, top, n_ret, 3)
-    rows = BatchRows(pool_row=pool_row, steady_slot=slot, head=head, sinks=sinks,
-                     ring_start=ring_start, n_steady=sinks + window, top=top, n_ret=n_ret,
-                     n_est=n_est, ends=ends, offs=offs)
-    width = int((sinks + window + ends[:, -1]).max()) + 5
-    q = f(r, g, d).to(dtype)
-    tilt = (f(r, g).abs() * 0.3, 0.1 * f(r, g, d))
-    return q, pools, rows, width, k_top - 3, tilt
+    ends, _ = retrieval_runs(sizes, starts, rows.pool_row, top, rows.n_ret, r_max)
+    width = int((rows.n_steady + ends[:, -1]).max()) + 5
+    q = f(len(rows.pool_row), g, d).to(dtype)
+    return q, pools, plan, top, width, r_max, k_top - r_max
 
 
 def test_torch_path_reads_the_tokens_the_module_describes():
     """The reference against a hand-assembled token list per row."""
     gen = torch.Generator().manual_seed(0)
-    q, pools, rows, width, e_max, _ = _case(gen, torch.float64)
-    got = resident_attention_torch(q, pools, rows, width, e_max, 0.125)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, torch.float64)
+    got = resident_attention_torch(q, pools, plan, top, width, r_max, e_max, 0.125,
+                                   tilted=False)
     ring = pools.steady_k.shape[1] - pools.sink_cap
+    rows = plan_rows(plan, pools.steady_k.shape[2])
     for r in range(q.shape[0]):
         slot, head, prow = int(rows.steady_slot[r]), int(rows.head[r]), int(rows.pool_row[r])
         sinks, nst = int(rows.sinks[r]), int(rows.n_steady[r])
@@ -72,11 +73,11 @@ def test_torch_path_reads_the_tokens_the_module_describes():
                                    for i in range(nst - sinks)]
         ks = [pools.steady_k[slot, z, head] for z in zr]
         vs = [pools.steady_v[slot, z, head] for z in zr]
-        for c in rows.top[r, :int(rows.n_ret[r])].tolist():
+        for c in top[r, :int(rows.n_ret[r])].tolist():
             s0, n = int(pools.starts[prow, c]), int(pools.sizes[prow, c])
             ks += list(pools.keys[prow, s0:s0 + n])
             vs += list(pools.values[prow, s0:s0 + n])
-        est = rows.top[r, int(rows.n_ret[r]):int(rows.n_ret[r] + rows.n_est[r])]
+        est = top[r, int(rows.n_ret[r]):int(rows.n_ret[r] + rows.n_est[r])]
         k = torch.stack(ks)[None]
         v = torch.stack(vs)[None]
         want, _ = tripartite_decode_ref(
@@ -86,34 +87,35 @@ def test_torch_path_reads_the_tokens_the_module_describes():
         torch.testing.assert_close(got[r], want[0], rtol=1e-5, atol=1e-5)  # both in fp32
 
 
+def _on(dev, pools):
+    return LayerPools(**{k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                         for k, v in vars(pools).items()})
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tilted", [True, False])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_triton_matches_torch(dtype, tol, tilted, splits, triton_device):
     gen = torch.Generator().manual_seed(1)
-    q, pools, rows, width, e_max, tilt = _case(gen, dtype)
-    tilt = tilt if tilted else None
-    ref = resident_attention_torch(q, pools, rows, width, e_max, 0.125, tilt)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, dtype)
+    ref = resident_attention_torch(q, pools, plan, top, width, r_max, e_max, 0.125, tilted)
     dev = triton_device
-    mv = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    got = resident_attention_triton(
-        q.to(dev), LayerPools(**{k: mv(v) for k, v in vars(pools).items()}),
-        BatchRows(**{k: mv(v) for k, v in vars(rows).items()}), width, e_max, 0.125,
-        None if tilt is None else tuple(t.to(dev) for t in tilt), num_splits=splits).cpu()
+    got = resident_attention_triton(q.to(dev), _on(dev, pools), plan.to(dev), top.to(dev),
+                                    width, r_max, e_max, 0.125, tilted,
+                                    num_splits=splits).cpu()
     assert got.dtype == dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_nan_query_row_stays_in_its_row(triton_device):
     gen = torch.Generator().manual_seed(2)
-    q, pools, rows, width, e_max, tilt = _case(gen, torch.float32)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, torch.float32)
     q[1, 2, 7] = float("nan")
     dev = triton_device
-    mv = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    clean = resident_attention_torch(q.nan_to_num(), pools, rows, width, e_max, 0.125, tilt)
-    for fn in (resident_attention_torch, resident_attention_triton):
-        got = fn(q.to(dev), LayerPools(**{k: mv(v) for k, v in vars(pools).items()}),
-                 BatchRows(**{k: mv(v) for k, v in vars(rows).items()}), width, e_max, 0.125,
-                 tuple(t.to(dev) for t in tilt)).cpu()
-        others = [i for i in range(q.shape[0]) if i != 1]
+    clean = resident_attention_torch(q.nan_to_num(), pools, plan, top, width, r_max, e_max,
+                                     0.125)
+    others = [i for i in range(q.shape[0]) if i != 1]
+    for fn, d in ((resident_attention_torch, "cpu"), (resident_attention_triton, dev)):
+        got = fn(q.to(d), _on(d, pools), plan.to(d), top.to(d), width, r_max, e_max,
+                 0.125).cpu()
         torch.testing.assert_close(got[others], clean[others], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from vllm_retro.kernels.scoring import (
     pool_scores_ref,
     pool_scores_triton,
 )
+from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 
 def test_ref_matches_naive(rng):
@@ -74,21 +75,30 @@ def _pool(rng, p, cap, d, dtype, counts):
     return cen.to(dtype), sizes
 
 
+def _plan(slots, clusters):
+    """A step plan (kernels.step_plan) of requests in ``slots`` with ``clusters`` each."""
+    plan = torch.zeros(len(PLAN_FIELDS), len(slots), dtype=torch.int64)
+    plan[PLAN_FIELDS.index("slot")] = torch.tensor(slots)
+    plan[PLAN_FIELDS.index("clusters")] = torch.tensor(clusters)
+    return plan
+
+
 @pytest.mark.parametrize("g,d,width", [(1, 32, 64), (4, 128, 300), (7, 64, 129), (8, 256, 70)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3),
                                        (torch.float16, 2e-3)])
 def test_pool_scores_triton_matches_ref(g, d, width, dtype, tol, rng, triton_device):
-    """Rows read from a pool through indices (permuted, one repeated), ragged clusters with
-    empty ones (lowest finite score) and padding (-inf), widths across block edges."""
-    counts = [width, width // 2, 1, width - 3]
-    cen, sizes = _pool(rng, 5, width + 16, d, dtype, counts)
-    rows = torch.tensor([3, 0, 2, 1, 0])
-    ncl = torch.tensor(counts + [0])[rows]
-    q = torch.randn(len(rows), g, d, generator=rng).to(dtype)
-    ref = pool_scores_ref(q, cen, sizes, rows, ncl, width, d ** -0.5)
+    """Rows read from a pool through the plan's slots (permuted, one repeated; 2 KV heads
+    per request), ragged clusters with empty ones (lowest finite score) and padding (-inf),
+    widths across block edges."""
+    counts = [width, width // 2, 1, width - 3, 7, 2]  # per pool row (slot * 2 + head)
+    cen, sizes = _pool(rng, 6, width + 16, d, dtype, counts)
+    slots = [2, 0, 1, 0]
+    plan = _plan(slots, [max(counts[2 * s], counts[2 * s + 1]) for s in slots])
+    q = torch.randn(2 * len(slots), g, d, generator=rng).to(dtype)
+    ref = pool_scores_ref(q, cen, sizes, plan, width, d ** -0.5)
     dev = triton_device
-    got = pool_scores_triton(q.to(dev), cen.to(dev), sizes.to(dev), rows.to(dev), ncl.to(dev),
-                             width, d ** -0.5).cpu()
+    got = pool_scores_triton(q.to(dev), cen.to(dev), sizes.to(dev), plan.to(dev), width,
+                             d ** -0.5).cpu()
     assert not got.isnan().any()
     assert torch.equal(got == float("-inf"), ref == float("-inf"))
     lowest = torch.finfo(torch.float32).min
@@ -96,20 +106,18 @@ def test_pool_scores_triton_matches_ref(g, d, width, dtype, tol, rng, triton_dev
     fin = torch.isfinite(ref) & (ref > lowest)
     # 16-bit operands: the products are exact, only their order of summation differs
     torch.testing.assert_close(got[fin], ref[fin], rtol=tol, atol=tol)
-    # the ranking the step takes from them
-    k = 5
+    k = 5  # the ranking the step takes from them
     agree = (got.topk(k, dim=1).indices == ref.topk(k, dim=1).indices).float().mean()
     assert agree >= (1.0 if dtype == torch.float32 else 0.9)
 
 
 def test_pool_scores_nan_query_row_stays_in_its_row(rng, triton_device):
-    cen, sizes = _pool(rng, 3, 80, 64, torch.float32, [80, 40, 60])
-    rows, ncl = torch.tensor([0, 1, 2]), torch.tensor([80, 40, 60])
-    q = torch.randn(3, 4, 64, generator=rng)
+    cen, sizes = _pool(rng, 4, 80, 64, torch.float32, [80, 40, 60, 10])
+    plan = _plan([0, 1], [80, 60])
+    q = torch.randn(4, 4, 64, generator=rng)
     q[1, 2, 5] = float("nan")
     dev = triton_device
+    clean = pool_scores_ref(q.nan_to_num(), cen, sizes, plan, 80, 0.125)
     for fn, d in ((pool_scores_ref, "cpu"), (pool_scores_triton, dev)):
-        out = fn(q.to(d), cen.to(d), sizes.to(d), rows.to(d), ncl.to(d), 80, 0.125).cpu()
-        clean = pool_scores_ref(q[[0, 2]], cen, sizes, rows[[0, 2]], ncl[[0, 2]], 80, 0.125)
-        torch.testing.assert_close(out[[0, 2]], clean, rtol=1e-5, atol=1e-5)
-        assert not out[[0, 2]].isnan().any()
+        out = fn(q.to(d), cen.to(d), sizes.to(d), plan.to(d), 80, 0.125).cpu()
+        torch.testing.assert_close(out[[0, 2, 3]], clean[[0, 2, 3]], rtol=1e-5, atol=1e-5)

@@ -10,8 +10,8 @@ import triton.language as tl
 
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
-    _log_tilt,
     log_tilt_ref,
+    log_tilt_tl,
     merge_partials,
     tripartite_decode_ref,
     tripartite_decode_triton,
@@ -179,7 +179,7 @@ def _log_tilt_grid(V, A, OUT, n, BLOCK: tl.constexpr):
     mask = offs < n
     v = tl.load(V + offs, mask=mask, other=0.0)
     a = tl.load(A + offs, mask=mask, other=0.0)
-    tl.store(OUT + offs, _log_tilt(v, a), mask=mask)
+    tl.store(OUT + offs, log_tilt_tl(v, a), mask=mask)
 
 
 def test_triton_log_tilt_matches_ref(triton_device):

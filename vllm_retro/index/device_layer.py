@@ -21,24 +21,23 @@ decoded tokens), never per token. Per step, the host builds a :class:`StepPlan` 
 batch's integers as one [8, B] int64 tensor, copied to the device without waiting — and
 :func:`decode_step` runs the same sequence of operations whatever the data:
 
-1. scoring of the batch's rows read in place from the meta pool
-   (:func:`vllm_retro.kernels.pool_scores`: two Triton launches over (rows x cluster
-   blocks) on CUDA), one top-k of ``r_max + e_max`` (static: the largest zones of the
-   loaded indexes);
-2. the retrieval zone's token rows by arithmetic on the selected clusters' starts and sizes
-   (a cumulative sum and a ``searchsorted`` over a static width ``T_ret``, the largest token
-   count any loaded row's retrieval zone can reach, so nothing is ever cut off), the
-   steady zone's rows in closed form (sinks, then the ring from the window's start);
-3. one gather per K and V from each source (the cluster pool, the steady pool) and one
-   select between them: the execution buffer, packed (steady zone first, then the retrieved
-   tokens), with ``n_exact`` per row;
-4. the estimation zone's meta rows gathered, the tilted estimator's query terms;
-5. one tripartite attention call (:func:`vllm_retro.kernels.tripartite_decode`).
+1. the rows' clusters scored in place in the meta pool (:func:`vllm_retro.kernels.pool_scores`:
+   two Triton launches over (rows x cluster blocks) on CUDA), one top-k of
+   ``r_max + e_max`` (static: the largest zones of the loaded indexes);
+2. tripartite attention read in place (:func:`vllm_retro.kernels.resident_attention`: two
+   Triton launches): the steady zone from the steady pool's ring, the retrieval zone's
+   tokens from the cluster pool through the selected clusters' starts and sizes (a
+   static width ``T_ret``, the most tokens any loaded row's retrieval zone can reach, so
+   nothing is ever cut off), the estimated clusters from the meta pool, the tilted
+   estimator's query terms from the rows' residual models.
+
+On CUDA that is five launches per layer step; the torch path (CPU, and the reference)
+spells the same step out in plain operations, packing an execution buffer.
 
 Every shape depends only on the batch size and the layer's bounds (``C_live``, ``r_max``,
 ``e_max``, ``T_ret``, the steady width), which change only when a slot is loaded: a CUDA
 graph captured per bound set replays the step. ``tests/index/test_device_layer.py`` runs
-the step on CPU tensors under :class:`kernels.sync_check.SyncCheck` (no operation that
+the step on CPU tensors under :class:`~vllm_retro.kernels.sync_check.SyncCheck` (no operation that
 would wait for the device) and against the per-row reference :meth:`WaveIndex.decode`.
 """
 
@@ -50,22 +49,15 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
-from vllm_retro.index.estimator import residual_query_terms
 from vllm_retro.index.steady import SteadyPool
 from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
-from vllm_retro.kernels.resident_attention import BatchRows, LayerPools, retrieval_runs
+from vllm_retro.kernels.resident_attention import LayerPools
+from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 _BUCKET = 64
 """Static widths (clusters scored, retrieval tokens, steady rows) are rounded up to a
 multiple of this, so a CUDA graph captured at one width serves many loads."""
-
-PLAN_FIELDS = ("slot", "steady_slot", "clusters", "retrieval", "estimation", "sinks",
-               "ring_start", "window")
-"""The rows of a :class:`StepPlan`'s tensor, per batch row: the request's slot in the
-layer's pools and in the steady pool, its clusters, zone sizes (clusters), sinks, and its
-window (first ring row, tokens)."""
-
 
 def _round_up(n: int, to: int = _BUCKET) -> int:
     return max(to, -(-n // to) * to)
@@ -150,7 +142,8 @@ class DeviceLayer:
     def pools(self, steady: SteadyPool) -> LayerPools:
         """The layer's tensors with ``steady``'s, as the attention kernels take them."""
         return LayerPools(self.keys, self.values, self.centroids, self.value_sums, self.sizes,
-                          self.starts, self.spreads, self.deviates, steady.k, steady.v,
+                          self.starts, self.spreads, self.deviates, self.profile,
+                          self.key_factor, self.value_factor, steady.k, steady.v,
                           steady.sink_cap)
 
     def nbytes(self) -> int:
@@ -252,8 +245,11 @@ class DeviceLayer:
                 raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
                                  "current meta index (refresh first)")
             c = index.num_clusters
-            cols.append((slot, index.slot, c, cfg.num_retrieval(c), cfg.num_estimation(c),
-                         index.num_sinks, index.ring_start, index.win_len))
+            fields = {"slot": slot, "steady_slot": index.slot, "clusters": c,
+                      "retrieval": cfg.num_retrieval(c), "estimation": cfg.num_estimation(c),
+                      "sinks": index.num_sinks, "ring_start": index.ring_start,
+                      "window": index.win_len}
+            cols.append([fields[f] for f in PLAN_FIELDS])
             width = max(width, index.num_sinks + index.win_len)
         host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
         if self.device.type == "cuda":
@@ -275,35 +271,17 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster choice is the same up to exact
     ties of scores)."""
     h, d = layer.num_kv_heads, layer.head_dim
-    dev = layer.device
-    b = query.shape[0]
-    r = b * h
     backend = layer.config.kernel_backend
     c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
-    k_top = min(r_max + e_max, c)
-    ints = plan.ints[:, :, None].expand(-1, -1, h).contiguous().view(len(PLAN_FIELDS), r)
-    slot, st_slot, n_cl, n_ret, n_est, sinks, ring_start, window = ints.unbind(0)
-    heads = torch.arange(h, device=dev).repeat(b)
-    rows = slot * h + heads  # [R] rows of the layer's pools
-    q = query.reshape(r, -1, d)
-    # 1. scoring of the rows' first C_live meta columns, read in place, and the ranking
-    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, rows, n_cl, c, scale,
+    q = query.reshape(query.shape[0] * h, -1, d)  # row r: request r // H, KV head r % H
+    # 1. the rows' first C_live meta columns scored in place, and ranked
+    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, c, scale,
                                  backend=backend)  # [R, C]
-    top = torch.topk(scores, k_top, dim=1, sorted=True).indices  # [R, K]
-    # 2. the retrieval zones' runs, the tilted estimator's query terms
-    pools = layer.pools(plan.steady)
-    ends, offs = retrieval_runs(pools, rows, top, n_ret, r_max)
-    tilt = None
-    if layer.config.estimator == "tilted" and e_max:
-        tilt = residual_query_terms(
-            q, layer.profile.index_select(0, rows), layer.key_factor.index_select(0, rows),
-            layer.value_factor.index_select(0, rows), scale)
-    batch = BatchRows(pool_row=rows, steady_slot=st_slot, head=heads, sinks=sinks,
-                      ring_start=ring_start, n_steady=sinks + window, top=top, n_ret=n_ret,
-                      n_est=n_est, ends=ends, offs=offs)
-    # 3. attention over the steady zone, the retrieved tokens and the estimated clusters
-    res = kernels.resident_attention(q, pools, batch, plan.steady_tokens + plan.retrieval_tokens,
-                                     e_max, scale, tilt, backend=backend)
+    top = torch.topk(scores, min(r_max + e_max, c), dim=1, sorted=True).indices  # [R, K]
+    # 2. attention over the steady zone, the retrieved tokens and the estimated clusters
+    res = kernels.resident_attention(
+        q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
+        r_max, e_max, scale, tilted=layer.config.estimator == "tilted", backend=backend)
     if out is None:
         return res.view(query.shape)
     out.copy_(res.view(out.shape))

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_retro.kernels.tripartite_attention import residual_query_terms
+
 POWER_STEPS = 2
 """Block-power steps that refine the factors when a decode-time block is added."""
 
@@ -118,16 +120,3 @@ class ResidualModel:
         """Bytes held (running sums, profile and factors)."""
         return sum(t.numel() * t.element_size() for t in (
             self.key_sq, self.cross, self.profile, self.value_factor, self.key_factor))
-
-
-def residual_query_terms(query: torch.Tensor, profile: torch.Tensor, key_factor: torch.Tensor,
-                         value_factor: torch.Tensor, scale: float
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tilted estimator's per-query terms for rows of queries (see
-    :meth:`ResidualModel.query_terms`): query [R, G, D]; profile [R, D]; key_factor,
-    value_factor [R, D, rank] (fp32), one row per (request, KV head). Returns ``qvar`` [R, G]
-    and ``vshift`` [R, G, D], fp32."""
-    q = query.float()
-    qvar = (q * q) @ profile[..., None] * (scale * scale)
-    vshift = (q @ key_factor) @ value_factor.transpose(1, 2) * scale
-    return qvar[..., 0], vshift

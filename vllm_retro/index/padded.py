@@ -45,11 +45,11 @@ import numpy as np
 import torch
 
 from vllm_retro import kernels
-from vllm_retro.index.estimator import residual_query_terms
 from vllm_retro.index.resident import ResidentDecode
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import shared_batch_group
 from vllm_retro.index.wave_index import PhaseClock, WaveIndex
+from vllm_retro.kernels.tripartite_attention import residual_query_terms
 
 
 @dataclass(frozen=True)
