@@ -33,4 +33,4 @@ def triton_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     pytest.skip("Triton needs TRITON_INTERPRET=1 or a CUDA GPU")
-pytest_plugins = ["tests.conftest_real"]
+pytest_plugins = ["tests.conftest_real", "tests.required_parts", "pytester"]
