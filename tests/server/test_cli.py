@@ -361,3 +361,23 @@ def test_hub_name_offline_is_accepted_only_when_cached(tmp_path: Path,
         cli.check_model("org/missing")
     with pytest.raises(SystemExit, match="./models/x does not exist"):
         cli.check_model("./models/x")
+
+
+def test_the_command_line_prints_only_its_own_lines() -> None:
+    """``vllm-retro --help`` (and a usage error) as a user runs them: the help on stdout and
+    nothing else — no vLLM notice about its Triton kernels, no nanobind leak report at exit."""
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", "import sys; from vllm_retro.server.cli import main; "
+         "main(sys.argv[1:])", *a], capture_output=True, text=True, timeout=300)
+    helped = run("--help")
+    assert helped.returncode == 0
+    assert helped.stdout.startswith("usage: vllm-retro") and "serve" in helped.stdout
+    assert helped.stderr == ""
+    wrong = run("sevre")
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    lines = wrong.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: vllm-retro") and "invalid choice: 'sevre'" in lines[-1]
+    assert not any("nanobind" in line or "leaked" in line for line in lines), wrong.stderr
