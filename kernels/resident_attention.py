@@ -40,7 +40,9 @@ from vllm_retro.kernels.step_plan import plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     log_tilt_tl,
+    online_softmax_step,
     residual_query_terms,
+    store_partials,
     tripartite_decode_torch,
 )
 
@@ -243,22 +245,11 @@ def _resident_split_kernel(
             spr = tl.load(SP + crow_e, mask=is_e, other=0.0)
             dv = tl.load(DV + crow_e, mask=is_e, other=0.0)
             s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        ssum = ssum * alpha + tl.sum(p, axis=1)
-        if TILT:
-            racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
-    base = r * sacc_r + sp * sacc_s
-    tl.store(ACC + base + offs_g[:, None] * sacc_g + offs_d[None, :], acc,
-             mask=gmask[:, None] & dmask[None, :])
-    tl.store(MX + r * sm_r + sp * sm_s + offs_g, m, mask=gmask)
-    tl.store(LS + r * sm_r + sp * sm_s + offs_g, ssum, mask=gmask)
-    if TILT:
-        tl.store(RA + r * sm_r + sp * sm_s + offs_g, racc, mask=gmask)
+        else:
+            spr = ssum  # unused without TILT
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT)
+    store_partials(ACC, MX, LS, RA, r * sacc_r + sp * sacc_s, r * sm_r + sp * sm_s, sacc_g,
+                   offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 
 
 @triton.jit

@@ -258,6 +258,36 @@ def log_tilt_tl(v, a):
 
 
 @triton.jit
+def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr):
+    """One block of an online (log-sum-exp) softmax: state (m [G] running max, ssum [G],
+    racc [G] the sum of p * spread under the tilted estimator, acc [G, D]) updated with the
+    block's logits s [G, N] and values v [N, D] (spreads spr [N]). Returns the new state."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    ssum = ssum * alpha + tl.sum(p, axis=1)
+    if TILT:
+        racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, ssum, racc, acc
+
+
+@triton.jit
+def store_partials(ACC, MX, LS, RA, acc_base, m_base, sacc_g, offs_g, offs_d, gmask, dmask,
+                   acc, m, ssum, racc, TILT: tl.constexpr):
+    """A split's partial softmax state stored for :func:`merge_partials` (or a merge
+    kernel): acc at ``ACC + acc_base`` ([G, D], rows ``sacc_g`` apart), m / ssum / racc
+    at ``m_base`` of MX / LS / RA."""
+    tl.store(ACC + acc_base + offs_g[:, None] * sacc_g + offs_d[None, :], acc,
+             mask=gmask[:, None] & dmask[None, :])
+    tl.store(MX + m_base + offs_g, m, mask=gmask)
+    tl.store(LS + m_base + offs_g, ssum, mask=gmask)
+    if TILT:
+        tl.store(RA + m_base + offs_g, racc, mask=gmask)
+
+
+@triton.jit
 def _tripartite_split_kernel(
     Q, KX, VX, NX, CEN, VS, SZ, EID, NE, SP, DV, QV,
     ACC, MX, LS, RA,
@@ -312,24 +342,11 @@ def _tripartite_split_kernel(
             spr = tl.load(SP + r * ssp_r + cid, mask=is_e, other=0.0)
             dv = tl.load(DV + r * sdv_r + cid, mask=is_e, other=0.0)
             s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        ssum = ssum * alpha + tl.sum(p, axis=1)
-        if TILT:
-            racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
-    base = r * sacc_r + sp * sacc_s
-    tl.store(
-        ACC + base + offs_g[:, None] * sacc_g + offs_d[None, :], acc,
-        mask=gmask[:, None] & dmask[None, :],
-    )
-    tl.store(MX + r * sm_r + sp * sm_s + offs_g, m, mask=gmask)
-    tl.store(LS + r * sm_r + sp * sm_s + offs_g, ssum, mask=gmask)
-    if TILT:
-        tl.store(RA + r * sm_r + sp * sm_s + offs_g, racc, mask=gmask)
+        else:
+            spr = ssum  # unused without TILT
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT)
+    store_partials(ACC, MX, LS, RA, r * sacc_r + sp * sacc_s, r * sm_r + sp * sm_s, sacc_g,
+                   offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 
 
 def merge_partials(
