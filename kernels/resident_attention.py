@@ -40,6 +40,7 @@ from vllm_retro.kernels.step_plan import plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     log_tilt_tl,
+    merge_splits,
     online_softmax_step,
     residual_query_terms,
     store_partials,
@@ -157,12 +158,12 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
 
 @triton.jit
 def _resident_split_kernel(
-    Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF,
-    ACC, MX, LS, RA,
-    B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, chunk, scale,
-    sq_r, sq_g, s_top, sacc_r, sacc_s, sacc_g, sm_r, sm_s,
+    Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF, KF, VF,
+    ACC, MX, LS, RA, VSH,
+    B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, RANK, chunk, scale,
+    sq_r, sq_g, s_top, sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, TILT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr,
 ):
     # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated)
     r = tl.program_id(0)
@@ -200,6 +201,17 @@ def _resident_split_kernel(
     if TILT:  # variance of scale * q.(k - C) per unit of spread
         prf = tl.load(PRF + prow * D + offs_d, mask=dmask, other=0.0)
         qv = tl.sum(q * q * prf[None, :], axis=1)
+        if sp == 0:  # the value shift per unit of spread, scale * (q KF) VF^T, for the merge
+            offs_k = tl.arange(0, BLOCK_K)
+            fmask = dmask[:, None] & (offs_k < RANK)[None, :]
+            kf = tl.load(KF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :],
+                         mask=fmask, other=0.0)
+            vf = tl.load(VF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :],
+                         mask=fmask, other=0.0)
+            qk = tl.sum(q[:, :, None] * kf[None, :, :], axis=1)  # q is scaled: [G, rank]
+            vsh = tl.sum(qk[:, None, :] * vf[None, :, :], axis=2)  # [G, D]
+            tl.store(VSH + r * svs_r + offs_g[:, None] * svs_g + offs_d[None, :], vsh,
+                     mask=gmask[:, None] & dmask[None, :])
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     z = SINK_CAP + RING
     for off in range(start, end, BLOCK_N):
@@ -252,48 +264,6 @@ def _resident_split_kernel(
                    offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 
 
-@triton.jit
-def _merge_kernel(
-    ACC, MX, LS, RA, Q, PLAN, KF, VF, OUT,
-    S, G, D, H, RANK, scale,
-    sacc_r, sacc_s, sacc_g, sm_r, sm_s, sq_r, sq_g, so_r, so_g,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr,
-):
-    # one program per (row, query head): the splits' partial softmax states merged exactly;
-    # with the tilted estimator, plus the value shift (scale * (q KF) VF^T) per unit of spread
-    r = tl.program_id(0)
-    g = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < S
-    dmask = offs_d < D
-    m = tl.load(MX + r * sm_r + offs_s * sm_s + g, mask=smask, other=float("-inf"))
-    ls = tl.load(LS + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
-    mmax = tl.max(m, axis=0)
-    mmax = tl.where(mmax == float("-inf"), 0.0, mmax)
-    w = tl.where(smask, tl.exp(m - mmax), 0.0)
-    lsum = tl.sum(ls * w, axis=0)
-    acc = tl.load(ACC + r * sacc_r + offs_s[:, None] * sacc_s + g * sacc_g + offs_d[None, :],
-                  mask=smask[:, None] & dmask[None, :], other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    if TILT:
-        prow = tl.load(PLAN + r // H) * H + r % H
-        offs_k = tl.arange(0, BLOCK_K)
-        kmask = offs_k < RANK
-        fmask = dmask[:, None] & kmask[None, :]
-        q = tl.load(Q + r * sq_r + g * sq_g + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        kf = tl.load(KF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :], mask=fmask,
-                     other=0.0)
-        vf = tl.load(VF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :], mask=fmask,
-                     other=0.0)
-        qk = tl.sum(q[:, None] * kf, axis=0)  # [rank]
-        vsh = tl.sum(vf * qk[None, :], axis=1) * scale  # [D]
-        ra = tl.load(RA + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
-        num += tl.sum(ra * w, axis=0) * vsh
-    out = tl.where(lsum > 0, num / tl.maximum(lsum, 1.1754943508222875e-38), 0.0)
-    tl.store(OUT + r * so_r + g * so_g + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
-
-
 def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor,
                               top: torch.Tensor, width: int, r_max: int, e_max: int,
                               scale: float, tilted: bool = True,
@@ -320,28 +290,23 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
     mx = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
     ls = torch.empty(r, splits, g, dtype=torch.float32, device=dev)
     ra = torch.empty_like(ls) if tilt else ls
+    vsh = torch.empty(r, g, d, dtype=torch.float32, device=dev) if tilt else acc
     query = query.contiguous()
     top = top.contiguous()
+    rank = pools.key_factor.shape[2]
     _resident_split_kernel[(r, splits)](
         query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
         pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
-        pools.deviates, pools.profile,
-        acc, mx, ls, ra,
+        pools.deviates, pools.profile, pools.key_factor, pools.value_factor,
+        acc, mx, ls, ra, vsh,
         plan.shape[1], g, d, h, pools.keys.shape[1], pools.sizes.shape[1], pools.sink_cap,
-        pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), chunk,
-        float(scale),
+        pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), rank,
+        chunk, float(scale),
         query.stride(0), query.stride(1), top.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
+        vsh.stride(0), vsh.stride(1),
         BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_R=block_size(max(r_max, 1)), TILT=tilt,
+        BLOCK_R=block_size(max(r_max, 1)), BLOCK_K=block_size(rank, 2), TILT=tilt,
     )
-    rank = pools.key_factor.shape[2]
-    _merge_kernel[(r, g)](
-        acc, mx, ls, ra, query, plan, pools.key_factor, pools.value_factor, out,
-        splits, g, d, h, rank, float(scale),
-        acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=block_size(splits, 2), BLOCK_D=block_d, BLOCK_K=block_size(rank, 2),
-        TILT=tilt,
-    )
+    merge_splits(acc, mx, ls, ra if tilt else None, vsh if tilt else None, out)
     return out

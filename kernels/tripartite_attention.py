@@ -349,6 +349,57 @@ def _tripartite_split_kernel(
                    offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 
 
+@triton.jit
+def _merge_splits_kernel(
+    ACC, MX, LS, RA, VSH, OUT,
+    S, D,
+    sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g, so_r, so_g,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILT: tl.constexpr,
+):
+    # one program per (row, query head): the splits' partial softmax states merged exactly
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < S
+    dmask = offs_d < D
+    m = tl.load(MX + r * sm_r + offs_s * sm_s + g, mask=smask, other=float("-inf"))
+    ls = tl.load(LS + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
+    mmax = tl.max(m, axis=0)
+    mmax = tl.where(mmax == float("-inf"), 0.0, mmax)
+    w = tl.where(smask, tl.exp(m - mmax), 0.0)
+    lsum = tl.sum(ls * w, axis=0)
+    acc = tl.load(ACC + r * sacc_r + offs_s[:, None] * sacc_s + g * sacc_g + offs_d[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    if TILT:
+        ra = tl.load(RA + r * sm_r + offs_s * sm_s + g, mask=smask, other=0.0)
+        vsh = tl.load(VSH + r * svs_r + g * svs_g + offs_d, mask=dmask, other=0.0)
+        num += tl.sum(ra * w, axis=0) * vsh
+    out = tl.where(lsum > 0, num / tl.maximum(lsum, 1.1754943508222875e-38), 0.0)
+    tl.store(OUT + r * so_r + g * so_g + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def merge_splits(acc: torch.Tensor, m: torch.Tensor, lsum_parts: torch.Tensor,
+                 spread_parts: torch.Tensor | None, vshift: torch.Tensor | None,
+                 out: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_partials`'s output in one Triton launch, written into ``out``
+    ([R, G, D], any float dtype; zeros where nothing was attended); ``spread_parts`` and
+    ``vshift`` ([R, G, D] fp32) both given for the tilted estimator, else both None."""
+    r, s, g, d = acc.shape
+    tilt = spread_parts is not None
+    ra = spread_parts if tilt else lsum_parts
+    vsh = vshift if tilt else acc
+    _merge_splits_kernel[(r, g)](
+        acc, m, lsum_parts, ra, vsh, out,
+        s, d,
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        vsh.stride(0), vsh.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=block_size(s, 2), BLOCK_D=block_size(d), TILT=tilt,
+    )
+    return out
+
+
 def merge_partials(
     acc: torch.Tensor, m: torch.Tensor, lsum_parts: torch.Tensor,
     spread_parts: torch.Tensor | None = None, vshift: torch.Tensor | None = None,
