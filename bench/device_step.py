@@ -7,8 +7,10 @@ KV and loaded into every slot of a :class:`~vllm_retro.index.device_layer.Device
 (each row decodes its own query). Per step, interleaved, timed with CUDA events and the
 query already on the device:
 
-- **dense**: SDPA with ``enable_gqa`` (FlashAttention on CUDA, else the first backend that
-  runs), a 1-query non-causal decode over every row's materialised KV;
+- **dense**: the faster of SDPA with ``enable_gqa`` (FlashAttention on CUDA, else the first
+  backend that runs; a 1-query non-causal decode over every row's materialised KV) and, on
+  CUDA, our split-KV flash-decoding kernel (:mod:`vllm_retro.kernels.flash_decode`), both
+  recorded;
 - **eager**: :func:`~vllm_retro.index.device_layer.decode_step`;
 - **graph**: the same step replayed from a CUDA graph
   (:class:`~vllm_retro.index.device_graph.StepGraphs`).
@@ -45,6 +47,7 @@ from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
 from vllm_retro.index.device_layer import DeviceLayer, decode_step  # noqa: E402
+from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -141,6 +144,10 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
             return F.scaled_dot_product_attention(q[:, :, None], dk, dv, scale=scale,
                                                   enable_gqa=True)[:, :, 0]
 
+    # the second dense baseline: our split-KV flash-decoding kernel (CUDA only: on the CPU
+    # Triton runs in its interpreter)
+    ours = (lambda q: flash_decode_triton(q, dk, dv, scale)) if device.type == "cuda" else None
+
     q = walk.step().to(device, dtype)
     checks: dict = {}
     with SyncCheck() as check:  # the op sequence (host-side dispatch: counts only)
@@ -163,18 +170,28 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     # dense is the approximation's on this synthetic data, whose random values make a
     # diffuse attention's output small (large relative errors mean nothing there)
     checks["rel_err_vs_reference"] = _rel(replay[0], index.decode(q[0], scale).output)
-    checks["rel_err_vs_dense_synthetic"] = _rel(replay, dense(q))
+    ref = dense(q)
+    checks["rel_err_vs_dense_synthetic"] = _rel(replay, ref)
+    if ours is not None:
+        checks["dense_triton_vs_sdpa_rel"] = _rel(ours(q), ref)
     timer = Timer(device)
     for _ in range(3):  # warm-up
         dense(q), decode_step(layer, plan, q, scale), graphs(plan, q, scale)
+        if ours is not None:
+            ours(q)
     for _ in range(args.steps or (50 if device.type == "cuda" else 5)):
         q = walk.step().to(device, dtype)
-        timer("dense", lambda q=q: dense(q))
+        timer("dense_sdpa", lambda q=q: dense(q))
+        if ours is not None:
+            timer("dense_triton", lambda q=q: ours(q))
         timer("eager", lambda q=q: decode_step(layer, plan, q, scale))
         timer("graph", lambda q=q: graphs(plan, q, scale))
     ms = timer.medians()
+    ms["dense"] = min(ms["dense_sdpa"], ms.get("dense_triton", float("inf")))
     case = {
-        "dense_ms": ms["dense"], "eager_ms": ms["eager"], "graph_ms": ms["graph"],
+        "dense_ms": ms["dense"], "dense_sdpa_ms": ms["dense_sdpa"],
+        "dense_triton_ms": ms.get("dense_triton"), "eager_ms": ms["eager"],
+        "graph_ms": ms["graph"],
         "speedup_eager": ms["dense"] / ms["eager"], "speedup_graph": ms["dense"] / ms["graph"],
         "dense_GBps": 2 * dk.numel() * dk.element_size() / ms["dense"] / 1e6,
         "widths": {"clusters": plan.clusters, "retrieval": plan.retrieval,
@@ -182,7 +199,8 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
                    "steady_tokens": plan.steady_tokens},
         "layer_bytes": layer.nbytes(), **checks,
     }
-    print(f"{n:>7} x {b:<3} dense {ms['dense']:.3f} ms  eager {ms['eager']:.3f} ms "
+    print(f"{n:>7} x {b:<3} dense {ms['dense']:.3f} ms (sdpa {ms['dense_sdpa']:.3f})  "
+          f"eager {ms['eager']:.3f} ms "
           f"({case['speedup_eager']:.2f}x)  graph {ms['graph']:.3f} ms "
           f"({case['speedup_graph']:.2f}x)  graph-eager {checks['graph_vs_eager_max_abs']:.2g}"
           f"  vs reference {checks['rel_err_vs_reference']:.2g}  ops {checks['torch_ops']}",

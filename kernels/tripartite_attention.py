@@ -258,10 +258,13 @@ def log_tilt_tl(v, a):
 
 
 @triton.jit
-def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr):
+def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr,
+                        PRECISION: tl.constexpr = "ieee"):
     """One block of an online (log-sum-exp) softmax: state (m [G] running max, ssum [G],
     racc [G] the sum of p * spread under the tilted estimator, acc [G, D]) updated with the
-    block's logits s [G, N] and values v [N, D] (spreads spr [N]). Returns the new state."""
+    block's logits s [G, N] and fp32 values v [N, D] (spreads spr [N]); ``PRECISION`` of
+    the p @ v product ("ieee", or "tf32" where v holds 16-bit values). Returns the new
+    state."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
@@ -269,7 +272,7 @@ def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr):
     ssum = ssum * alpha + tl.sum(p, axis=1)
     if TILT:
         racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, ssum, racc, acc
 
 
