@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.layer_tables import _step_ids  # noqa: E402
-from tests.buffer.conftest import random_clusters  # noqa: E402
+from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.buffer.layer_pool import _admission_runs  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402

@@ -100,7 +100,7 @@ def build_case(shape: str, n: int, train_tokens: int) -> dict:
 
 def recall_case(ef_list: list[int]) -> dict:
     """Recall@100 and scanned fraction per layer and pool on the Qwen capture."""
-    from tests.conftest_real import build_qwen_capture
+    from tests.fixtures import build_qwen_capture
 
     cap = build_qwen_capture()
     out: dict = {}

@@ -27,7 +27,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest_real import build_qwen_capture  # noqa: E402
+from tests.fixtures import build_qwen_capture  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index.compare import compare_all  # noqa: E402
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from concurrent.futures import Future  # noqa: E402
 
-from tests.buffer.conftest import random_clusters  # noqa: E402
+from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.buffer.layer_pool import _run_updates  # noqa: E402
 from vllm_retro.buffer.mapping import ClusterMappingTable  # noqa: E402

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.buffer.conftest import random_clusters  # noqa: E402
+from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 

@@ -1,26 +1,11 @@
-"""Helpers for the wave buffer tests: synthetic clusterings and a reference cache model."""
+"""Helpers for the wave buffer tests: a reference cache model and the strict fake driver
+(synthetic clusterings: :func:`tests.fixtures.random_clusters`)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.buffer.fake_driver import StrictDriver
-from vllm_retro.index.clustering import Clusters
-
-
-def random_clusters(h: int, m: int, c: int, g: torch.Generator, max_skew: float = 3.0
-                    ) -> Clusters:
-    """A clustering of m tokens into c clusters per head with uneven, sometimes empty sizes."""
-    weights = torch.rand(h, c, generator=g) ** max_skew
-    assign = torch.multinomial(weights, m, replacement=True, generator=g)  # [h, m]
-    order = torch.argsort(assign, dim=1, stable=True)
-    sizes = torch.stack([torch.bincount(a, minlength=c) for a in assign]).to(torch.int32)
-    offsets = torch.zeros(h, c + 1, dtype=torch.int64)
-    offsets[:, 1:] = sizes.long().cumsum(1)
-    zeros = torch.zeros(h, c, 1)
-    return Clusters(centroids=zeros, value_sums=zeros, sizes=sizes, spreads=zeros[..., 0],
-                    key_sq=zeros[:, 0], cross=zeros[:, :1], order=order, offsets=offsets)
 
 
 class RefCache:

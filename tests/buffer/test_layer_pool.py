@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.buffer.conftest import random_clusters
+from tests.fixtures import random_clusters
 from vllm_retro.buffer import BufferStats, WaveBufferManager
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.buffer.conftest import random_clusters
+from tests.fixtures import random_clusters
 from vllm_retro.buffer import BufferStats, WaveBufferManager
 from vllm_retro.buffer.worker import UpdateWorker
 from vllm_retro.config import RetroConfig
