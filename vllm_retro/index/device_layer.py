@@ -56,8 +56,8 @@ from vllm_retro.kernels.resident_attention import LayerPools
 from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 _BUCKET = 64
-"""Static widths (clusters scored, retrieval tokens, steady rows) are rounded up to a
-multiple of this, so a CUDA graph captured at one width serves many loads."""
+"""Static widths (clusters scored, retrieval tokens) are rounded up to a multiple of this,
+so a CUDA graph captured at one width serves many loads."""
 
 def _round_up(n: int, to: int = _BUCKET) -> int:
     return max(to, -(-n // to) * to)
@@ -81,7 +81,9 @@ class StepPlan:
     retrieval_tokens: int
     """T_ret: exact tokens the retrieval zone may read per row (>= every row's bound)."""
     steady_tokens: int
-    """Steady-zone width of the execution buffer (>= every row's sinks + window)."""
+    """Steady-zone width of the step: the steady pool's rows per slot (sinks and ring), a
+    bound on every row's sinks + window that never changes, so a decoding window does not
+    change the step's shapes (a CUDA graph is captured again only when a slot loads)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class DeviceLayer:
             raise ValueError("DeviceLayer.plan: the indexes' steady zones are in different "
                              "pools; a layer's decode needs them in one (adopt_steady)")
         cfg = self.config
-        cols, width = [], 0
+        cols = []
         for slot, index in zip(slots, indexes, strict=True):
             if not self.loaded(slot, index):
                 raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
@@ -250,7 +252,6 @@ class DeviceLayer:
                       "sinks": index.num_sinks, "ring_start": index.ring_start,
                       "window": index.win_len}
             cols.append([fields[f] for f in PLAN_FIELDS])
-            width = max(width, index.num_sinks + index.win_len)
         host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
         if self.device.type == "cuda":
             host = host.pin_memory()
@@ -260,7 +261,7 @@ class DeviceLayer:
             ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
             retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
             retrieval_tokens=_round_up(max(x.retrieval_bound for x in held)),
-            steady_tokens=min(_round_up(width), steady.sink_cap + steady.ring))
+            steady_tokens=steady.sink_cap + steady.ring)
 
 
 def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: float,
