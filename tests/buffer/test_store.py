@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures import RefCache, random_clusters
+from tests.buffer.conftest import RefCache
+from tests.fixtures import random_clusters
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index import DenseClusterStore, WaveIndex
