@@ -11,6 +11,7 @@ from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.steady import SteadyPool, ring_size
+from vllm_retro.kernels.sync_check import SyncCheck
 
 
 def _cfg(**kw):
@@ -55,6 +56,8 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, dtyp
         q = torch.randn(len(indexes), h * 4, d, generator=g).to(dtype)
         out = decode_batch(indexes, q, d ** -0.5, cache=cache)
         grown.add(id(cache.resident.layer))
+        with SyncCheck():  # loaded now: asking again reads nothing from the device
+            assert cache.resident.applies(indexes, q)
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,

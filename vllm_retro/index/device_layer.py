@@ -59,7 +59,9 @@ _BUCKET = 64
 """Static widths (clusters scored, retrieval tokens) are rounded up to a multiple of this,
 so a CUDA graph captured at one width serves many loads."""
 
-def _round_up(n: int, to: int = _BUCKET) -> int:
+
+def round_up(n: int, to: int = _BUCKET) -> int:
+    """``n`` rounded up to a multiple of ``to`` (at least ``to``)."""
     return max(to, -(-n // to) * to)
 
 
@@ -256,11 +258,11 @@ class DeviceLayer:
         if self.device.type == "cuda":
             host = host.pin_memory()
         held = [self._loaded[s] for s in slots]
-        c_live = min(_round_up(max(x.clusters for x in held)), self.max_clusters)
+        c_live = min(round_up(max(x.clusters for x in held)), self.max_clusters)
         return StepPlan(
             ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
             retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
-            retrieval_tokens=_round_up(max(x.retrieval_bound for x in held)),
+            retrieval_tokens=round_up(max(x.retrieval_bound for x in held)),
             steady_tokens=steady.sink_cap + steady.ring)
 
 

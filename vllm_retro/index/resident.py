@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.index.device_graph import StepGraphs
-from vllm_retro.index.device_layer import DeviceLayer
+from vllm_retro.index.device_layer import DeviceLayer, round_up
 from vllm_retro.index.wave_index import WaveIndex
 
 GROWTH = 1.5
@@ -21,10 +21,6 @@ GROWTH = 1.5
 HEADROOM_BYTES = 2 << 30
 """Device memory left free after a resident layer grows under 'auto' (allocator slack,
 activations of the next steps)."""
-
-
-def _round_up(n: int, to: int) -> int:
-    return max(to, -(-n // to) * to)
 
 
 def resident_capable(index: WaveIndex) -> bool:
@@ -62,12 +58,15 @@ class ResidentDecode:
         if not all(resident_capable(i) for i in indexes) or any(
                 i.steady is not first.steady for i in indexes):
             return False
+        lay = self.layer
+        fits = lay is not None and lay.dtype == first.centroids.dtype and \
+            lay.device == first.centroids.device and first.steady.num_slots <= lay.num_slots
+        if fits and all(lay.loaded(i.slot, i) for i in indexes):
+            return True  # the usual step: nothing to load, nothing read from the device
+        # a slot loads: its token count is read from the device (a load waits anyway)
         need = (first.steady.num_slots, max(i.num_clusters for i in indexes),
                 max(int(i.sizes.sum(1).max()) if i.num_clusters else 0 for i in indexes))
-        lay = self.layer
-        if lay is not None and lay.dtype == first.centroids.dtype and \
-                lay.device == first.centroids.device and need[0] <= lay.num_slots and \
-                need[1] <= lay.max_clusters and need[2] <= lay.max_tokens:
+        if fits and need[1] <= lay.max_clusters and need[2] <= lay.max_tokens:
             return True
         if mode == "auto" and self._refused is not None and all(
                 n <= r for n, r in zip(need, self._refused, strict=True)):
@@ -78,8 +77,8 @@ class ResidentDecode:
         lay = self.layer
         held = (0, 0, 0) if lay is None else (lay.num_slots, lay.max_clusters, lay.max_tokens)
         slots = max(need[0], held[0])
-        clusters = max(_round_up(int(need[1] * GROWTH), 64), held[1])
-        tokens = max(_round_up(int(need[2] * GROWTH), 1024), held[2])
+        clusters = max(round_up(int(need[1] * GROWTH), 64), held[1])
+        tokens = max(round_up(int(need[2] * GROWTH), 1024), held[2])
         dev, dtype = first.centroids.device, first.centroids.dtype
         h, d, rank = first.num_kv_heads, first.head_dim, first.residuals.rank
         if mode == "auto":
