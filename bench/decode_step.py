@@ -239,7 +239,9 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     t0 = time.perf_counter()
     keys, values, centers = synthetic_kv(batch, n, dtype, seed=n + batch)
     full, full_name, full_bytes = full_attention_kernel(keys, values, device)
-    cfg = RetroConfig(kmeans_iters=args.kmeans_iters)
+    # the wave buffer's path (host tier + device cache): the device-resident step has its
+    # own benchmark, bench/device_step.py
+    cfg = RetroConfig(kmeans_iters=args.kmeans_iters, device_resident="off")
     mgr = WaveBufferManager(cfg)
     build_s = time.perf_counter()
     indexes = [
@@ -541,7 +543,8 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_description(),
         "threads": args.threads, "shape": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D},
-        "dtype": "bfloat16", "config": RetroConfig(kmeans_iters=args.kmeans_iters).to_dict(),
+        "dtype": "bfloat16",
+        "config": RetroConfig(kmeans_iters=args.kmeans_iters, device_resident="off").to_dict(),
         "steps": args.steps, "cases": [], "skipped": [],
     }
     out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"
