@@ -139,11 +139,12 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     if all(i.steady is pool for i in indexes):
         key = tuple((i.slot, i.num_tokens) for i in indexes)
         if rows is None or rows[0] != key:
-            host = torch.tensor([[s for s, _ in key], [i.next_ring_row() for i in indexes]])
-            if pool.device.type == "cuda":  # copied without waiting for the device
-                host = host.pin_memory()
-            dev = host.to(pool.device, non_blocking=True)
-            rows = (key, dev[0], dev[1])
+            slots, ring = [s for s, _ in key], [i.next_ring_row() for i in indexes]
+            if pool.device.type == "cuda":  # copied from pinned memory, not waited for
+                dev = torch.tensor([slots, ring]).pin_memory().to(pool.device, non_blocking=True)
+                rows = (key, dev[0], dev[1])
+            else:
+                rows = (key, torch.tensor(slots), torch.tensor(ring))
         pool.write(rows[1], rows[2], keys, values)
         return sum(i.appended(1) for i in indexes), rows
     landed = sum(i.append(keys[b, :, None], values[b, :, None]) for b, i in enumerate(indexes))

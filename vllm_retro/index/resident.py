@@ -53,7 +53,7 @@ class ResidentDecode:
         when it must and can."""
         first = indexes[0]
         mode = first.config.device_resident
-        if mode == "off" or (mode == "auto" and query.device.type != "cuda"):
+        if mode == "off" or (not query.is_cuda and mode == "auto"):
             return False
         if not all(resident_capable(i) for i in indexes) or any(
                 i.steady is not first.steady for i in indexes):
