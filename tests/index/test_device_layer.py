@@ -111,6 +111,13 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
     # step in five launches: test_decode_step_with_triton_kernels)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_footprint_is_what_a_layer_allocates(dtype):
+    layer = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70, max_tokens=900,
+                        rank=4)
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4) == layer.nbytes()
+
+
 def test_load_rejects_what_does_not_fit_naming_the_bound():
     g = torch.Generator().manual_seed(4)
     cfg = _cfg()

@@ -150,6 +150,16 @@ class DeviceLayer:
                           self.key_factor, self.value_factor, steady.k, steady.v,
                           steady.sink_cap)
 
+    @staticmethod
+    def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
+                  tokens: int, rank: int) -> int:
+        """Device bytes a layer of these bounds allocates (its :meth:`nbytes`)."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        per_cluster = 2 * head_dim * elem + 4 + 8 + 4 + 4  # meta rows, sizes, starts, fp32 x2
+        per_row = 2 * tokens * head_dim * elem + clusters * per_cluster + \
+            4 * head_dim * (1 + 2 * rank)
+        return slots * heads * per_row
+
     def nbytes(self) -> int:
         """Bytes held on the device."""
         return sum(t.numel() * t.element_size() for t in (

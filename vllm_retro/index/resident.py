@@ -37,8 +37,9 @@ class ResidentDecode:
         self.layer: DeviceLayer | None = None
         self.graphs: StepGraphs | None = None
         self._refused: tuple | None = None
-        """The need (slots, clusters, tokens) that did not fit the device under 'auto'; the
-        layer is not asked again until it needs more than that or less than it holds."""
+        """The batch ((uid, meta generation) of each index) whose layer did not fit the
+        device under 'auto': it decodes through the host tier without asking (or reading
+        anything from the device) until the batch or one of its meta indexes changes."""
 
     def nbytes(self) -> int:
         """Device bytes held."""
@@ -63,15 +64,18 @@ class ResidentDecode:
             lay.device == first.centroids.device and first.steady.num_slots <= lay.num_slots
         if fits and all(lay.loaded(i.slot, i) for i in indexes):
             return True  # the usual step: nothing to load, nothing read from the device
+        batch = tuple((i.uid, i.meta_generation) for i in indexes)
+        if batch == self._refused:
+            return False
         # a slot loads: its token count is read from the device (a load waits anyway)
         need = (first.steady.num_slots, max(i.num_clusters for i in indexes),
                 max(int(i.sizes.sum(1).max()) if i.num_clusters else 0 for i in indexes))
         if fits and need[1] <= lay.max_clusters and need[2] <= lay.max_tokens:
             return True
-        if mode == "auto" and self._refused is not None and all(
-                n <= r for n, r in zip(need, self._refused, strict=True)):
-            return False
-        return self._grow(first, need, mode)
+        if self._grow(first, need, mode):
+            return True
+        self._refused = batch
+        return False
 
     def _grow(self, first: WaveIndex, need: tuple[int, int, int], mode: str) -> bool:
         lay = self.layer
@@ -82,12 +86,8 @@ class ResidentDecode:
         dev, dtype = first.centroids.device, first.centroids.dtype
         h, d, rank = first.num_kv_heads, first.head_dim, first.residuals.rank
         if mode == "auto":
-            elem = torch.empty(0, dtype=dtype).element_size()
-            want = slots * h * (2 * tokens * d * elem + clusters * (2 * d * elem + 24)
-                                + 4 * d * (1 + 2 * rank))
-            free = torch.cuda.mem_get_info(dev)[0] + self.nbytes()
-            if want + HEADROOM_BYTES > free:
-                self._refused = need
+            want = DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank)
+            if want + HEADROOM_BYTES > torch.cuda.mem_get_info(dev)[0] + self.nbytes():
                 return False
         self.clear()  # the old layer's memory first
         self.layer = DeviceLayer(first.config, h, d, dtype, dev, slots=slots,
