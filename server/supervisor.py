@@ -30,6 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
+from vllm_retro import QUIET_TEARDOWN_ENV
+
 CHILD_ENV = "VLLM_RETRO_SERVE_CHILD"
 """Set in the server process's environment: it runs the server instead of supervising."""
 
@@ -157,7 +159,7 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
         print(f"vllm-retro: cannot write the log file {log_file}: {exc.strerror}; choose "
               "another with --log-file PATH", file=out, flush=True)
         return 2
-    env = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, CHILD_ENV: "1", QUIET_TEARDOWN_ENV: "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "vllm_retro.server.cli", *argv]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, text=True, errors="replace",

@@ -4,6 +4,11 @@ import os as _os
 
 __version__ = "0.1.0"
 
+QUIET_TEARDOWN_ENV = "VLLM_RETRO_QUIET_TEARDOWN"
+"""Set to 1 by ``vllm-retro serve`` for its processes: vLLM's engine-core and worker
+processes then end without the interpreter's teardown reports on stderr (see
+:mod:`vllm_retro.vllm.plugin`)."""
+
 # The repository keeps kernels/ and server/ at its root (the project's layout); installs map
 # them to vllm_retro.kernels / vllm_retro.server (pyproject's package-dir). A source checkout
 # used without installing (e.g. `python -m bench.gpu` on a machine with only torch + triton)

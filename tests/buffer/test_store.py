@@ -222,3 +222,89 @@ def test_token_reads_cache_matches_a_one_head_model(seed, cache_pages, steps):
             by_recency = sorted(cached, key=lambda x: buf.table.last_access[i, x])
             assert by_recency == sorted(models[i].stamp, key=models[i].stamp.get)
     mgr.close()
+
+
+@pytest.mark.parametrize("fail_at", [3, 7])
+def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at, rng,
+                                                                        monkeypatch, caplog):
+    """The update worker raises in one step's cache update (after that update changed the
+    tables or before): the store gives back every block it held, marks nothing cached, keeps
+    its invariants, counts the failure, and its gathers stay byte-exact while the cache
+    refills."""
+    from vllm_retro.buffer.store import WaveBufferStore
+
+    h, m, c, d = 3, 900, 60, 32
+    mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=40), h, m, c, d, rng)
+    real = WaveBufferStore._update
+    calls = {"n": 0}
+
+    def update(self, *a):
+        calls["n"] += 1
+        plan = real(self, *a)
+        if calls["n"] == fail_at:
+            raise RuntimeError("injected: update worker")
+        return plan
+
+    monkeypatch.setattr(WaveBufferStore, "_update", update)
+    sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
+    for step in range(12):
+        ids = _ids(c, 8, h, rng)
+        ek, ev, _, elen = buf.gather(ids, [(sk, sv)])
+        dk, dv, _, dlen = dense.gather(ids, [(sk, sv)])
+        assert torch.equal(elen, dlen)
+        for i in range(h):
+            n = int(dlen[i])
+            assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
+        buf.step_done()
+        buf.check_invariants()
+        if step + 1 == fail_at:
+            assert not buf.table.cached.any()
+            assert all((buf.host.page_block[f:f + n] < 0).all() for f, n in buf._extents)
+            assert sorted(buf.blocks.free_blocks) == list(range(buf.blocks.num_blocks))
+    assert mgr.stats.update_failures == 1
+    assert buf.table.cached.any()  # refilled since
+    assert "its device cache is dropped" in caplog.text
+    buf.free()
+    assert buf.nbytes() == 0
+    mgr.close()
+
+
+def test_a_failed_room_growth_is_logged_and_the_next_layout_grows_the_pool(rng, monkeypatch,
+                                                                         caplog):
+    """The host pool's room growth (queued after each layout) raises: settling the store
+    does not (the next layout grows the pool itself), the failure is counted, and a later
+    block lays out and reads back exactly."""
+    from vllm_retro.buffer.host_tier import HostTier
+
+    h, m, c, d = 2, 700, 30, 32
+    real = HostTier.ensure_room
+    fails = {"left": 1}
+
+    def ensure_room(self, pages):
+        if fails["left"]:
+            fails["left"] -= 1
+            raise MemoryError("injected: room growth")
+        return real(self, pages)
+
+    monkeypatch.setattr(HostTier, "ensure_room", ensure_room)
+    mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=0), h, m, c, d, rng)
+    buf.settle()  # does not raise
+    assert mgr.stats.update_failures == 1
+    assert "growing the host pool for request req failed" in caplog.text
+    keys, values = torch.randn(h, m, d, generator=rng), torch.randn(h, m, d, generator=rng)
+    cl = random_clusters(h, m, c, rng)
+    pos = torch.arange(2000, 2000 + m)
+    buf.stage(keys, values)
+    buf.append(keys, values, pos, cl)
+    dense.append(keys, values, pos, cl)
+    buf.settle()
+    ids = _ids(2 * c, 10, h, rng)
+    sk, sv = torch.randn(h, 3, d, generator=rng), torch.randn(h, 3, d, generator=rng)
+    ek, ev, _, elen = buf.gather(ids, [(sk, sv)])
+    dk, dv, _, dlen = dense.gather(ids, [(sk, sv)])
+    for i in range(h):
+        n = int(dlen[i])
+        assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
+    buf.step_done()
+    buf.free()
+    mgr.close()

@@ -140,10 +140,11 @@ def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_mod
     assert tokens == in_step == stock
 
 
-def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, monkeypatch,
-                                                                caplog):
-    # Fault injection: every build on the builder thread fails. The request goes on from
-    # its paged KV, and the switch step builds its index in the step from that KV.
+def test_a_failed_background_build_leaves_the_request_dense_for_life(tiny_model_dir,
+                                                                    monkeypatch, caplog):
+    # Every build on the builder thread fails. The request goes on from its paged KV; at
+    # its switch the worker finds no index, keeps it dense (this step and every later one)
+    # and tells the scheduler, which keeps its blocks: stock vLLM's answer.
     import threading
 
     from vllm_retro.vllm.runtime import RetroRuntime
@@ -162,9 +163,11 @@ def test_a_failed_background_build_is_redone_in_the_switch_step(tiny_model_dir, 
     with engine(tiny_model_dir, retro={**retro, "build_steps": 4}) as llm:
         out = generate_tokens(llm, [1500], [30])
         c = get_runtime().counters
-        assert c.requests_indexed == 1 and c.indexes_built == 2
-        assert c.dense_decode_tokens == 4 and c.sparse_decode_tokens == 25
-    assert "request goes on with dense attention" in caplog.text
+        assert c.requests_indexed == 0 and c.indexes_built == 0 and c.requests_demoted == 1
+        assert c.dense_decode_tokens == 29 and c.sparse_decode_tokens == 0
+        finish_step(llm)
+        assert get_runtime().live_bytes() == (0, 0)
+    assert "request decodes densely from its paged KV" in caplog.text
     assert out == stock
 
 

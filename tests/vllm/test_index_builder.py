@@ -110,18 +110,41 @@ def test_cancel_waits_for_the_running_build_and_frees_everything_built():
     b.close()
 
 
-def test_a_failed_build_leaves_its_request_dense_and_the_rest_going(caplog):
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_build_leaves_its_request_dense_and_the_rest_going(caplog, background):
     rec = Recorder(fail={2})
-    b = IndexBuilder(rec)
+    b = IndexBuilder(rec, background=background)
     for layer in ("l0", "l1", "l2"):
         b.submit("bad", layer, 700, *_kv(0))
     b.submit("good", "l0", 700, *_kv(1))
     b.seal()
+    b.wait()
+    assert b.failed("bad") and not b.failed("good")
+    assert b.pending() == ["good"] and list(b.built()) == ["good"]
     assert b.take("bad")[0] is None
+    assert not b.failed("bad")  # taken: forgotten
     assert list(b.take("good")[0].indexes) == ["l0"]
-    assert "request goes on with dense attention" in caplog.text
+    assert "request decodes densely from its paged KV" in caplog.text
     assert rec.calls == 3  # bad's third layer was dropped with it
     assert _freed(rec.built[0])  # bad's first layer
+    b.close()
+
+
+def test_layers_submitted_after_a_failed_one_are_not_built():
+    # The builder thread may fail a request's first layer before the step has submitted
+    # the others: they must not start a build of their own (take would then hand over a
+    # request missing layers).
+    rec = Recorder(fail={1})
+    b = IndexBuilder(rec)
+    b.submit("bad", "l0", 700, *_kv(0))
+    b.wait()
+    assert b.failed("bad")
+    for layer in ("l1", "l2"):
+        b.submit("bad", layer, 700, *_kv(0))
+    b.seal()
+    b.wait()
+    assert rec.calls == 1 and b.pending() == []
+    assert b.take("bad")[0] is None
     b.close()
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_retro import kernels
+from vllm_retro import faults, kernels
 from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
@@ -222,6 +222,12 @@ class LayerPool:
         self.blocks.stats.add(pages_admitted=sum(admitted), pages_evicted=sum(evicted))
         for j, (st, ids, fut) in enumerate(zip(stores, cluster_ids, futures, strict=True)):
             kind = kinds[j]
+            if faults.ENABLED and not kind:  # this store's update done, then reported failed
+                try:
+                    faults.check("update_worker", st.request_id)
+                except faults.InjectedFault as exc:
+                    fut.set_exception(exc)
+                    continue
             if kind:
                 fut.set_exception((ValueError if kind == 1 else RuntimeError)(errors[j]))
                 continue

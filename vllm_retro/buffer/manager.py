@@ -56,7 +56,7 @@ class WaveBufferManager:
                     num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
                     on_empty=lambda p, key=key: self._drop_pool(key, p),
                     reserve_bytes=0 if layer is None else self.pool_reserve_bytes)
-            st = WaveBufferStore(self, pool, self.config)
+            st = WaveBufferStore(self, pool, self.config, request_id)
             self._stores.setdefault(request_id, []).append(st)
         return st
 

@@ -34,6 +34,10 @@ class BufferStats:
     wait_s: float = 0.0
     """Seconds the decode path spent waiting for the worker."""
     queue_depth_max: int = 0
+    update_failures: int = 0
+    """Update-worker jobs that failed and were recovered, answers unchanged: a cache update
+    (the store's device cache is dropped and refills from the host tier) or a host pool's
+    room growth (the next layout grows the pool itself)."""
     host_bytes: int = 0
     """Gauge: host-tier bytes resident (allocated pages)."""
     device_bytes: int = 0

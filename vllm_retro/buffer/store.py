@@ -24,6 +24,7 @@ At prefill (and at every index update) ``stage`` starts moving the block's KV to
 
 from __future__ import annotations
 
+import logging
 import math
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm_retro import faults
 from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, victims
@@ -43,6 +45,8 @@ from vllm_retro.kernels.gather import HIT, MISS
 if TYPE_CHECKING:
     from vllm_retro.buffer.layer_pool import LayerPool
     from vllm_retro.buffer.manager import WaveBufferManager
+
+logger = logging.getLogger(__name__)
 
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """Admission copies, one entry per admitted page ([n] int64 each, head-major, read order):
@@ -65,8 +69,11 @@ class WaveBufferStore:
     """One request's layer in its layer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`:
     its mapping table, per-head block budgets and host extents."""
 
-    def __init__(self, manager: WaveBufferManager, pool: LayerPool, config: RetroConfig):
+    def __init__(self, manager: WaveBufferManager, pool: LayerPool, config: RetroConfig,
+                 request_id: str | None = None):
         self.manager = manager
+        self.request_id = request_id
+        """The request whose layer this is (names it in errors and logs)."""
         self.pool = pool
         self.config = config
         self.num_heads = pool.num_heads
@@ -88,6 +95,8 @@ class WaveBufferStore:
         self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
         self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None
         """(execution buffer K, V, first row) of the step whose update is not joined yet."""
+        self._settled = False
+        """Whether the index build's layout is done (:meth:`settle` ran once)."""
         self._clock = 0
         """Reads recorded so far: the recency stamp of the next read."""
         self._freed = False
@@ -140,7 +149,24 @@ class WaveBufferStore:
         # Room for the next update block, made now on the worker: the step that lands that
         # block then waits only for its own rows, never for the pool to be copied (at 16K
         # tokens x 8 heads a growth is ~70 ms, most of it first-touch page faults).
-        self._growing = worker.submit(lambda: self.host.ensure_room(self._block_pages()))
+        self._growing = worker.submit(self._make_room)
+
+    def _make_room(self) -> bool:
+        """Grow the host pool for the next update block (worker thread)."""
+        faults.check("update_worker", self.request_id)
+        return self.host.ensure_room(self._block_pages())
+
+    def _join_growth(self) -> None:
+        """Wait for the room growth queued after the last layout. One that failed only
+        costs time: the next layout grows the pool itself (:meth:`HostTier.reserve`)."""
+        try:
+            self.manager.worker.wait(self._growing)
+        except Exception as exc:
+            logger.error("retro: growing the host pool for request %s failed (%s); its next "
+                         "update block grows it", self.request_id, exc)
+            self.manager.stats.add(update_failures=1)
+        finally:
+            self._growing = None
 
     def _block_pages(self) -> int:
         """Host pages one update block can take at most: each head's tokens in pages, plus
@@ -156,6 +182,7 @@ class WaveBufferStore:
         keys, values, event = staged
         if event is not None:
             event.synchronize()
+        faults.check("host_alloc_late" if self._settled else "host_alloc", self.request_id)
         h, c = sizes.shape
         m = order.shape[1]
         first = self.host.reserve(int(n_pages.sum()), headroom=self._block_pages())
@@ -293,6 +320,7 @@ class WaveBufferStore:
         policy's order, admit the misses that fit, and plan their copies into the cache.
         Compiled when :attr:`compiled` is set (:meth:`_update_compiled`), else numpy over
         every KV head at once (no per-head or per-cluster Python work): the reference."""
+        faults.check("update_worker", self.request_id)
         if self.compiled is not None:
             return self._update_compiled(ids, lk, n_steady)
         t, page = self.table, self.page_size
@@ -403,6 +431,7 @@ class WaveBufferStore:
         tokens first, are admitted. Plan: (empty, host-pool rows, device-pool rows): whole
         clusters are copied from the host tier, since only some of their tokens were read.
         Every head at once, as :meth:`_update`."""
+        faults.check("update_worker", self.request_id)
         t, page = self.table, self.page_size
         h_n, k = cluster_ids.shape
         s = np.sort(cluster_ids, axis=1)
@@ -458,8 +487,8 @@ class WaveBufferStore:
         """Wait until the worker has laid out every block appended so far and made room for
         the next one."""
         self._sync()
-        self.manager.worker.wait(self._growing)
-        self._growing = None
+        self._join_growth()
+        self._settled = True
 
     def cluster_rows(self, wait: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -501,9 +530,32 @@ class WaveBufferStore:
             return None
         exec_k, exec_v, row0 = self._step
         self._step = None
-        plan = self.manager.worker.wait(self._pending)
+        try:
+            plan = self.manager.worker.wait(self._pending)
+        except Exception as exc:  # the cache is only a cache: drop it, the reads go on
+            self._pending = None
+            self._drop_cache(exc)
+            return None
         self._pending = None
         return exec_k, exec_v, row0, plan
+
+    def _drop_cache(self, exc: BaseException) -> None:
+        """After a failed cache update (``exc``): give back every device block this store
+        maps and mark none of its clusters cached, whatever state the update left the
+        table in; reads go to the host tier until the cache refills."""
+        logger.error("retro: a device-cache update of request %s failed (%s); its device "
+                     "cache is dropped and refills from the host tier", self.request_id, exc)
+        freed = []
+        for first, pages in self._extents:
+            blocks = self.host.page_block[first:first + pages]
+            mapped = blocks >= 0
+            freed.append(blocks[mapped].copy())
+            blocks[mapped] = -1
+        if freed:
+            self.blocks.give(np.concatenate(freed))
+        self.table.cached[:] = False
+        self.table.reads[:] = 0
+        self.manager.stats.add(update_failures=1)
 
     def _mapped_blocks(self) -> np.ndarray:
         """The device blocks this store's cached clusters hold ([n] int64)."""
@@ -552,7 +604,10 @@ class WaveBufferStore:
         self._step = None
         try:
             self._sync()
-            self.manager.worker.wait(self._growing)
+            self._join_growth()
+        except Exception as exc:  # a failed layout or growth: reported where it was met
+            logger.warning("retro: freeing the store of request %s after its failed host-tier "
+                           "work (%s)", self.request_id, exc)
         finally:
             self._growing = None
             self._freed = True

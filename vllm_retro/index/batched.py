@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_retro import faults
 from vllm_retro.index.graph_index import GraphIndex, decode_graph
 from vllm_retro.index.padded import (
     MetaViewCache,
@@ -178,6 +179,8 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         out = torch.empty_like(query)
     if not indexes:
         return out
+    if faults.ENABLED:
+        faults.check_any("kernel_row", (getattr(i.store, "request_id", None) for i in indexes))
     if all(type(i) is PQIndex for i in indexes):
         decode_pq(indexes, query, scale, out, cache)
         return out

@@ -88,7 +88,9 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
                ) -> BatchPlan:
     """Match each batch row to its request through the slot of its last token and sort it:
     indexed requests decode through the wave index; every other row is dense, and rows that
-    complete an indexable sequence build an index after the dense pass.
+    complete an indexable sequence build an index after the dense pass. At a request's
+    switch its indexes are taken over from the builder here (:meth:`RetroRuntime.switch`),
+    before any layer runs: when its build failed, its rows stay dense from then on.
     """
     plan = BatchPlan()
     qsl = query_start_loc_cpu[: num_reqs + 1].tolist()
@@ -107,13 +109,16 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.num_tokens != n:
             raise RuntimeError(f"retro: request {rid!r} has {n} tokens in the batch but "
                                f"{row.num_tokens} scheduled")
-        if row.indexed:
+        dense = runtime.is_dense(rid)  # its build failed, or its index broke
+        if row.indexed and not dense and (not row.catch_up or runtime.switch(rid)):
             catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
                 else None
             plan.decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
             continue
+        # dense: not indexed, or demoted (its paged KV is still allocated), or failed (its
+        # rows compute nothing useful until the scheduler ends it with an error)
         plan.dense_rows.append(r)
-        if row.build_index:
+        if row.build_index and not dense:
             total = row.start + row.num_tokens
             plan.builds.append(IndexBuild(rid, block_table[r].clone(), total,
                                           (qsl[r], qsl[r + 1])))

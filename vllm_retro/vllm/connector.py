@@ -14,12 +14,14 @@ by the attention backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -45,9 +47,23 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from vllm_retro.vllm.metrics import RetroPromMetrics
+
+
+@dataclass
+class RetroWorkerReport(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: the requests whose index build
+    failed, which decode densely from their paged KV for their whole life."""
+
+    demoted: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """The union over workers."""
+        assert isinstance(other, RetroWorkerReport)
+        return RetroWorkerReport(self.demoted | other.demoted)
 
 
 class RetroConnector(KVConnectorBase_V1, SupportsHMA):
@@ -68,6 +84,9 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                              self.config.build_steps_on(vllm_config.device_config.device_type))
         self._group: int | None = None
         self._block_size = 0
+        self._single_group = (kv_cache_config is not None
+                              and len(kv_cache_config.kv_cache_groups) == 1)
+        """vLLM maps failed blocks back to requests only with one KV-cache group."""
         kv_bytes_per_token = 0
         if kv_cache_config is not None:
             for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -187,7 +206,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             built_at = self._building.get(rid)
             switch = built_at is not None and first >= built_at + lag
             build = (not indexed and built_at is None and end >= req.num_tokens
-                     and end >= min_ctx and _decodes_more(req, end, lag))
+                     and end >= min_ctx and _decodes_more(req, end, lag)
+                     and rid not in self._dense)
             if build and self.budget is not None:
                 build = self._admit(req, end) is Admission.ADMITTED
             if switch:
@@ -200,6 +220,20 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                                      indexed=indexed or switch, build_index=build,
                                      catch_up=switch)
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """After each step: a request whose index build failed on a worker decodes densely
+        from now on, so it keeps its paged blocks (its indexed mark goes before the
+        KV-cache manager could free them: that happens only once this step's output is
+        processed), is never built again, and gives its host-memory reservation back."""
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, RetroWorkerReport):
+            return
+        for rid in report.demoted:
+            schedule_state.release(rid)
+            self._building.pop(rid, None)
+            self._release(rid, finished=False)
+            self._dense.add(rid)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -220,6 +254,27 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
         assert isinstance(kv_connector_metadata, RetroStepMetadata)
         get_runtime().begin_step(kv_connector_metadata)
+
+    def build_connector_worker_meta(self) -> RetroWorkerReport | None:
+        """After each step: the requests this worker demoted to dense decoding since the
+        last step (see :meth:`update_connector_output`)."""
+        from vllm_retro.vllm.runtime import get_runtime
+
+        demoted = get_runtime().take_demoted()
+        return RetroWorkerReport(demoted) if demoted else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """After each step: the block each failed request of this step writes, so the
+        scheduler ends it with an error to its client (vLLM's ``kv_load_failure_policy``
+        'fail', the default; a failed request whose block vLLM does not count as computed
+        yet is reported again the next step). Nothing with several KV-cache groups, where
+        vLLM cannot map blocks back to requests: a failed request then runs to its end with
+        meaningless output (logged when it failed)."""
+        from vllm_retro.vllm.runtime import get_runtime
+
+        if not self._single_group or not self._block_size:
+            return set()
+        return get_runtime().failed_blocks(self._block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to load."""

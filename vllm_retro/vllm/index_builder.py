@@ -19,9 +19,10 @@ the hand-off is the same. On CUDA the thread builds on its own stream, after an 
 recorded behind the read-back, and synchronises that stream before a request is ready,
 so the main stream never waits on a build.
 
-A build that fails is logged and dropped with the rest of its request's layers; the
-request keeps decoding from its paged KV, and the step that switches it builds its index
-in the step instead (the route's fallback), so the engine goes on.
+A build that fails (on the thread or in the step) is logged and dropped with the rest of
+its request's layers, and the request is marked failed: :meth:`IndexBuilder.take` says so
+at its switch, and the request decodes densely from its paged KV for its whole life (the
+runtime demotes it), so the engine and every other request go on.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+_FAILED = ("retro: building layer %s of request %s failed; the request decodes densely "
+           "from its paged KV")
 
 BuildFn = Callable[..., Any]
 """Builds one (request, layer) index: (request id, layer name, keys [H_kv, N, D], values)
@@ -66,6 +69,8 @@ class _Request:
     sealed: bool = False
     indexes: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    failed: bool = False
+    """A layer's build failed: the rest of this build is dropped (see module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +114,22 @@ class IndexBuilder:
                 if req is not None:
                     self._cancel_locked(request_id)
                 req = self._requests[request_id] = _Request(num_tokens)
+            if req.failed:  # an earlier layer of this build failed: nothing more to build
+                return
             req.seconds += seconds
             if not self.background:
                 req.queued += 1
         if not self.background:
             t0 = time.perf_counter()
-            index = self._build(request_id, layer, keys, values, **_extra(queries))
+            try:
+                index = self._build(request_id, layer, keys, values, **_extra(queries))
+            except Exception:
+                logger.exception(_FAILED, layer, request_id)
+                with self._cond:
+                    req.queued -= 1
+                    if self._requests.get(request_id) is req:
+                        self._fail_locked(request_id, req)
+                return
             with self._cond:
                 req.queued -= 1
                 req.indexes[layer] = index
@@ -140,7 +155,8 @@ class IndexBuilder:
     def take(self, request_id: str) -> tuple[ReadyRequest | None, float]:
         """``request_id``'s indexes (they become the caller's), once every layer submitted
         for it is built, waiting for that if needed; None when it has no build here (never
-        submitted, cancelled, or failed). Returns (request, seconds waited)."""
+        submitted, cancelled, or failed: then it is forgotten). Returns (request, seconds
+        waited)."""
         t0 = time.perf_counter()
         with self._cond:
             req = self._requests.get(request_id)
@@ -149,9 +165,11 @@ class IndexBuilder:
             req.sealed = True
             while self._requests.get(request_id) is req and req.queued > 0:
                 self._cond.wait()
-            if self._requests.get(request_id) is not req:  # failed meanwhile
+            if self._requests.get(request_id) is not req:  # cancelled meanwhile
                 return None, time.perf_counter() - t0
             del self._requests[request_id]
+            if req.failed:
+                return None, time.perf_counter() - t0
         ready = ReadyRequest(request_id, req.num_tokens, req.indexes, req.seconds)
         return ready, time.perf_counter() - t0
 
@@ -172,15 +190,23 @@ class IndexBuilder:
             self._free(req)
 
     def pending(self) -> list[str]:
-        """Request ids with builds queued, running, or built but not yet taken."""
+        """Request ids with builds queued, running, or built but not yet taken (a failed
+        build is not pending)."""
         with self._cond:
-            return list(self._requests)
+            return [rid for rid, req in self._requests.items() if not req.failed]
+
+    def failed(self, request_id: str) -> bool:
+        """Whether ``request_id``'s build failed (and was not taken or cancelled since)."""
+        with self._cond:
+            req = self._requests.get(request_id)
+            return req is not None and req.failed
 
     def built(self) -> dict[str, list[Any]]:
         """The indexes built and not yet taken, by request id (they hold memory before
         their request's switch)."""
         with self._cond:
-            return {rid: list(req.indexes.values()) for rid, req in self._requests.items()}
+            return {rid: list(req.indexes.values()) for rid, req in self._requests.items()
+                    if not req.failed}
 
     def wait(self) -> None:
         """Block until no build is queued or running."""
@@ -200,6 +226,15 @@ class IndexBuilder:
             self._thread = None
 
     # ------------------------------------------------------------------ internals
+    def _fail_locked(self, request_id: str, req: _Request) -> None:
+        """Drop the rest of ``req``'s build and what it built; keep it, marked failed, until
+        :meth:`take` or :meth:`cancel` (so later layers of the same build are not built)."""
+        dropped = [j for j in self._queue if j.request_id == request_id]
+        self._queue = deque(j for j in self._queue if j.request_id != request_id)
+        req.queued -= len(dropped)
+        req.failed = True
+        self._free(req)
+
     @staticmethod
     def _free(req: _Request) -> None:
         for index in req.indexes.values():
@@ -228,19 +263,15 @@ class IndexBuilder:
                 index = self._run(job)
                 seconds = time.perf_counter() - t0
             except Exception:
-                logger.exception("retro: building layer %s of request %s failed; the "
-                                 "request goes on with dense attention", job.layer,
-                                 job.request_id)
+                logger.exception(_FAILED, job.layer, job.request_id)
                 failed = True
             with self._cond:
                 self._running = None
                 req = self._requests.get(job.request_id)
                 if failed:
                     if req is not None:
-                        del self._requests[job.request_id]
-                        self._queue = deque(j for j in self._queue
-                                            if j.request_id != job.request_id)
-                        self._free(req)
+                        req.queued -= 1
+                        self._fail_locked(job.request_id, req)
                 elif req is None:  # cancelled meanwhile
                     index.free()
                 else:

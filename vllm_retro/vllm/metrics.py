@@ -96,6 +96,18 @@ FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "host_budget_dense_requests_total", "counter",
            "Requests decoded densely (from vLLM's paged KV) because indexing them would "
            "need more than the whole host-memory budget.", "host_budget_dense_requests"),
+    Family(PREFIX + "dense_fallback_requests_total", "counter",
+           "Requests decoded densely (from vLLM's paged KV) for their whole life because "
+           "their index build failed (each logged), all workers.", "dense_fallback_requests"),
+    Family(PREFIX + "failed_requests_total", "counter",
+           "Requests ended with an error to their client because their index broke while "
+           "decoding (each logged); no other request is affected, all workers.",
+           "failed_requests"),
+    Family(PREFIX + "buffer_update_failures_total", "counter",
+           "Wave-buffer update-worker jobs that failed and were recovered (each logged; "
+           "answers unchanged): a cache update (that request's device cache is dropped and "
+           "refills from the host tier) or a host pool's room growth, all workers.",
+           "buffer_update_failures"),
 )
 
 BUILD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -5,9 +5,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
+import sys
 import threading
 
 import torch
+
+from vllm_retro import QUIET_TEARDOWN_ENV
 
 _lock = threading.Lock()
 _done = False
@@ -21,6 +25,9 @@ def register() -> None:
     with _lock:
         if _done:
             return
+        if os.environ.get(QUIET_TEARDOWN_ENV) == "1":
+            # registered first, so it runs last of the hooks registered from here on
+            atexit.register(_quiet_teardown)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -53,3 +60,17 @@ def register() -> None:
             KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE,
                                                   "RetroConnector")
         _done = True
+
+
+def _quiet_teardown() -> None:
+    """At a server process's exit, once the exit hooks registered after it have run (vLLM's
+    shutdown included): flush, then send stderr to /dev/null, so the interpreter's teardown
+    does not end the server log with Triton's C++ bindings' ~70 lines of nanobind
+    "leaked instance" reports (objects alive at exit, which the OS reclaims)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)

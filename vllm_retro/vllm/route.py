@@ -226,46 +226,100 @@ class RouteImplMixin:
                         out: torch.Tensor) -> None:
         """Append each indexed row's new K/V and decode its queries through the wave index:
         all rows of the layer in one :func:`append_batch` and one :func:`decode_batch` call
-        per token position (one each without speculative tokens)."""
+        per token position (one each without speculative tokens).
+
+        A decode that raises is done again row by row; a row that still raises fails its
+        request (:meth:`RetroRuntime.fail_request`: an error to that client, every other
+        row's answer unchanged). A request failed in this step's earlier layers computes
+        zeros in the later ones."""
         name = layer.layer_name
         decodes = plan.decodes
-        for d in decodes:
-            c = d.catch_up
-            if c is not None and rt.find_index(d.request_id, name) is None:
-                # its background build failed (logged): build it now, in the switch step,
-                # from its paged KV, which stays allocated until this step has run
-                t0 = time.perf_counter()
-                keys, values = self.read_kv(layer, kv_cache, c.block_ids, c.num_tokens)
-                rt.build_index(d.request_id, name, keys, values)
-                rt.note_build_time(d.request_id, seconds := time.perf_counter() - t0)
-                rt.counters.index_step_seconds += seconds
-        indexes = [rt.index(d.request_id, name) for d in decodes]
+        indexes = [None if rt.has_failed(d.request_id) else rt.index(d.request_id, name)
+                   for d in decodes]
         for d, index in zip(decodes, indexes, strict=True):
             c = d.catch_up
-            if c is not None and index.num_tokens < c.num_tokens:
+            if index is not None and c is not None and index.num_tokens < c.num_tokens:
                 keys, values = self.read_kv(layer, kv_cache, c.block_ids, c.num_tokens,
                                             first=index.num_tokens)
                 if index.append(keys, values):
                     rt.counters.index_updates += 1
         for col in plan.columns():
-            rows = indexes if col.members is None else [indexes[j] for j in col.members]
+            members = range(len(decodes)) if col.members is None else col.members
+            if any(indexes[j] is None for j in members):
+                self._decode_apart(rt, col, decodes, indexes, query, key, value, out)
+                continue
+            rows = [indexes[j] for j in members]
             k = col.k
             if col.part is not None:
                 part = col.part
                 landed, plan.append_rows[k] = append_batch(rows, key[part], value[part],
                                                            plan.append_rows.get(k))
-                decode_batch(rows, query[part], self.scale, out=out[part],
-                             cache=self.meta_views)
+                try:
+                    decode_batch(rows, query[part], self.scale, out=out[part],
+                                 cache=self.meta_views)
+                except Exception as exc:
+                    self._decode_rows(rt, list(members), decodes, indexes,
+                                      _tokens(col), query, out, exc)
             else:
                 idx = col.tokens.to(query.device)
                 landed, plan.append_rows[k] = append_batch(
                     rows, key.index_select(0, idx), value.index_select(0, idx),
                     plan.append_rows.get(k))
-                res = decode_batch(rows, query.index_select(0, idx), self.scale,
-                                   cache=self.meta_views)
-                out.index_copy_(0, idx, res.to(out.dtype))
+                try:
+                    res = decode_batch(rows, query.index_select(0, idx), self.scale,
+                                       cache=self.meta_views)
+                    out.index_copy_(0, idx, res.to(out.dtype))
+                except Exception as exc:
+                    self._decode_rows(rt, list(members), decodes, indexes,
+                                      _tokens(col), query, out, exc)
             rt.counters.index_updates += landed
             rt.counters.retro_decode_tokens += len(rows)
+
+    def _decode_rows(self, rt: Any, members: list[int], decodes: list, indexes: list,
+                     tokens: list[int], query: torch.Tensor, out: torch.Tensor,
+                     exc: Exception) -> None:
+        """After a column's batched decode raised (``exc``): decode each of its rows alone
+        (``members``: positions in ``decodes``; ``tokens``: their batch rows); a row that
+        raises again fails its request and writes zeros."""
+        self.meta_views.clear()  # the layer's batch view may be half built
+        for j, t in zip(members, tokens, strict=True):
+            index = indexes[j]
+            if index is None:
+                out[t].zero_()
+                continue
+            try:
+                res = decode_batch([index], query[t:t + 1], self.scale)
+                out[t:t + 1].copy_(res.to(out.dtype))
+            except Exception as row_exc:
+                rt.fail_request(decodes[j].request_id,
+                                f"decoding through its index raised {row_exc!r} (the batch "
+                                f"of {len(members)} raised {exc!r})")
+                indexes[j] = None
+                out[t].zero_()
+
+    def _decode_apart(self, rt: Any, col: Any, decodes: list, indexes: list,
+                      query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor) -> None:
+        """A column holding a request that failed in this step: every other row appends
+        and decodes alone; the failed rows write zeros."""
+        members = range(len(decodes)) if col.members is None else col.members
+        for j, t in zip(members, _tokens(col), strict=True):
+            index = indexes[j]
+            if index is None:
+                out[t].zero_()
+                continue
+            landed, _ = append_batch([index], key[t:t + 1], value[t:t + 1])
+            rt.counters.index_updates += landed
+            rt.counters.retro_decode_tokens += 1
+            self._decode_rows(rt, [j], decodes, indexes, [t], query, out,
+                              RuntimeError("a request of its batch failed"))
+
+
+def _tokens(col: Any) -> list[int]:
+    """A decode column's batch rows, as a list."""
+    if col.part is not None:
+        return list(range(col.part.start, col.part.stop))
+    return col.tokens.tolist()
 
 
 class RouteBackendMixin:

@@ -9,12 +9,14 @@ counters are read from other threads (metrics, tests).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from vllm_retro import faults
 from vllm_retro.buffer.manager import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.graph_index import GraphIndex
@@ -29,14 +31,19 @@ from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
+logger = logging.getLogger(__name__)
+
 _BUFFER_COUNTERS = {"cluster_hits": "cache_hit_clusters", "cluster_misses": "cache_miss_clusters",
                     "bytes_h2d": "host_to_device_bytes", "pages_admitted": "cache_admitted_pages",
-                    "pages_evicted": "cache_evicted_pages"}
+                    "pages_evicted": "cache_evicted_pages",
+                    "update_failures": "buffer_update_failures"}
 _RUNTIME_COUNTERS = {"requests_indexed": "indexed_requests", "indexed_tokens": "indexed_tokens",
                      "index_updates": "index_updates",
                      "sparse_decode_tokens": "sparse_decode_tokens",
                      "dense_decode_tokens": "dense_decode_tokens",
-                     "index_step_seconds": "index_step_seconds"}
+                     "index_step_seconds": "index_step_seconds",
+                     "requests_demoted": "dense_fallback_requests",
+                     "requests_failed": "failed_requests"}
 
 
 @dataclass
@@ -72,6 +79,12 @@ class RetroCounters:
     """Decoded tokens of retro layer groups served by vLLM's dense kernel (short requests)."""
     kv_heads: int = 0
     """KV heads per index on this worker (its tensor-parallel share)."""
+    requests_demoted: int = 0
+    """Requests that decode densely from their paged KV for their whole life because their
+    index build failed (:meth:`RetroRuntime.demote`)."""
+    requests_failed: int = 0
+    """Requests failed with an error to their client because their index broke while
+    decoding (:meth:`RetroRuntime.fail_request`)."""
 
 
 class RetroRuntime:
@@ -94,6 +107,12 @@ class RetroRuntime:
         self.counters = RetroCounters()
         self._reported: dict[str, float] = {}
         self._build_seconds: dict[str, float] = {}
+        self._demoted: set[str] = set()
+        """Requests decoding densely for life (their build failed), until released."""
+        self._failed: dict[str, str] = {}
+        """Requests failed on this worker (why), until the scheduler releases them."""
+        self._unreported: set[str] = set()
+        """Demoted requests the scheduler has not been told of yet."""
 
     # ------------------------------------------------------------------ setup
     def attach(self, engine_config: object, config: RetroConfig | None) -> None:
@@ -115,6 +134,7 @@ class RetroRuntime:
         self.config = config
         self.step = None
         self._slot_to_req = {}
+        self._demoted, self._failed, self._unreported = set(), {}, set()
         if config is not None and self._device_type == "cpu":
             # the fused kernels, built now when missing: a build at the first index would
             # hold that engine step (and every request in it) for a minute or two
@@ -146,6 +166,8 @@ class RetroRuntime:
         submitted, then publish this step's plan."""
         for rid in meta.released:
             self.free_request(rid)
+            self._demoted.discard(rid)
+            self._failed.pop(rid, None)
         if self._builder is not None:
             self._builder.seal()
         self.step = meta
@@ -160,6 +182,7 @@ class RetroRuntime:
     def _build(self, request_id: str, layer: str, keys: torch.Tensor, values: torch.Tensor,
                queries: torch.Tensor | None = None) -> WaveIndex:
         assert self.config is not None
+        faults.check("index_build", request_id)
         pq = self.config.index == "pqcache"
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer)
@@ -233,19 +256,86 @@ class RetroRuntime:
         with self._lock:
             self._build_seconds[request_id] = self._build_seconds.get(request_id, 0.0) + seconds
 
+    # ------------------------------------------------------------------ failures
+    def switch(self, request_id: str) -> bool:
+        """At ``request_id``'s switch step (the metadata build, before any layer runs):
+        True when its indexes are here (taken over from the builder, waiting for it if
+        needed); False when its build failed: then it is demoted (:meth:`demote`) and
+        this step's rows, and all later ones, decode densely from its paged KV, which the
+        scheduler keeps once told (:meth:`take_demoted`)."""
+        if request_id in self._demoted or request_id in self._failed:
+            return False
+        if self.find_index_any(request_id):
+            return True
+        self.demote(request_id, "its index build failed")
+        return False
+
+    def demote(self, request_id: str, reason: str) -> None:
+        """Decode ``request_id`` densely from its paged KV from now on (``reason``: why),
+        freeing whatever it holds here."""
+        logger.warning("retro: request %s decodes densely from its paged KV from now on: %s",
+                       request_id, reason)
+        self.free_request(request_id)
+        self._demoted.add(request_id)
+        self._unreported.add(request_id)
+        self.counters.requests_demoted += 1
+
+    def is_dense(self, request_id: str) -> bool:
+        """Whether ``request_id`` decodes densely for life (demoted) or has failed."""
+        return request_id in self._demoted or request_id in self._failed
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """``request_id`` cannot go on (its index broke while decoding: ``reason``): free
+        everything it holds; its rows compute nothing useful until the scheduler, told
+        through :meth:`failed_blocks`, ends it with an error to its client."""
+        if request_id in self._failed:
+            return
+        logger.error("retro: request %s fails: %s", request_id, reason)
+        self.free_request(request_id)
+        self._failed[request_id] = reason
+        self.counters.requests_failed += 1
+
+    def has_failed(self, request_id: str) -> bool:
+        """Whether ``request_id`` failed on this worker (see :meth:`fail_request`)."""
+        return request_id in self._failed
+
+    def take_demoted(self) -> set[str]:
+        """Requests demoted since the last call (for the scheduler, through the
+        connector's worker metadata)."""
+        out, self._unreported = self._unreported, set()
+        return out
+
+    def failed_blocks(self, block_size: int) -> set[int]:
+        """The KV-cache block each failed request of this step writes (its last scheduled
+        token's): reported to the scheduler as blocks that failed to load, which ends the
+        request with an error (vLLM's ``kv_load_failure_policy='fail'``)."""
+        if not self._failed or self.step is None:
+            return set()
+        return {row.slot // block_size for rid, row in self.step.rows.items()
+                if rid in self._failed}
+
+    def find_index_any(self, request_id: str) -> bool:
+        """Whether ``request_id`` has its indexes here (taking them over from the builder,
+        waiting for it, when they are not yet)."""
+        if request_id not in self._indexes and self._builder is not None:
+            self._take(request_id)
+        return request_id in self._indexes
+
+    def _take(self, request_id: str) -> None:
+        assert self._builder is not None
+        ready, waited = self._builder.take(request_id)
+        self.counters.index_step_seconds += waited
+        if ready is not None:
+            for name, index in ready.indexes.items():
+                self._register(request_id, name, index)
+            self.note_build_time(request_id, ready.seconds)
+
     def find_index(self, request_id: str, layer: str) -> WaveIndex | None:
         """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
         from the builder, waiting for it if needed), or None when it has none (never
         indexed here, or its background build failed)."""
+        self.find_index_any(request_id)
         per_layer = self._indexes.get(request_id)
-        if per_layer is None and self._builder is not None:
-            ready, waited = self._builder.take(request_id)
-            self.counters.index_step_seconds += waited
-            if ready is not None:
-                for name, index in ready.indexes.items():
-                    self._register(request_id, name, index)
-                self.note_build_time(request_id, ready.seconds)
-                per_layer = self._indexes.get(request_id)
         return None if per_layer is None else per_layer.get(layer)
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
