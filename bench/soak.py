@@ -175,7 +175,7 @@ def plan_requests(args: argparse.Namespace, max_len: int, needle_tokens: list[in
                         max_tokens=late if site == "host_alloc_late" else 64)
     for i in range(args.aborts):
         phase = PHASES[i % len(PHASES)]
-        long_prompt = min(max_len - 600, max(8 * indexed, 8192))
+        long_prompt = min((args.max_prompt or max_len) - 600, max(8 * indexed, 8192))
         tokens = {"queued": rng.randint(indexed, 4 * indexed),
                   "prefill": rng.randint(long_prompt // 2, long_prompt),
                   "index_build": rng.randint(indexed + 100, 4 * indexed)}.get(
@@ -192,8 +192,8 @@ def plan_requests(args: argparse.Namespace, max_len: int, needle_tokens: list[in
             api=rng.choice(("chat", "completions")), stream=rng.random() < 0.5)
     while len(reqs) < args.requests:
         max_tokens = rng.choice((8, 32, 32, 128, 128, 512))
-        room = max_len - max_tokens - 64
-        # mostly up to 8K tokens (a 2-core CPU prefills ~2K tokens/s), a few at the limit
+        room = min(max_len, args.max_prompt or max_len) - max_tokens - 64
+        # mostly up to 8K tokens, a few at the limit
         tokens = room if rng.random() < 0.03 else log_uniform(rng, 50, min(room, 8192))
         add(kind="prose", api=rng.choice(("chat", "completions")), stream=rng.random() < 0.5,
             prompt_tokens=tokens, max_tokens=max_tokens, n=2 if rng.random() < 0.1 else 1)
@@ -707,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bad-share", type=float, default=0.05)
     p.add_argument("--max-context", type=int, default=16384,
                    help="longest needle context (tokens)")
+    p.add_argument("--max-prompt", type=int, default=None,
+                   help="longest prose prompt + max_tokens (default: the model's limit; a "
+                        "2-core CPU prefills a 32K prompt in minutes)")
     p.add_argument("--min-indexed", type=int, default=1092,
                    help="the server's shortest indexed context (default: retro's defaults)")
     p.add_argument("--update-segment", type=int, default=1024,
