@@ -164,6 +164,17 @@ ROWS: list[Row] = [
               "(sparse) or vLLM's kernel (dense: requests below the indexing threshold).",
               width=16, extra={"stacking": "normal"}),
     ]),
+    Row("Retro: failures (each logged, confined to its request)", [
+        Panel("Failed and dense-fallback requests", "reqps",
+              [(rate("vllm_retro:failed_requests_total"), "failed (error to client)/s"),
+               (rate("vllm_retro:dense_fallback_requests_total"), "build failed, dense/s")],
+              "Requests ended with an error because their index broke while decoding; "
+              "requests decoded densely for life because their index build failed."),
+        Panel("Wave-buffer update failures", "short",
+              [(rate("vllm_retro:buffer_update_failures_total"), "recovered failures/s")],
+              "Update-worker jobs that failed and were recovered (a device cache dropped "
+              "and refilled, a host pool grown later); answers unchanged."),
+    ]),
 ]
 
 

@@ -212,3 +212,36 @@ def test_adopting_keeps_decode_and_frees_the_private_pool():
     torch.testing.assert_close(a.decode(q).output, b.decode(q).output, rtol=0, atol=0)
     with pytest.raises(ValueError, match="layout differs"):
         WaveIndex.build(k[:, :, :8], v[:, :, :8], CFG).adopt_steady(pool, 0)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_append_batch_records_a_failing_index_and_appends_the_others(pooled):
+    """One index's append raises: with ``failed`` given, it is recorded (position, error)
+    and every other index appends exactly as alone; without, the error propagates."""
+    g = torch.Generator().manual_seed(3)
+    kvs = [_kv(2, n, 16, g) for n in (100, 150, 120)]
+    batch = [WaveIndex.build(k, v, CFG) for k, v in kvs]
+    twins = [WaveIndex.build(k, v, CFG) for k, v in kvs]
+    if pooled:
+        _adopted(batch, [0, 1, 2])
+    broken = batch[1]
+
+    def boom(*a, **kw):
+        raise MemoryError("injected")
+
+    broken.appended = boom
+    broken.append = boom
+    for _ in range(40):
+        keys, values = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+        failed = []
+        append_batch(batch, keys, values, None, failed)
+        assert [b for b, _ in failed] == [1] and isinstance(failed[0][1], MemoryError)
+        for b in (0, 2):
+            twins[b].append(keys[b, :, None], values[b, :, None])
+    for b in (0, 2):
+        assert batch[b].num_tokens == twins[b].num_tokens
+        assert torch.equal(batch[b].centroids, twins[b].centroids)
+        q = torch.randn(1, 2, 16, generator=g)
+        assert torch.equal(decode_batch([batch[b]], q, 0.25), decode_batch([twins[b]], q, 0.25))
+    with pytest.raises(MemoryError):
+        append_batch(batch, keys, values)

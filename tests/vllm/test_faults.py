@@ -135,3 +135,30 @@ def test_faults_are_off_unless_the_server_switches_them_on(tiny_model_dir):
         c = get_runtime().counters
         assert c.requests_failed == 0 and c.requests_demoted == 0
     assert got[f"a-{faults.MARK}kernel_row"][1] == "length"
+
+
+def test_a_request_whose_append_raises_fails_alone_with_an_error(tiny_model_dir, monkeypatch,
+                                                                  caplog):
+    # Not a switchable fault site: the index's own bookkeeping raising for one row, mid
+    # decode (its token is already in the layer's steady pool).
+    from vllm_retro.index.wave_index import WaveIndex
+
+    ids = ["a", "b", "c"]
+    retro = {**TINY_RETRO, "build_steps": 0}
+    with engine(tiny_model_dir, retro=retro) as llm:
+        clean = run(llm, ids)
+    real = WaveIndex.appended
+
+    def appended(self, n):
+        if (self.store.request_id or "").startswith("b") and self.num_tokens >= 1540:
+            raise MemoryError("injected: append")
+        return real(self, n)
+
+    monkeypatch.setattr(WaveIndex, "appended", appended)
+    with engine(tiny_model_dir, retro=retro) as llm:
+        got = run(llm, ids)
+        assert get_runtime().counters.requests_failed == 1
+        assert_all_freed(llm, ids)
+    assert got["b"][1] == "error" and 30 <= len(got["b"][0]) < MAX_TOKENS[1]
+    assert got["a"] == clean["a"] and got["c"] == clean["c"]
+    assert "appending its token to its index raised MemoryError" in caplog.text

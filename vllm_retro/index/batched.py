@@ -18,6 +18,8 @@ cluster choice is the same up to exact ties of scores).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_retro import faults
@@ -127,7 +129,9 @@ AppendRows = tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]
 
 
 def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Tensor,
-                 rows: AppendRows | None = None) -> tuple[int, AppendRows | None]:
+                 rows: AppendRows | None = None,
+                 failed: list[tuple[int, Exception]] | None = None
+                 ) -> tuple[int, AppendRows | None]:
     """Append one decoded token to each index (``keys[b]``, ``values[b]``: [B, H, D]).
 
     When every index's steady zone is in one pool (a served layer's), the tokens go in with
@@ -135,7 +139,8 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     previous layer's, is reused when its rows are this layer's (no new index tensors then).
     Each index then accounts for its token (:meth:`WaveIndex.appended`: update blocks).
     Otherwise each index appends its own. Returns (update blocks landed, the rows written,
-    or None)."""
+    or None). ``failed`` given: an index whose append raises is recorded there as (its
+    position, the exception) and the others go on; else the first error is raised."""
     pool = indexes[0].steady
     if all(i.steady is pool for i in indexes):
         key = tuple((i.slot, i.num_tokens) for i in indexes)
@@ -147,9 +152,24 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
             else:
                 rows = (key, torch.tensor(slots), torch.tensor(ring))
         pool.write(rows[1], rows[2], keys, values)
-        return sum(i.appended(1) for i in indexes), rows
-    landed = sum(i.append(keys[b, :, None], values[b, :, None]) for b, i in enumerate(indexes))
-    return landed, None
+        return _each(indexes, lambda b, i: i.appended(1), failed), rows
+    return _each(indexes, lambda b, i: i.append(keys[b, :, None], values[b, :, None]),
+                 failed), None
+
+
+def _each(indexes: list[WaveIndex], append: Any, failed: list[tuple[int, Exception]] | None
+          ) -> int:
+    """``append(b, index)`` for every index; update blocks landed. See :func:`append_batch`
+    for ``failed``."""
+    landed = 0
+    for b, index in enumerate(indexes):
+        try:
+            landed += append(b, index)
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed.append((b, exc))
+    return landed
 
 
 def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,

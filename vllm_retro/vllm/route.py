@@ -244,36 +244,37 @@ class RouteImplMixin:
                 if index.append(keys, values):
                     rt.counters.index_updates += 1
         for col in plan.columns():
-            members = range(len(decodes)) if col.members is None else col.members
+            members = list(range(len(decodes)) if col.members is None else col.members)
             if any(indexes[j] is None for j in members):
                 self._decode_apart(rt, col, decodes, indexes, query, key, value, out)
                 continue
             rows = [indexes[j] for j in members]
-            k = col.k
             if col.part is not None:
-                part = col.part
-                landed, plan.append_rows[k] = append_batch(rows, key[part], value[part],
-                                                           plan.append_rows.get(k))
-                try:
-                    decode_batch(rows, query[part], self.scale, out=out[part],
-                                 cache=self.meta_views)
-                except Exception as exc:
-                    self._decode_rows(rt, list(members), decodes, indexes,
-                                      _tokens(col), query, out, exc)
+                idx, q, k, v = None, query[col.part], key[col.part], value[col.part]
             else:
                 idx = col.tokens.to(query.device)
-                landed, plan.append_rows[k] = append_batch(
-                    rows, key.index_select(0, idx), value.index_select(0, idx),
-                    plan.append_rows.get(k))
-                try:
-                    res = decode_batch(rows, query.index_select(0, idx), self.scale,
-                                       cache=self.meta_views)
-                    out.index_copy_(0, idx, res.to(out.dtype))
-                except Exception as exc:
-                    self._decode_rows(rt, list(members), decodes, indexes,
-                                      _tokens(col), query, out, exc)
+                q, k, v = (t.index_select(0, idx) for t in (query, key, value))
+            failed: list[tuple[int, Exception]] = []
+            landed, plan.append_rows[col.k] = append_batch(rows, k, v,
+                                                           plan.append_rows.get(col.k), failed)
             rt.counters.index_updates += landed
             rt.counters.retro_decode_tokens += len(rows)
+            if failed:
+                for b, exc in failed:
+                    rt.fail_request(decodes[members[b]].request_id,
+                                    f"appending its token to its index raised {exc!r}")
+                    indexes[members[b]] = None
+                self._decode_rows(rt, members, decodes, indexes, _tokens(col), query, out,
+                                  failed[0][1])
+                continue
+            try:
+                if idx is None:
+                    decode_batch(rows, q, self.scale, out=out[col.part], cache=self.meta_views)
+                else:
+                    res = decode_batch(rows, q, self.scale, cache=self.meta_views)
+                    out.index_copy_(0, idx, res.to(out.dtype))
+            except Exception as exc:
+                self._decode_rows(rt, members, decodes, indexes, _tokens(col), query, out, exc)
 
     def _decode_rows(self, rt: Any, members: list[int], decodes: list, indexes: list,
                      tokens: list[int], query: torch.Tensor, out: torch.Tensor,
@@ -308,9 +309,14 @@ class RouteImplMixin:
             if index is None:
                 out[t].zero_()
                 continue
-            landed, _ = append_batch([index], key[t:t + 1], value[t:t + 1])
+            failed: list[tuple[int, Exception]] = []
+            landed, _ = append_batch([index], key[t:t + 1], value[t:t + 1], None, failed)
             rt.counters.index_updates += landed
             rt.counters.retro_decode_tokens += 1
+            if failed:
+                rt.fail_request(decodes[j].request_id,
+                                f"appending its token to its index raised {failed[0][1]!r}")
+                indexes[j] = None
             self._decode_rows(rt, [j], decodes, indexes, [t], query, out,
                               RuntimeError("a request of its batch failed"))
 
