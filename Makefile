@@ -3,7 +3,7 @@ PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup serve test lint kernels-test
+.PHONY: setup serve test lint kernels-test triton-compile
 
 setup:
 	./scripts/setup-venv.sh
@@ -23,3 +23,8 @@ lint: setup
 # is missing (vLLM, a C++ extension: tests/required_parts.py).
 test: setup lint
 	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra tests
+
+# Every Triton kernel launch of the kernel and device-step tests compiled for an H100/H200
+# (cuda:90) with this environment's Triton, no GPU needed (tests/triton_compile.py; ~5 min).
+triton-compile: setup
+	$(PY) -m tests.triton_compile --arch 90

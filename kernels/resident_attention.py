@@ -259,7 +259,7 @@ def _resident_split_kernel(
             s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
         else:
             spr = ssum  # unused without TILT
-        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT)
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT, "ieee")
     store_partials(ACC, MX, LS, RA, r * sacc_r + sp * sacc_s, r * sm_r + sp * sm_s, sacc_g,
                    offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 

@@ -259,12 +259,13 @@ def log_tilt_tl(v, a):
 
 @triton.jit
 def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr,
-                        PRECISION: tl.constexpr = "ieee"):
+                        PRECISION: tl.constexpr):
     """One block of an online (log-sum-exp) softmax: state (m [G] running max, ssum [G],
     racc [G] the sum of p * spread under the tilted estimator, acc [G, D]) updated with the
     block's logits s [G, N] and fp32 values v [N, D] (spreads spr [N]); ``PRECISION`` of
-    the p @ v product ("ieee", or "tf32" where v holds 16-bit values). Returns the new
-    state."""
+    the p @ v product ("ieee", or "tf32" where v holds 16-bit values; no default: Triton
+    3.6 passes a device function's default constexpr as a plain str, which fails to
+    compile). Returns the new state."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
@@ -347,7 +348,7 @@ def _tripartite_split_kernel(
             s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
         else:
             spr = ssum  # unused without TILT
-        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT)
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT, "ieee")
     store_partials(ACC, MX, LS, RA, r * sacc_r + sp * sacc_s, r * sm_r + sp * sm_s, sacc_g,
                    offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 

@@ -24,10 +24,12 @@ def test_gpu_check_fits_a_device_lease(tmp_path):
     # one 10-minute command of a 15-minute lease, with room for a rerun: <= 8 minutes
     stages = gpu_check.stages(tmp_path)
     assert sum(limit for _, _, limit in stages) <= 480
-    for path in gpu_check.TESTS:
+    for path in gpu_check.TESTS + gpu_check.CPU_EXTENSION_TESTS:
         assert (gpu_check.ROOT / path).exists(), path
-    for name, cmd, _ in stages[1:]:  # the benchmarks accept their arguments
-        help_cmd = cmd[:cmd.index("--out")] + ["--help"] if "--out" in cmd else cmd
+    benches = [(name, cmd) for name, cmd, _ in stages if "--out" in cmd]
+    assert [name for name, _ in benches] == ["device_step", "gpu_stack"]
+    for name, cmd in benches:  # the benchmarks accept their arguments
+        help_cmd = cmd[:cmd.index("--out")] + ["--help"]
         proc = subprocess.run(help_cmd, cwd=gpu_check.ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, (name, proc.stderr[-2000:])

@@ -73,7 +73,9 @@ def test_serve_load_against_spawned_tiny_server(tmp_path: Path,
     report = serve_load.main([
         "--spawn-server", str(model), "--api-key", "sk-bench", "--concurrency", "4",
         "--requests", str(REQUESTS), "--prompt-tokens", "600", "--max-tokens", str(MAX_TOKENS),
-        "--seed", "1", "--out", str(out), "--ready-timeout", "300",
+        # the suite's first server start on a fresh machine also compiles vLLM's bytecode:
+        # over 300 s once in CI
+        "--seed", "1", "--out", str(out), "--ready-timeout", "900",
         "--", "--served-model-name", "tiny-llama", "--dtype", "float32",
         "--max-model-len", "4096", "--retro-update-segment", "64", "--api-key", "sk-bench"])
 

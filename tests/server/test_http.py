@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server([str(model), "--served-model-name", MODEL, "--dtype", "float32",
                         "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
                         "--retro-update-segment", "64", "--max-num-seqs", "32"], log)
-    srv.wait_ready(300)
+    srv.wait_ready(900)
     yield srv
     srv.stop()
 
