@@ -13,7 +13,10 @@ query already on the device:
   recorded;
 - **eager**: :func:`~vllm_retro.index.device_layer.decode_step`;
 - **graph**: the same step replayed from a CUDA graph
-  (:class:`~vllm_retro.index.device_graph.StepGraphs`).
+  (:class:`~vllm_retro.index.device_graph.StepGraphs`);
+- **rank** and **attend**: the eager step's two parts alone
+  (:func:`~vllm_retro.index.device_layer.rank_clusters`: cluster scoring and top-k;
+  :func:`~vllm_retro.index.device_layer.attend`), where its time goes.
 
 Checks recorded in the JSON (CUDA): ``torch.cuda.set_sync_debug_mode("error")`` passes over
 an eager step; graph replay equals eager (max abs difference); the step's relative error
@@ -46,7 +49,12 @@ from bench.gpu.stacks import sdpa_context  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
-from vllm_retro.index.device_layer import DeviceLayer, decode_step  # noqa: E402
+from vllm_retro.index.device_layer import (  # noqa: E402
+    DeviceLayer,
+    attend,
+    decode_step,
+    rank_clusters,
+)
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -186,12 +194,16 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
             timer("dense_triton", lambda q=q: ours(q))
         timer("eager", lambda q=q: decode_step(layer, plan, q, scale))
         timer("graph", lambda q=q: graphs(plan, q, scale))
+        # where the eager step's time goes: its two parts alone
+        rows = q.reshape(b * hkv, -1, d)
+        top = timer("rank", lambda rows=rows: rank_clusters(layer, plan, rows, scale))
+        timer("attend", lambda rows=rows, top=top: attend(layer, plan, rows, top, scale))
     ms = timer.medians()
     ms["dense"] = min(ms["dense_sdpa"], ms.get("dense_triton", float("inf")))
     case = {
         "dense_ms": ms["dense"], "dense_sdpa_ms": ms["dense_sdpa"],
         "dense_triton_ms": ms.get("dense_triton"), "eager_ms": ms["eager"],
-        "graph_ms": ms["graph"],
+        "graph_ms": ms["graph"], "rank_ms": ms["rank"], "attend_ms": ms["attend"],
         "speedup_eager": ms["dense"] / ms["eager"], "speedup_graph": ms["dense"] / ms["graph"],
         "dense_GBps": 2 * dk.numel() * dk.element_size() / ms["dense"] / 1e6,
         "widths": {"clusters": plan.clusters, "retrieval": plan.retrieval,
@@ -202,7 +214,8 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     print(f"{n:>7} x {b:<3} dense {ms['dense']:.3f} ms (sdpa {ms['dense_sdpa']:.3f})  "
           f"eager {ms['eager']:.3f} ms "
           f"({case['speedup_eager']:.2f}x)  graph {ms['graph']:.3f} ms "
-          f"({case['speedup_graph']:.2f}x)  graph-eager {checks['graph_vs_eager_max_abs']:.2g}"
+          f"({case['speedup_graph']:.2f}x)  [rank {ms['rank']:.3f} + attend "
+          f"{ms['attend']:.3f} ms]  graph-eager {checks['graph_vs_eager_max_abs']:.2g}"
           f"  vs reference {checks['rel_err_vs_reference']:.2g}  ops {checks['torch_ops']}",
           flush=True)
     return case

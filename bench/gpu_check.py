@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    env.pop("TRITON_INTERPRET", None)  # compile the Triton kernels for the GPU
+    # compile the Triton kernels for the GPU: "0", not unset (tests/conftest.py defaults it
+    # to "1", and the first H100 runs interpreted them on CUDA tensors)
+    env["TRITON_INTERPRET"] = "0"
     summary = {"machine": machine(), "stages": {}}
     print(json.dumps(summary["machine"]), flush=True)
     ok = True

@@ -56,6 +56,15 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; accepted: float32, float16, bfloat16")
 
 
+def tensor_cores_16bit(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may multiply these tensors on tensor cores in their own 16-bit type:
+    all fp16 or all bf16, on CUDA. Elsewhere the kernel runs in Triton's interpreter, whose
+    16-bit ``tl.dot`` returns garbage (Triton 3.9), so there it multiplies in fp32."""
+    dtype = tensors[0].dtype
+    return (dtype in (torch.float16, torch.bfloat16) and tensors[0].device.type == "cuda"
+            and all(t.dtype == dtype for t in tensors))
+
+
 def take_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-row selection along dim 1: x [H, C, *F], ids [H, R] (valid, any int) -> [H, R, *F].
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_retro.kernels._common import block_size, tl, triton
+from vllm_retro.kernels._common import block_size, tensor_cores_16bit, tl, triton
 from vllm_retro.kernels.step_plan import plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
@@ -157,15 +157,28 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
 
 
 @triton.jit
+def _logits(q, k, scale, DOT16: tl.constexpr):
+    """Scaled logits [G, N] of query heads q [G, D] against keys k [N, D]: 16-bit operands
+    multiply on tensor cores (exact products, fp32 sums), fp32 ones in IEEE fp32."""
+    if DOT16:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return s * scale
+
+
+@triton.jit
 def _resident_split_kernel(
     Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF, KF, VF,
     ACC, MX, LS, RA, VSH,
     B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, RANK, chunk, scale,
     sq_r, sq_g, s_top, sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr, DOT16: tl.constexpr,
 ):
-    # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated)
+    # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated);
+    # a split walks its share of each zone in a loop of its own, so a tile loads only its
+    # zone's rows and the tilted correction runs on estimated tiles only
     r = tl.program_id(0)
     sp = tl.program_id(1)
     b = r // H
@@ -191,16 +204,23 @@ def _resident_split_kernel(
     end = tl.minimum(start + chunk, total)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < G
     dmask = offs_d < D
     q = tl.load(Q + r * sq_r + offs_g[:, None] * sq_g + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     ssum = tl.zeros([BLOCK_G], tl.float32)
     racc = tl.zeros([BLOCK_G], tl.float32)
+    no_spread = tl.zeros([BLOCK_N], tl.float32)  # exact tokens: no tilted correction
+    # p @ v of exact tokens: p in the values' 16-bit type on tensor cores, like flash
+    # attention; of estimated ones (fp32 mean values): tf32, or IEEE fp32 for fp32 runs
+    PV: tl.constexpr = "native" if DOT16 else "ieee"
+    PV_EST: tl.constexpr = "tf32" if DOT16 else "ieee"
     if TILT:  # variance of scale * q.(k - C) per unit of spread
+        qs = q.to(tl.float32) * scale
         prf = tl.load(PRF + prow * D + offs_d, mask=dmask, other=0.0)
-        qv = tl.sum(q * q * prf[None, :], axis=1)
+        qv = tl.sum(qs * qs * prf[None, :], axis=1)
         if sp == 0:  # the value shift per unit of spread, scale * (q KF) VF^T, for the merge
             offs_k = tl.arange(0, BLOCK_K)
             fmask = dmask[:, None] & (offs_k < RANK)[None, :]
@@ -208,58 +228,67 @@ def _resident_split_kernel(
                          mask=fmask, other=0.0)
             vf = tl.load(VF + (prow * D + offs_d[:, None]) * RANK + offs_k[None, :],
                          mask=fmask, other=0.0)
-            qk = tl.sum(q[:, :, None] * kf[None, :, :], axis=1)  # q is scaled: [G, rank]
+            qk = tl.sum(qs[:, :, None] * kf[None, :, :], axis=1)  # [G, rank]
             vsh = tl.sum(qk[:, None, :] * vf[None, :, :], axis=2)  # [G, D]
             tl.store(VSH + r * svs_r + offs_g[:, None] * svs_g + offs_d[None, :], vsh,
                      mask=gmask[:, None] & dmask[None, :])
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     z = SINK_CAP + RING
-    for off in range(start, end, BLOCK_N):
-        pos = off + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        is_s = valid & (pos < nst)
-        is_c = valid & (pos >= nst) & (pos < nx)
-        is_e = valid & (pos >= nx)
-        # steady rows: sinks, then the window's ring
+    # steady zone: sinks, then the window's ring
+    s_end = tl.minimum(end, nst)
+    for off in range(start, s_end, BLOCK_N):
+        pos = off + offs_n
+        valid = pos < s_end
         zrow = tl.where(pos < sinks, pos, SINK_CAP + (rstart + pos - sinks) % RING)
         srow = ((sslot * z + zrow) * H + head).to(tl.int64)
-        # retrieved rows: run j = number of ends <= u, its offset picked by a one-hot sum
+        mk = valid[:, None] & dmask[None, :]
+        k = tl.load(SKP + srow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+        v = tl.load(SVP + srow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+        s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
+        if not DOT16:
+            v = v.to(tl.float32)
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, no_spread, TILT,
+                                                 PV)
+    # retrieval zone: token u in run j = the number of ends <= u (a one-hot pick of its
+    # offset), at pool row offs[j] + u
+    c_end = tl.minimum(end, nx)
+    for off in range(tl.maximum(start, nst), c_end, BLOCK_N):
+        pos = off + offs_n
+        valid = pos < c_end
         u = pos - nst
-        hit = u[:, None] >= ends[None, :]
-        run = tl.sum(hit.to(tl.int32), axis=1)
+        run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
         off_run = tl.sum(tl.where(offs_r[None, :] == run[:, None], offs_run[None, :], 0), axis=1)
         crow = prow * N_CAP + off_run + u
-        ms = is_s[:, None] & dmask[None, :]
-        mc = is_c[:, None] & dmask[None, :]
-        ks = tl.load(SKP + srow[:, None] * D + offs_d[None, :], mask=ms, other=0.0)
-        vsr = tl.load(SVP + srow[:, None] * D + offs_d[None, :], mask=ms, other=0.0)
-        kc = tl.load(KP + crow[:, None] * D + offs_d[None, :], mask=mc, other=0.0)
-        vc = tl.load(VP + crow[:, None] * D + offs_d[None, :], mask=mc, other=0.0)
-        # estimated clusters: ranking slots n_ret .. n_ret + n_est
+        mk = valid[:, None] & dmask[None, :]
+        k = tl.load(KP + crow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+        v = tl.load(VP + crow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+        s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
+        if not DOT16:
+            v = v.to(tl.float32)
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, no_spread, TILT,
+                                                 PV)
+    # estimation zone: ranking slots n_ret .. n_ret + n_est, each cluster a pseudo-token
+    # (centroid key, mean value, log-weight log(size))
+    for off in range(tl.maximum(start, nx), end, BLOCK_N):
+        pos = off + offs_n
         slot = tl.minimum(nret + pos - nx, K_TOP - 1)
-        cid = tl.load(TOP + r * s_top + slot, mask=is_e, other=0)
-        sz = tl.load(SZ + prow * C_CAP + cid, mask=is_e, other=0).to(tl.float32)
-        is_e = is_e & (sz > 0)
-        me = is_e[:, None] & dmask[None, :]
+        cid = tl.load(TOP + r * s_top + slot, mask=pos < end, other=0)
+        sz = tl.load(SZ + prow * C_CAP + cid, mask=pos < end, other=0).to(tl.float32)
+        valid = (pos < end) & (sz > 0)
         crow_e = (prow * C_CAP + cid).to(tl.int64)
-        ke = tl.load(CEN + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
-        ve = tl.load(VS + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
-        is_x = is_s | is_c
-        k = tl.where(is_s[:, None], ks.to(tl.float32),
-                     tl.where(is_c[:, None], kc.to(tl.float32), ke.to(tl.float32)))
-        vmean = ve.to(tl.float32) / tl.maximum(sz, 1.0)[:, None]
-        v = tl.where(is_s[:, None], vsr.to(tl.float32),
-                     tl.where(is_c[:, None], vc.to(tl.float32), vmean))
-        bias = tl.where(is_x, 0.0, tl.log(tl.maximum(sz, 1.0)))
-        bias = tl.where(is_x | is_e, bias, float("-inf"))
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") + bias[None, :]
+        me = valid[:, None] & dmask[None, :]
+        k = tl.load(CEN + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
+        v = tl.load(VS + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
+        v = v.to(tl.float32) / tl.maximum(sz, 1.0)[:, None]
+        s = _logits(q, k, scale, DOT16) + tl.log(tl.maximum(sz, 1.0))[None, :]
         if TILT:
-            spr = tl.load(SP + crow_e, mask=is_e, other=0.0)
-            dv = tl.load(DV + crow_e, mask=is_e, other=0.0)
+            spr = tl.load(SP + crow_e, mask=valid, other=0.0)
+            dv = tl.load(DV + crow_e, mask=valid, other=0.0)
             s += log_tilt_tl(qv[:, None] * spr[None, :], dv[None, :])
         else:
-            spr = ssum  # unused without TILT
-        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT, "ieee")
+            spr = no_spread
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT, PV_EST)
     store_partials(ACC, MX, LS, RA, r * sacc_r + sp * sacc_s, r * sm_r + sp * sm_s, sacc_g,
                    offs_g, offs_d, gmask, dmask, acc, m, ssum, racc, TILT)
 
@@ -272,7 +301,9 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
     launches, every key and value read in place, the row's integers and retrieval runs
     derived in the kernel, the row's tokens split over ``num_splits`` programs (default:
     enough to fill a large GPU) sized from ``width + e_max`` — bounds the host knows, so
-    nothing waits for the device."""
+    nothing waits for the device. 16-bit queries and pools multiply on tensor cores (q.k
+    exact products with fp32 sums; p @ v with p rounded to the values' type, as flash
+    attention does); fp32 ones in IEEE fp32."""
     r, g, d = query.shape
     dev = query.device
     out = torch.empty_like(query)
@@ -283,7 +314,8 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
     block_d = block_size(d)
     block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
     total = max(width + e_max, 1)
-    splits = num_splits or max(1, min(triton.cdiv(264, r), triton.cdiv(total, block_n)))
+    # ~4 programs per SM of a 132-SM GPU (the first H100 run, at 2 per SM, was latency-bound)
+    splits = num_splits or max(1, min(triton.cdiv(528, r), triton.cdiv(total, block_n)))
     chunk = max(block_n, triton.cdiv(triton.cdiv(total, splits), block_n) * block_n)
     splits = triton.cdiv(total, chunk)
     acc = torch.empty(r, splits, g, d, dtype=torch.float32, device=dev)
@@ -294,6 +326,8 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
     query = query.contiguous()
     top = top.contiguous()
     rank = pools.key_factor.shape[2]
+    dot16 = tensor_cores_16bit(query, pools.keys, pools.values, pools.steady_k,
+                               pools.steady_v, pools.centroids)
     _resident_split_kernel[(r, splits)](
         query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
         pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
@@ -307,6 +341,7 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
         vsh.stride(0), vsh.stride(1),
         BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_size(max(r_max, 1)), BLOCK_K=block_size(rank, 2), TILT=tilt,
+        DOT16=dot16,
     )
     merge_splits(acc, mx, ls, ra if tilt else None, vsh if tilt else None, out)
     return out

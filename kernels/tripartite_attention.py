@@ -262,8 +262,9 @@ def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr,
                         PRECISION: tl.constexpr):
     """One block of an online (log-sum-exp) softmax: state (m [G] running max, ssum [G],
     racc [G] the sum of p * spread under the tilted estimator, acc [G, D]) updated with the
-    block's logits s [G, N] and fp32 values v [N, D] (spreads spr [N]); ``PRECISION`` of
-    the p @ v product ("ieee", or "tf32" where v holds 16-bit values; no default: Triton
+    block's logits s [G, N] and values v [N, D] (spreads spr [N]); ``PRECISION`` of the
+    p @ v product: "ieee" or "tf32" (fp32 v), or "native" (16-bit v, p rounded to its type,
+    as flash attention does; no default: Triton
     3.6 passes a device function's default constexpr as a plain str, which fails to
     compile). Returns the new state."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -273,7 +274,11 @@ def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr,
     ssum = ssum * alpha + tl.sum(p, axis=1)
     if TILT:
         racc = racc * alpha + tl.sum(p * spr[None, :], axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    if PRECISION == "native":  # p in v's (16-bit) type: tensor cores, fp32 sums
+        pv = tl.dot(p.to(v.dtype), v)
+    else:
+        pv = tl.dot(p, v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, ssum, racc, acc
 
 

@@ -18,6 +18,7 @@ def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
         assert case["rel_err_vs_reference"] < 1e-5  # fp32: the step is the reference's
         assert case["graph_vs_eager_max_abs"] == 0  # off CUDA the "graph" runs eagerly
         assert case["dense_ms"] > 0 and case["eager_ms"] > 0 and case["torch_ops"] > 0
+        assert case["rank_ms"] > 0 and case["attend_ms"] > 0
 
 
 def test_gpu_check_fits_a_device_lease(tmp_path):

@@ -75,3 +75,16 @@ def test_a_launch_record_types_every_argument():
     assert rec["constexprs"] == {"opt": None, "BLOCK": 64}
     assert rec["options"] == {"num_warps": 8}
     assert rec["module"] == __name__ and rec["name"].endswith("kernel")
+
+
+def test_launches_the_interpreter_ran_in_fp32_are_also_compiled_as_a_gpu_runs_them():
+    """A launch with 16-bit tensors and DOT16=False (the interpreter's 16-bit dots are wrong,
+    so CPU runs multiply in fp32) is compiled with DOT16=True too; fp32 launches are not."""
+    from tests.triton_compile import with_gpu_variants
+
+    bf16 = {"module": "m", "name": "k", "signature": {"Q": "*bf16", "DOT16": "constexpr"},
+            "constexprs": {"DOT16": False}, "options": {}}
+    fp32 = {**bf16, "signature": {"Q": "*fp32", "DOT16": "constexpr"}}
+    out = with_gpu_variants([bf16, fp32])
+    assert out[:2] == [bf16, fp32]
+    assert out[2:] == [{**bf16, "constexprs": {"DOT16": True}}]

@@ -276,25 +276,36 @@ class DeviceLayer:
             steady_tokens=steady.sink_cap + steady.ring)
 
 
+def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float
+                  ) -> torch.Tensor:
+    """Step 1 of :func:`decode_step`: the rows' first ``plan.clusters`` meta columns scored in
+    place and ranked. q [R, G, D] (row r: request r // H, KV head r % H). Returns the
+    ranking [R, K] int64 cluster ids, best first (K = retrieval + estimation bounds)."""
+    c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
+    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, c, scale,
+                                 backend=layer.config.kernel_backend)  # [R, C]
+    return torch.topk(scores, min(r_max + e_max, c), dim=1, sorted=True).indices
+
+
+def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Step 2 of :func:`decode_step`: attention over the steady zone, the retrieved tokens
+    and the estimated clusters of ranking ``top``, read in place. Returns [R, G, D]."""
+    return kernels.resident_attention(
+        q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
+        plan.retrieval, plan.estimation, scale, tilted=layer.config.estimator == "tilted",
+        backend=layer.config.kernel_backend)
+
+
 def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Tripartite decode of ``query[b]`` ([B, Hq, D]) over the index in the plan's batch row
-    b, for the whole batch, with no host synchronisation (see the module docstring).
-    Returns ``out`` ([B, Hq, D], query dtype; allocated when None). Equals
-    :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster choice is the same up to exact
-    ties of scores)."""
-    h, d = layer.num_kv_heads, layer.head_dim
-    backend = layer.config.kernel_backend
-    c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
-    q = query.reshape(query.shape[0] * h, -1, d)  # row r: request r // H, KV head r % H
-    # 1. the rows' first C_live meta columns scored in place, and ranked
-    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, c, scale,
-                                 backend=backend)  # [R, C]
-    top = torch.topk(scores, min(r_max + e_max, c), dim=1, sorted=True).indices  # [R, K]
-    # 2. attention over the steady zone, the retrieved tokens and the estimated clusters
-    res = kernels.resident_attention(
-        q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
-        r_max, e_max, scale, tilted=layer.config.estimator == "tilted", backend=backend)
+    b, for the whole batch, with no host synchronisation (see the module docstring):
+    :func:`rank_clusters`, then :func:`attend`. Returns ``out`` ([B, Hq, D], query dtype;
+    allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster
+    choice is the same up to exact ties of scores)."""
+    q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
+    res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale), scale)
     if out is None:
         return res.view(query.shape)
     out.copy_(res.view(out.shape))

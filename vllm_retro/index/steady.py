@@ -42,6 +42,15 @@ def ring_size(local_window: int, update_segment: int) -> int:
     return local_window + 2 * update_segment
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device, as a tensor's device
+    reads ("cuda:0"), so a pool made for "cuda" fits indexes built there."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class SteadyPool:
     """The steady zone of up to :attr:`num_slots` requests of one layer (see the module
     docstring). ``sink_cap`` sink rows and ``ring`` window rows per slot; ``H`` heads of
@@ -57,7 +66,7 @@ class SteadyPool:
         self.sink_cap = sink_cap
         self.ring = ring
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = _indexed(device)
         self.zeroed = zeroed
         """Rows never written read as zeros (a shared pool, whose rows past a slot's steady
         zone a batched fill may copy: finite, masked by the kernels; a private pool's
@@ -82,7 +91,7 @@ class SteadyPool:
     def fits(self, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
              sink_cap: int, ring: int) -> bool:
         """True when an index of this shape can live in the pool."""
-        return (num_heads, head_dim, dtype, torch.device(device), sink_cap, ring) == (
+        return (num_heads, head_dim, dtype, _indexed(device), sink_cap, ring) == (
             self.num_heads, self.head_dim, self.dtype, self.device, self.sink_cap, self.ring)
 
     def ensure(self, slots: int) -> None:
