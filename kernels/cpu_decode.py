@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 _CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cpu.cpp",
             _CSRC / "buffer_cpu.cpp")
+_HEADERS = (_CSRC / "retro_check.h",)
+"""Included by the sources: part of the build key, not compiled on their own."""
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
@@ -138,7 +140,7 @@ def _build_dir() -> tuple[pathlib.Path, str]:
     root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
     inputs = [*map(str, _SOURCES), *_flags(), torch.__version__,
               *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
                          + "\0".join(inputs).encode()).hexdigest()[:16]
     return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
 

@@ -26,6 +26,8 @@
 // entries free, taken from the top).
 #include <torch/extension.h>
 
+#include "retro_check.h"
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -40,7 +42,7 @@ namespace {
 
 template <typename T>
 T* ptr(const torch::Tensor& t, const char* name, torch::ScalarType type) {
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu(),
+  RETRO_CHECK(t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu(),
               "buffer: ", name, " must be a contiguous CPU tensor of ", type);
   return t.data_ptr<T>();
 }
@@ -53,17 +55,17 @@ constexpr int64_t kAhead = 16;
 
 void check_tables(const torch::Tensor& ids, const torch::Tensor& records,
                   const torch::Tensor& cached) {
-  TORCH_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
+  RETRO_CHECK(ids.dim() == 2, "buffer: ids must be [H, R]");
   const int64_t H = ids.size(0);
-  TORCH_CHECK(records.dim() == 3 && records.size(0) == H && records.size(2) == kWidth,
+  RETRO_CHECK(records.dim() == 3 && records.size(0) == H && records.size(2) == kWidth,
               "buffer: records must be [", H, ", C, ", kWidth, "], got ", records.sizes());
-  TORCH_CHECK(cached.dim() == 2 && cached.size(0) == H && cached.size(1) == records.size(1),
+  RETRO_CHECK(cached.dim() == 2 && cached.size(0) == H && cached.size(1) == records.size(1),
               "buffer: cached must be [H, C] as the records, got ", cached.sizes());
 }
 
 void check_ids(const int64_t* ids, int64_t n, int64_t C) {
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < C, "cluster id ", ids[i],
+    RETRO_CHECK_VALUE(ids[i] >= 0 && ids[i] < C, "cluster id ", ids[i],
                       " is out of range; accepted: 0 to ", C - 1);
 }
 
@@ -101,10 +103,10 @@ int64_t lookup_store(const int64_t* id, int64_t H, int64_t R, const int64_t* rec
       bo[h * R + r] = slot;
       co[2] += ca[k];
       if (!ca[k]) co[3] += cr[kPages];
-      TORCH_CHECK(col0 + slot + n <= t_cap, "buffer: the execution buffer has ", t_cap,
+      RETRO_CHECK(col0 + slot + n <= t_cap, "buffer: the execution buffer has ", t_cap,
                   " slots, the step's tokens need ", col0 + slot + n);
       const int64_t first = cr[kPageStart];
-      TORCH_CHECK(first >= 0 && first + cr[kPages] <= P && cr[kPages] * page_size >= n,
+      RETRO_CHECK(first >= 0 && first + cr[kPages] <= P && cr[kPages] * page_size >= n,
                   "buffer: cluster ", c, " of head ", h, " lies outside the host pool");
       // page by page (a cluster starts on a page boundary): no division per token
       // (a cluster not cached has no page mapped: its rows are host rows, unread)
@@ -115,7 +117,7 @@ int64_t lookup_store(const int64_t* id, int64_t H, int64_t R, const int64_t* rec
         if (run != nullptr && base == next_src && (run[2] > 0) == (sign > 0)) {
           run[2] += sign * m;
         } else {
-          TORCH_CHECK(n_runs < cap, "buffer: the gather plan has room for ", cap, " runs");
+          RETRO_CHECK(n_runs < cap, "buffer: the gather plan has room for ", cap, " runs");
           run = pl + 3 * n_runs++;
           run[0] = (row0 + h) * t_cap + col0 + slot + i0;
           run[1] = base;
@@ -133,11 +135,11 @@ int64_t lookup_store(const int64_t* id, int64_t H, int64_t R, const int64_t* rec
 
 void check_place(const torch::Tensor& plan, int64_t at, int64_t row0, int64_t col0,
                  int64_t t_cap, int64_t page_size) {
-  TORCH_CHECK(plan.dim() == 2 && plan.size(1) == 3, "buffer: the gather plan must be [N, 3]");
-  TORCH_CHECK(at >= 0 && at <= plan.size(0) && row0 >= 0 && col0 >= 0 && col0 <= t_cap,
+  RETRO_CHECK(plan.dim() == 2 && plan.size(1) == 3, "buffer: the gather plan must be [N, 3]");
+  RETRO_CHECK(at >= 0 && at <= plan.size(0) && row0 >= 0 && col0 >= 0 && col0 <= t_cap,
               "buffer: the gather plan's place (at ", at, ", row0 ", row0, ", col0 ", col0,
               ", t_cap ", t_cap, ")");
-  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
+  RETRO_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
 }
 
 }  // namespace
@@ -191,15 +193,15 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
                     int64_t page_size, torch::Tensor plan, std::vector<int64_t> col0,
                     int64_t t_cap, int64_t threads) {
   const int64_t B = int64_t(ids.size());
-  TORCH_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
-  TORCH_CHECK(int64_t(records.size()) == B && int64_t(cached.size()) == B &&
+  RETRO_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
+  RETRO_CHECK(int64_t(records.size()) == B && int64_t(cached.size()) == B &&
                   int64_t(col0.size()) == B,
               "buffer: ids, records, cached and col0 must have one entry per store, got ", B,
               ", ", records.size(), ", ", cached.size(), ", ", col0.size());
   const int64_t H = B && ids[0].dim() == 2 ? ids[0].size(0) : 0;
   std::vector<int64_t> first(B + 1, 0);  // store j's cached / begins from first[j]
   for (int64_t j = 0; j < B; ++j) {
-    TORCH_CHECK(ids[j].dim() == 2 && ids[j].size(0) == H, "buffer: store ", j, "'s ids are ",
+    RETRO_CHECK(ids[j].dim() == 2 && ids[j].size(0) == H, "buffer: store ", j, "'s ids are ",
                 ids[j].sizes(), "; every store has store 0's ", H, " heads");
     check_tables(ids[j], records[j], cached[j]);
     ptr<int64_t>(ids[j], "ids", torch::kInt64);
@@ -212,7 +214,7 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
   const int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int64_t* pl = ptr<int64_t>(plan, "plan", torch::kInt64);
   const int64_t region = H * t_cap;
-  TORCH_CHECK(plan.size(0) >= B * region, "buffer: the gather plan has room for ",
+  RETRO_CHECK(plan.size(0) >= B * region, "buffer: the gather plan has room for ",
               plan.size(0), " runs, the batch needs room for ", B * region);
   auto hit = torch::empty({first[B]}, torch::kBool);
   auto begins = torch::empty({first[B]}, torch::kInt64);
@@ -282,7 +284,7 @@ UpdateStep update_step(const torch::Tensor& ids, const torch::Tensor& hit,
                        const torch::Tensor& capacity) {
   check_tables(ids, records, cached);
   const int64_t H = ids.size(0), R = ids.size(1), C = records.size(1);
-  TORCH_CHECK(hit.sizes() == ids.sizes() && begins.sizes() == ids.sizes() &&
+  RETRO_CHECK(hit.sizes() == ids.sizes() && begins.sizes() == ids.sizes() &&
                   capacity.numel() == H, "buffer: update shapes");
   UpdateStep st{ptr<int64_t>(ids, "ids", torch::kInt64), ptr<bool>(hit, "hit", torch::kBool),
                 ptr<int64_t>(begins, "begins", torch::kInt64),
@@ -399,7 +401,7 @@ UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_
       heap.pop_back();
       const int64_t first = F(h, c, kPageStart), pages = F(h, c, kPages);
       for (int64_t p = first; p < first + pages; ++p) {
-        TORCH_CHECK(p < P && pb[p] >= 0, "buffer: cached cluster ", c, " of head ", h,
+        RETRO_CHECK(p < P && pb[p] >= 0, "buffer: cached cluster ", c, " of head ", h,
                     " has an unmapped page ", p);
         given.push_back(pb[p]);
         pb[p] = -1;
@@ -421,11 +423,11 @@ UpdateDecision update_decide(const UpdateStep& s, int64_t* pb, int64_t P, int64_
 // the stack above n_free).
 std::vector<int64_t> update_take(const UpdateDecision& d, int64_t* fs, int64_t* nf,
                                  int64_t stack_cap) {
-  TORCH_CHECK(nf[0] + int64_t(d.given.size()) <= stack_cap, "buffer: the free list overflows (",
+  RETRO_CHECK(nf[0] + int64_t(d.given.size()) <= stack_cap, "buffer: the free list overflows (",
               nf[0], " + ", d.given.size(), " blocks, ", stack_cap, " in the pool)");
   std::copy(d.given.begin(), d.given.end(), fs + nf[0]);
   nf[0] += int64_t(d.given.size());
-  TORCH_CHECK(d.total <= nf[0], "device block pool: ", d.total, " blocks asked, ", nf[0],
+  RETRO_CHECK(d.total <= nf[0], "device block pool: ", d.total, " blocks asked, ", nf[0],
               " free (budgets overcommitted)");
   std::vector<int64_t> blocks(fs + nf[0] - d.total, fs + nf[0]);
   nf[0] -= d.total;
@@ -460,9 +462,9 @@ void update_admit(const UpdateStep& s, const UpdateDecision& d, const int64_t* b
 }
 
 void check_update_args(int64_t policy, int64_t page_size) {
-  TORCH_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy,
+  RETRO_CHECK(policy == 0 || policy == 1, "buffer: policy ", policy,
               "; accepted: 0 (lru), 1 (lfu)");
-  TORCH_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
+  RETRO_CHECK(page_size > 0, "buffer: page_size ", page_size, "; accepted: >= 1");
 }
 
 }  // namespace
@@ -483,7 +485,7 @@ buffer_update(
     torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
     torch::Tensor n_free, int64_t policy) {
   check_update_args(policy, page_size);
-  TORCH_CHECK(n_free.numel() == 1, "buffer: update shapes");
+  RETRO_CHECK(n_free.numel() == 1, "buffer: update shapes");
   const UpdateStep s = update_step(ids, hit, begins, n_steady, clock, records, cached, capacity);
   int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
@@ -520,13 +522,13 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
                     torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
                     torch::Tensor n_free, int64_t policy, int64_t threads) {
   const int64_t B = int64_t(ids.size());
-  TORCH_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
+  RETRO_CHECK(threads >= 1, "buffer: threads ", threads, "; accepted: >= 1");
   for (const size_t n : {hit.size(), begins.size(), n_steady.size(), clock.size(),
                          records.size(), cached.size(), capacity.size()})
-    TORCH_CHECK(int64_t(n) == B, "buffer: every argument list needs one entry per store (", B,
+    RETRO_CHECK(int64_t(n) == B, "buffer: every argument list needs one entry per store (", B,
                 "), got ", n);
   check_update_args(policy, page_size);
-  TORCH_CHECK(n_free.numel() == 1, "buffer: update shapes");
+  RETRO_CHECK(n_free.numel() == 1, "buffer: update shapes");
   int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
   int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
   int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
@@ -544,6 +546,9 @@ buffer_update_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> h
     } catch (const c10::ValueError& e) {
       kind[j] = 1;
       errors[j] = e.what_without_backtrace();
+    } catch (const std::invalid_argument& e) {  // RETRO_CHECK_VALUE
+      kind[j] = 1;
+      errors[j] = e.what();
     } catch (const c10::Error& e) {
       kind[j] = 2;
       errors[j] = e.what_without_backtrace();

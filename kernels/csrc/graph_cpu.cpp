@@ -25,6 +25,8 @@
 // Part of the project's single CPU extension (kernels/cpu_decode.py _SOURCES); the functions
 // are bound by retro_cpu.cpp.
 #include <torch/extension.h>
+
+#include "retro_check.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -440,7 +442,7 @@ void dispatch_dtype(const torch::Tensor& pool, F&& f) {
     case at::kBFloat16: f(static_cast<at::BFloat16*>(nullptr)); break;
     case at::kHalf: f(static_cast<at::Half*>(nullptr)); break;
     default:
-      TORCH_CHECK(false, "graph index: key dtype ", pool.scalar_type(),
+      RETRO_CHECK(false, "graph index: key dtype ", pool.scalar_type(),
                   " is not supported; accepted: float32, bfloat16, float16");
   }
 }
@@ -467,23 +469,23 @@ GraphArgs graph_args(const torch::Tensor& graph_head, const torch::Tensor& entri
   GraphArgs a;
   a.graph_head = graph_head.to(torch::kLong).contiguous();
   a.entries = entries.to(torch::kLong).contiguous();
-  TORCH_CHECK(a.entries.dim() == 2 && a.entries.size(0) == a.graph_head.size(0),
+  RETRO_CHECK(a.entries.dim() == 2 && a.entries.size(0) == a.graph_head.size(0),
               "graph index: entries must be [G, E] (E entry nodes per graph)");
   a.gh = a.graph_head.data_ptr<int64_t>();
   a.ent = a.entries.data_ptr<int64_t>();
   a.num_entries = a.entries.size(1);
   if (inv.has_value()) {
     a.inv = inv->to(torch::kFloat).contiguous();
-    TORCH_CHECK(a.inv.sizes() == rows.sizes(), "graph index: inv must be [H, N] like rows");
+    RETRO_CHECK(a.inv.sizes() == rows.sizes(), "graph index: inv must be [H, N] like rows");
     a.invp = a.inv.data_ptr<float>();
   }
   return a;
 }
 
 void check_pool(const torch::Tensor& pool, const torch::Tensor& rows) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 2 && pool.is_contiguous(),
+  RETRO_CHECK(pool.device().is_cpu() && pool.dim() == 2 && pool.is_contiguous(),
               "graph index: the key pool must be a contiguous [R, D] CPU tensor");
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 2 &&
+  RETRO_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 2 &&
                   rows.is_contiguous(),
               "graph index: rows must be a contiguous [H, N] int64 CPU tensor");
 }
@@ -499,7 +501,7 @@ torch::Tensor graph_build(torch::Tensor pool, torch::Tensor rows, torch::Tensor 
                           torch::Tensor graph_head, torch::Tensor entries, int64_t m,
                           int64_t ef, c10::optional<torch::Tensor> inv) {
   check_pool(pool, rows);
-  TORCH_CHECK(knn.scalar_type() == at::kInt && knn.dim() == 3 && knn.is_contiguous(),
+  RETRO_CHECK(knn.scalar_type() == at::kInt && knn.dim() == 3 && knn.is_contiguous(),
               "graph_build: knn must be a contiguous [G, Q, K] int32 tensor");
   const int64_t g = knn.size(0), n = rows.size(1);
   auto adj = torch::empty({g, n, 2 * m}, torch::dtype(torch::kInt32));
@@ -528,7 +530,7 @@ void graph_insert(torch::Tensor adj, torch::Tensor pool, torch::Tensor rows,
                   torch::Tensor graph_head, torch::Tensor entries, int64_t n_old,
                   int64_t n_total, int64_t m, int64_t ef, c10::optional<torch::Tensor> inv) {
   check_pool(pool, rows);
-  TORCH_CHECK(adj.scalar_type() == at::kInt && adj.dim() == 3 && adj.is_contiguous() &&
+  RETRO_CHECK(adj.scalar_type() == at::kInt && adj.dim() == 3 && adj.is_contiguous() &&
                   adj.size(1) >= n_total && rows.size(1) >= n_total,
               "graph_insert: adj must be a contiguous [G, >= n_total, W] int32 tensor");
   const int64_t g = adj.size(0), w = adj.size(2), n = rows.size(1);
@@ -557,30 +559,30 @@ std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> graph_searc
     std::vector<torch::Tensor> pools, std::vector<torch::Tensor> rows,
     std::vector<torch::Tensor> entries, int64_t ef) {
   const int64_t nb = static_cast<int64_t>(queries.size());
-  TORCH_CHECK(adjs.size() == queries.size() && pools.size() == queries.size() &&
+  RETRO_CHECK(adjs.size() == queries.size() && pools.size() == queries.size() &&
                   rows.size() == queries.size() && entries.size() == queries.size(),
               "graph_search: one adjacency, pool, rows and entries per query tensor");
-  TORCH_CHECK(ef >= 1, "graph_search: ef must be positive");
+  RETRO_CHECK(ef >= 1, "graph_search: ef must be positive");
   std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> out;
   std::vector<int64_t> first(nb + 1, 0);
   std::vector<torch::Tensor> ent(nb);
   for (int64_t b = 0; b < nb; ++b) {
     check_pool(pools[b], rows[b]);
-    TORCH_CHECK(queries[b].scalar_type() == at::kFloat && queries[b].is_contiguous() &&
+    RETRO_CHECK(queries[b].scalar_type() == at::kFloat && queries[b].is_contiguous() &&
                     queries[b].dim() == 2 && queries[b].size(1) == pools[b].size(1),
                 "graph_search: queries must be contiguous [Hq, D] float32");
-    TORCH_CHECK(adjs[b].scalar_type() == at::kInt && adjs[b].is_contiguous() &&
+    RETRO_CHECK(adjs[b].scalar_type() == at::kInt && adjs[b].is_contiguous() &&
                     adjs[b].dim() == 3 && adjs[b].size(1) >= rows[b].size(1),
                 "graph_search: adjacency must be a contiguous [G, >= N, W] int32 tensor");
     const int64_t hq = queries[b].size(0);
-    TORCH_CHECK(hq % adjs[b].size(0) == 0 && hq % rows[b].size(0) == 0,
+    RETRO_CHECK(hq % adjs[b].size(0) == 0 && hq % rows[b].size(0) == 0,
                 "graph_search: query heads must be a multiple of graphs and KV heads");
     out.emplace_back(torch::full({hq, ef}, -1, torch::dtype(torch::kLong)),
                      torch::full({hq, ef}, -std::numeric_limits<float>::infinity(),
                                  torch::dtype(torch::kFloat)),
                      torch::zeros({hq}, torch::dtype(torch::kLong)));
     ent[b] = entries[b].to(torch::kLong).contiguous();
-    TORCH_CHECK(ent[b].dim() == 2 && ent[b].size(0) == adjs[b].size(0),
+    RETRO_CHECK(ent[b].dim() == 2 && ent[b].size(0) == adjs[b].size(0),
                 "graph_search: entries must be [G, E] per request");
     first[b + 1] = first[b] + hq;
   }
@@ -758,7 +760,7 @@ graph_decode(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> adjs
              std::vector<std::vector<torch::Tensor>> steady_v, std::vector<int64_t> ks,
              std::vector<int64_t> budgets, int64_t ef, double scale, bool want_chosen) {
   const int64_t nb = static_cast<int64_t>(queries.size());
-  TORCH_CHECK(adjs.size() == queries.size() && entries.size() == queries.size() &&
+  RETRO_CHECK(adjs.size() == queries.size() && entries.size() == queries.size() &&
                   rows.size() == queries.size() && kpools.size() == queries.size() &&
                   vpools.size() == queries.size() && steady_k.size() == queries.size() &&
                   steady_v.size() == queries.size() && ks.size() == queries.size() &&
@@ -771,20 +773,20 @@ graph_decode(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> adjs
     check_pool(kpools[b], rows[b]);
     check_pool(vpools[b], rows[b]);
     d = kpools[b].size(1);
-    TORCH_CHECK(queries[b].scalar_type() == at::kFloat && queries[b].is_contiguous() &&
+    RETRO_CHECK(queries[b].scalar_type() == at::kFloat && queries[b].is_contiguous() &&
                     queries[b].dim() == 2 && queries[b].size(1) == d,
                 "graph_decode: queries must be contiguous [Hq, D] float32");
-    TORCH_CHECK(kpools[b].scalar_type() == vpools[b].scalar_type(),
+    RETRO_CHECK(kpools[b].scalar_type() == vpools[b].scalar_type(),
                 "graph_decode: key and value pools differ in dtype");
-    TORCH_CHECK(adjs[b].scalar_type() == at::kInt && adjs[b].is_contiguous() &&
+    RETRO_CHECK(adjs[b].scalar_type() == at::kInt && adjs[b].is_contiguous() &&
                     adjs[b].dim() == 3 && adjs[b].size(1) >= rows[b].size(1),
                 "graph_decode: adjacency must be a contiguous [G, >= N, W] int32 tensor");
     const int64_t hq = queries[b].size(0), hk = rows[b].size(0);
-    TORCH_CHECK(hq % adjs[b].size(0) == 0 && hq % hk == 0 && adjs[b].size(0) % hk == 0,
+    RETRO_CHECK(hq % adjs[b].size(0) == 0 && hq % hk == 0 && adjs[b].size(0) % hk == 0,
                 "graph_decode: query heads must be a multiple of graphs, graphs of KV heads");
-    TORCH_CHECK(steady_k[b].size() == steady_v[b].size(), "graph_decode: steady pieces");
+    RETRO_CHECK(steady_k[b].size() == steady_v[b].size(), "graph_decode: steady pieces");
     for (size_t p = 0; p < steady_k[b].size(); ++p)
-      TORCH_CHECK(steady_k[b][p].dim() == 3 && steady_k[b][p].size(0) == hk &&
+      RETRO_CHECK(steady_k[b][p].dim() == 3 && steady_k[b][p].size(0) == hk &&
                       steady_k[b][p].stride(2) == 1 && steady_v[b][p].stride(2) == 1 &&
                       steady_k[b][p].sizes() == steady_v[b][p].sizes() &&
                       steady_k[b][p].scalar_type() == kpools[b].scalar_type() &&
@@ -792,7 +794,7 @@ graph_decode(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> adjs
                   "graph_decode: steady pieces must be [Hk, n, D] in the pools' dtype, "
                   "last dim contiguous");
     ent[b] = entries[b].to(torch::kLong).contiguous();
-    TORCH_CHECK(ent[b].dim() == 2 && ent[b].size(0) == adjs[b].size(0),
+    RETRO_CHECK(ent[b].dim() == 2 && ent[b].size(0) == adjs[b].size(0),
                 "graph_decode: entries must be [G, E] per request");
     q0[b + 1] = q0[b] + hq;
     h0[b + 1] = h0[b] + hk;

@@ -13,6 +13,8 @@
 // the lanes update a running (best similarity, first index) per lane, and the 16 lanes are
 // reduced once per point at the end.
 #include <torch/extension.h>
+
+#include "retro_check.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -135,17 +137,17 @@ constexpr AssignFn kAssign[kPoints + 1] = {nullptr,          assign_points<1>, a
 // writes out [S, N] int64. See the header comment.
 void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_valid,
                    torch::Tensor k_valid, torch::Tensor out) {
-  TORCH_CHECK(x.dim() == 3 && centroids.dim() == 3 && x.size(0) == centroids.size(0) &&
+  RETRO_CHECK(x.dim() == 3 && centroids.dim() == 3 && x.size(0) == centroids.size(0) &&
                   x.size(2) == centroids.size(2),
               "retro_cpu.kmeans_assign: x must be [S, N, D] and centroids [S, K, D]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && centroids.scalar_type() == torch::kFloat &&
+  RETRO_CHECK(x.scalar_type() == torch::kFloat && centroids.scalar_type() == torch::kFloat &&
                   x.is_contiguous() && centroids.is_contiguous(),
               "retro_cpu.kmeans_assign: x and centroids must be contiguous float32");
-  TORCH_CHECK(n_valid.scalar_type() == torch::kLong && k_valid.scalar_type() == torch::kLong &&
+  RETRO_CHECK(n_valid.scalar_type() == torch::kLong && k_valid.scalar_type() == torch::kLong &&
                   n_valid.is_contiguous() && k_valid.is_contiguous() &&
                   n_valid.numel() == x.size(0) && k_valid.numel() == x.size(0),
               "retro_cpu.kmeans_assign: n_valid and k_valid must be [S] int64");
-  TORCH_CHECK(out.scalar_type() == torch::kLong && out.is_contiguous() &&
+  RETRO_CHECK(out.scalar_type() == torch::kLong && out.is_contiguous() &&
                   out.size(0) == x.size(0) && out.size(1) == x.size(1),
               "retro_cpu.kmeans_assign: out must be [S, N] int64");
   const int64_t S = x.size(0), N = x.size(1), D = x.size(2), K = centroids.size(1);
@@ -153,7 +155,7 @@ void kmeans_assign(torch::Tensor x, torch::Tensor centroids, torch::Tensor n_val
   const int64_t* nv = n_valid.data_ptr<int64_t>();
   const int64_t* kv = k_valid.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
-    TORCH_CHECK(nv[s] >= 0 && nv[s] <= N && kv[s] >= 0 && kv[s] <= K,
+    RETRO_CHECK(nv[s] >= 0 && nv[s] <= N && kv[s] >= 0 && kv[s] <= K,
                 "retro_cpu.kmeans_assign: set ", s, " has n_valid ", nv[s], " (accepted 0..", N,
                 ") and k_valid ", kv[s], " (accepted 0..", K, ")");
   std::vector<float> packed(size_t(S) * D * kp, 0.f);

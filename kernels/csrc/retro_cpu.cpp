@@ -15,6 +15,8 @@
 // Each row's state is passed as its own tensors (no copies into a padded batch); rows may
 // differ in cluster count, steady-zone length and budgets.
 #include <torch/extension.h>
+
+#include "retro_check.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -58,7 +60,7 @@ struct Rows {
 
 template <typename T>
 Rows<T> rows3(const torch::Tensor& t) {  // [H, n, D]
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "retro_cpu: expected [H, n, D] rows, D contiguous");
+  RETRO_CHECK(t.dim() == 3 && t.stride(2) == 1, "retro_cpu: expected [H, n, D] rows, D contiguous");
   return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
 }
 
@@ -66,7 +68,7 @@ Rows<T> rows3(const torch::Tensor& t) {  // [H, n, D]
 // rows read from ring row `first` on, wrapping at `cap`.
 inline void check_window(int64_t n_sink, int64_t sink_rows, int64_t n_win, int64_t first,
                          int64_t cap) {
-  TORCH_CHECK(n_sink >= 0 && n_sink <= sink_rows && n_win >= 0 && n_win <= cap &&
+  RETRO_CHECK(n_sink >= 0 && n_sink <= sink_rows && n_win >= 0 && n_win <= cap &&
                   (n_win == 0 || (first >= 0 && first < cap)),
               "retro_cpu: steady zone out of range (sinks ", n_sink, " of ", sink_rows,
               ", window ", n_win, " rows from ", first, " of a ring of ", cap, ")");
@@ -931,16 +933,16 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
                       const std::vector<torch::Tensor>& given, int64_t* phase_ns) {
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = meta.empty() ? 0 : meta[0].size(0);
-  TORCH_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
+  RETRO_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
   const int G = int(Hq / H);
   std::vector<RowArgs<T>> rows(B);
   for (int64_t b = 0; b < B; ++b) {
     RowArgs<T>& a = rows[b];
     const torch::Tensor& cent = meta[5 * b], &vsum = meta[5 * b + 1], &sz = meta[5 * b + 2],
                          &sp = meta[5 * b + 3], &dv = meta[5 * b + 4];
-    TORCH_CHECK(cent.size(0) == H && (cent.size(2) == D || cent.size(2) == 2 * D) &&
+    RETRO_CHECK(cent.size(0) == H && (cent.size(2) == D || cent.size(2) == 2 * D) &&
                     cent.stride(2) == 1, "retro_cpu: centroids");
-    TORCH_CHECK(vsum.stride(2) == 1 && sz.scalar_type() == torch::kInt32, "retro_cpu: value sums / sizes");
+    RETRO_CHECK(vsum.stride(2) == 1 && sz.scalar_type() == torch::kInt32, "retro_cpu: value sums / sizes");
     a.C = cent.size(1);
     a.cent = cent.data_ptr<T>(); a.cent_h = cent.stride(0); a.cent_c = cent.stride(1);
     a.vsum = vsum.data_ptr<T>(); a.vsum_h = vsum.stride(0); a.vsum_c = vsum.stride(1);
@@ -949,23 +951,23 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
       a.spreads = sp.data_ptr<float>(); a.spreads_h = sp.stride(0); a.spreads_c = sp.stride(1);
       a.deviates = dv.data_ptr<float>(); a.dev_h = dv.stride(0); a.dev_c = dv.stride(1);
       const torch::Tensor &prof = tilt[3 * b], &kf = tilt[3 * b + 1], &vf = tilt[3 * b + 2];
-      TORCH_CHECK(prof.is_contiguous() && kf.is_contiguous() && vf.is_contiguous(),
+      RETRO_CHECK(prof.is_contiguous() && kf.is_contiguous() && vf.is_contiguous(),
                   "retro_cpu: residual model terms must be contiguous");
       a.profile = prof.data_ptr<float>(); a.kfac = kf.data_ptr<float>();
       a.vfac = vf.data_ptr<float>(); a.rank = kf.size(2);
     }
     const torch::Tensor &kk = kv[3 * b], &vv = kv[3 * b + 1], &cs = kv[3 * b + 2];
-    TORCH_CHECK(kk.stride(-1) == 1 && kk.size(-1) == D, "retro_cpu: KV pool rows");
+    RETRO_CHECK(kk.stride(-1) == 1 && kk.size(-1) == D, "retro_cpu: KV pool rows");
     a.kv_k = kk.data_ptr<T>(); a.kv_v = vv.data_ptr<T>(); a.kv_row = kk.stride(-2);
     if (a.C > 0) {
-      TORCH_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= a.C, "retro_cpu: cluster starts");
+      RETRO_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= a.C, "retro_cpu: cluster starts");
       a.cstart = cs.data_ptr<int64_t>(); a.cstart_h = cs.stride(0); a.cstart_c = cs.stride(1);
     }
     a.head_rows = ints[7 * b]; a.start_mult = ints[7 * b + 1];
     a.n_sink = ints[7 * b + 2]; a.n_win = ints[7 * b + 3]; a.win_first = ints[7 * b + 4];
     a.r = ints[7 * b + 5]; a.e = ints[7 * b + 6];
     a.split = cent.size(2) == 2 * D;
-    TORCH_CHECK(!a.split || a.e == 0, "retro_cpu: page bounds [H, C, 2D] estimate nothing; "
+    RETRO_CHECK(!a.split || a.e == 0, "retro_cpu: page bounds [H, C, 2D] estimate nothing; "
                 "rows scored by them need e = 0, got ", a.e);
     a.sink_k = rows3<T>(steady[4 * b]); a.sink_v = rows3<T>(steady[4 * b + 1]);
     a.win_k = rows3<T>(steady[4 * b + 2]); a.win_v = rows3<T>(steady[4 * b + 3]);
@@ -973,15 +975,15 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
     check_window(a.n_sink, steady[4 * b].size(1), a.n_win, a.win_first, a.win_cap);
     if (!given.empty()) {
       const torch::Tensor& gv = given[b];
-      TORCH_CHECK(gv.scalar_type() == torch::kInt64 && gv.dim() == 2 && gv.size(0) == H &&
+      RETRO_CHECK(gv.scalar_type() == torch::kInt64 && gv.dim() == 2 && gv.size(0) == H &&
                       (gv.size(1) == 0 || gv.stride(1) == 1),
                   "retro_cpu: a given selection must be int64 [H, n]");
       if (gv.numel()) {
         const auto [lo, hi] = gv.aminmax();
-        TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < sz.size(1),
+        RETRO_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < sz.size(1),
                     "retro_cpu: a given cluster id is out of range; accepted: 0 to ",
                     sz.size(1) - 1);
-        TORCH_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= sz.size(1),
+        RETRO_CHECK(cs.scalar_type() == torch::kInt64 && cs.size(1) >= sz.size(1),
                     "retro_cpu: cluster starts");
         a.cstart = cs.data_ptr<int64_t>(); a.cstart_h = cs.stride(0); a.cstart_c = cs.stride(1);
       }
@@ -1103,23 +1105,23 @@ void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tenso
                     const std::vector<int64_t>& ints) {
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = pq[0].size(0);
-  TORCH_CHECK(Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
+  RETRO_CHECK(Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
   const int G = int(Hq / H);
   for (int64_t b = 0; b < B; ++b) {
     const torch::Tensor &codes = pq[5 * b], &books = pq[5 * b + 1], &tc = pq[5 * b + 2],
                         &to = pq[5 * b + 3], &st = pq[5 * b + 4];
-    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(0) == H &&
+    RETRO_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(0) == H &&
                     codes.stride(2) == 1 && codes.stride(1) == codes.size(2),
                 "retro_cpu: codes must be uint8 [H, N, m], rows contiguous");
-    TORCH_CHECK(books.scalar_type() == torch::kFloat && books.is_contiguous() &&
+    RETRO_CHECK(books.scalar_type() == torch::kFloat && books.is_contiguous() &&
                     books.dim() == 4 && books.size(1) == codes.size(2) &&
                     books.size(1) * books.size(3) == D,
                 "retro_cpu: codebooks must be contiguous fp32 [H, m, K, D / m]");
-    TORCH_CHECK(tc.scalar_type() == torch::kInt64 && to.scalar_type() == torch::kInt64 &&
+    RETRO_CHECK(tc.scalar_type() == torch::kInt64 && to.scalar_type() == torch::kInt64 &&
                     tc.numel() >= codes.size(1) && to.numel() >= codes.size(1) &&
                     st.scalar_type() == torch::kInt64 && st.is_contiguous(),
                 "retro_cpu: token maps and cluster starts must be int64");
-    TORCH_CHECK(pools[2 * b].stride(1) == 1 && pools[2 * b].size(1) == D,
+    RETRO_CHECK(pools[2 * b].stride(1) == 1 && pools[2 * b].size(1) == D,
                 "retro_cpu: pools must be [rows, D] with D contiguous");
     check_window(steady[4 * b].size(1), steady[4 * b].size(1), ints[5 * b + 3],
                  ints[5 * b + 4], steady[4 * b + 2].size(1));
@@ -1175,11 +1177,11 @@ void pq_decode_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tenso
 void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch::Tensor sel,
                double scale, std::vector<torch::Tensor> pq, std::vector<torch::Tensor> pools,
                std::vector<torch::Tensor> steady, std::vector<int64_t> ints) {
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+  RETRO_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
+  RETRO_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
                   out.stride(2) == 1, "retro_cpu: out must match query");
   const int64_t B = query.size(0);
-  TORCH_CHECK(int64_t(pq.size()) == 5 * B && int64_t(pools.size()) == 2 * B &&
+  RETRO_CHECK(int64_t(pq.size()) == 5 * B && int64_t(pools.size()) == 2 * B &&
                   int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 5 * B,
               "retro_cpu: per-row argument lists do not match the batch");
   if (B == 0) return;
@@ -1194,7 +1196,7 @@ void pq_decode(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torch:
       pq_decode_impl<c10::Half>(query, out, lse, sel, scale, pq, pools, steady, ints);
       break;
     default:
-      TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
+      RETRO_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
                   " is not supported; accepted: float32, bfloat16, float16");
   }
 }
@@ -1221,11 +1223,11 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
                  std::vector<torch::Tensor> kv, std::vector<torch::Tensor> steady,
                  std::vector<int64_t> ints, bool tilted, std::vector<torch::Tensor> given,
                  torch::Tensor phase_ns) {
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1,
+  RETRO_CHECK(query.dim() == 3 && query.stride(2) == 1, "retro_cpu: query must be [B, Hq, D]");
+  RETRO_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1,
               "retro_cpu: out must match query");
   const int64_t B = query.size(0);
-  TORCH_CHECK(int64_t(meta.size()) == 5 * B && int64_t(kv.size()) == 3 * B &&
+  RETRO_CHECK(int64_t(meta.size()) == 5 * B && int64_t(kv.size()) == 3 * B &&
                   int64_t(steady.size()) == 4 * B && int64_t(ints.size()) == 7 * B &&
                   (!tilted || int64_t(tilt.size()) == 3 * B) &&
                   (given.empty() || int64_t(given.size()) == B),
@@ -1233,7 +1235,7 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
   if (B == 0) return;
   int64_t* ph = nullptr;
   if (phase_ns.numel()) {
-    TORCH_CHECK(phase_ns.scalar_type() == torch::kInt64 && phase_ns.is_contiguous() &&
+    RETRO_CHECK(phase_ns.scalar_type() == torch::kInt64 && phase_ns.is_contiguous() &&
                     phase_ns.numel() == B * meta[0].size(0) * kPhases,
                 "retro_cpu: phase_ns must be int64 [B * H, ", kPhases, "]");
     ph = phase_ns.data_ptr<int64_t>();
@@ -1252,7 +1254,7 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
                                   tilted, given, ph);
       break;
     default:
-      TORCH_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
+      RETRO_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
                   " is not supported; accepted: float32, bfloat16, float16");
   }
 }
@@ -1265,18 +1267,18 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
 // decode step leaves them (bench/README.md, "Python around the kernel").
 void steady_write(torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor slots,
                   torch::Tensor rows, torch::Tensor keys, torch::Tensor values) {
-  TORCH_CHECK(pool_k.dim() == 4 && pool_k.is_contiguous() && pool_v.is_contiguous() &&
+  RETRO_CHECK(pool_k.dim() == 4 && pool_k.is_contiguous() && pool_v.is_contiguous() &&
                   pool_v.sizes() == pool_k.sizes(),
               "retro_cpu: steady pools must be contiguous [slots, rows, H, D], K and V alike");
   const int64_t S = pool_k.size(0), R = pool_k.size(1), H = pool_k.size(2), D = pool_k.size(3);
   const auto dt = pool_k.scalar_type();
-  TORCH_CHECK(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D && keys.stride(2) == 1 &&
+  RETRO_CHECK(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D && keys.stride(2) == 1 &&
                   values.sizes() == keys.sizes() && values.stride(2) == 1,
               "retro_cpu: new tokens must be [B, ", H, ", ", D, "] with the last dim contiguous");
-  TORCH_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt && pool_v.scalar_type() == dt,
+  RETRO_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt && pool_v.scalar_type() == dt,
               "retro_cpu: new tokens must be in the pool's dtype ", dt);
   const int64_t B = keys.size(0);
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64 &&
+  RETRO_CHECK(slots.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64 &&
                   slots.dim() == 1 && rows.dim() == 1 && slots.size(0) == B && rows.size(0) == B,
               "retro_cpu: slots and rows must be int64 [", B, "]");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -1284,7 +1286,7 @@ void steady_write(torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor slot
   const int64_t s0 = slots.stride(0), r0 = rows.stride(0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t s = sp[b * s0], r = rp[b * r0];
-    TORCH_CHECK(s >= 0 && s < S && r >= 0 && r < R, "retro_cpu: steady row (slot ", s, ", row ",
+    RETRO_CHECK(s >= 0 && s < S && r >= 0 && r < R, "retro_cpu: steady row (slot ", s, ", row ",
                 r, ") is outside the pool; accepted: slots 0 to ", S - 1, ", rows 0 to ", R - 1);
   }
   const int64_t esz = pool_k.element_size(), row_bytes = D * esz;
@@ -1306,7 +1308,7 @@ void steady_write(torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor slot
 // The tilted estimator's correction, log_tilt(v, tilt_const(a)), elementwise over float32
 // tensors of one shape: the fused kernel's own code, for tests against log_tilt_ref.
 torch::Tensor log_tilt_grid(const torch::Tensor& v, const torch::Tensor& a) {
-  TORCH_CHECK(v.scalar_type() == torch::kFloat && a.scalar_type() == torch::kFloat &&
+  RETRO_CHECK(v.scalar_type() == torch::kFloat && a.scalar_type() == torch::kFloat &&
                   v.sizes() == a.sizes(),
               "retro_cpu: log_tilt_grid takes float32 v and a of one shape");
   const torch::Tensor vc = v.contiguous(), ac = a.contiguous();
@@ -1379,7 +1381,7 @@ std::string scoring_isa() {
 std::string set_scoring_isa(const std::string& isa) {
 #ifdef RETRO_AVX512BF16
   const int cap = isa == "avx512bf16" ? kScoreAvx512 : isa == "avx2" ? kScoreAvx2 : -1;
-  TORCH_CHECK(cap >= 0, "retro_cpu: scoring isa must be one of 'avx512bf16', 'avx2', got '",
+  RETRO_CHECK(cap >= 0, "retro_cpu: scoring isa must be one of 'avx512bf16', 'avx2', got '",
               isa, "'");
   g_score_cap.store(cap);
 #endif
