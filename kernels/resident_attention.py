@@ -168,6 +168,22 @@ def _logits(q, k, scale, DOT16: tl.constexpr):
 
 
 @triton.jit
+def _exact_tile(m, ssum, racc, acc, q, K, V, rows, valid, D, offs_d, dmask, scale, no_spread,
+                TILT: tl.constexpr, DOT16: tl.constexpr):
+    """A tile of exact tokens, rows ``rows`` [N] of K / V ([*, D] rows; ``valid`` [N] of them
+    real), into the online softmax state; p @ v in the values' 16-bit type on tensor cores
+    (p rounded as flash attention does), or IEEE fp32. Returns the new state."""
+    mk = valid[:, None] & dmask[None, :]
+    k = tl.load(K + rows[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+    v = tl.load(V + rows[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+    s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
+    if not DOT16:
+        v = v.to(tl.float32)
+    PV: tl.constexpr = "native" if DOT16 else "ieee"
+    return online_softmax_step(m, ssum, racc, acc, s, v, no_spread, TILT, PV)
+
+
+@triton.jit
 def _resident_split_kernel(
     Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF, KF, VF,
     ACC, MX, LS, RA, VSH,
@@ -213,9 +229,7 @@ def _resident_split_kernel(
     ssum = tl.zeros([BLOCK_G], tl.float32)
     racc = tl.zeros([BLOCK_G], tl.float32)
     no_spread = tl.zeros([BLOCK_N], tl.float32)  # exact tokens: no tilted correction
-    # p @ v of exact tokens: p in the values' 16-bit type on tensor cores, like flash
-    # attention; of estimated ones (fp32 mean values): tf32, or IEEE fp32 for fp32 runs
-    PV: tl.constexpr = "native" if DOT16 else "ieee"
+    # p @ v of estimated tokens (fp32 mean values): tf32, or IEEE fp32 for fp32 runs
     PV_EST: tl.constexpr = "tf32" if DOT16 else "ieee"
     if TILT:  # variance of scale * q.(k - C) per unit of spread
         qs = q.to(tl.float32) * scale
@@ -241,14 +255,8 @@ def _resident_split_kernel(
         valid = pos < s_end
         zrow = tl.where(pos < sinks, pos, SINK_CAP + (rstart + pos - sinks) % RING)
         srow = ((sslot * z + zrow) * H + head).to(tl.int64)
-        mk = valid[:, None] & dmask[None, :]
-        k = tl.load(SKP + srow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
-        v = tl.load(SVP + srow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
-        s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
-        if not DOT16:
-            v = v.to(tl.float32)
-        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, no_spread, TILT,
-                                                 PV)
+        m, ssum, racc, acc = _exact_tile(m, ssum, racc, acc, q, SKP, SVP, srow, valid, D,
+                                         offs_d, dmask, scale, no_spread, TILT, DOT16)
     # retrieval zone: token u in run j = the number of ends <= u (a one-hot pick of its
     # offset), at pool row offs[j] + u
     c_end = tl.minimum(end, nx)
@@ -259,14 +267,8 @@ def _resident_split_kernel(
         run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
         off_run = tl.sum(tl.where(offs_r[None, :] == run[:, None], offs_run[None, :], 0), axis=1)
         crow = prow * N_CAP + off_run + u
-        mk = valid[:, None] & dmask[None, :]
-        k = tl.load(KP + crow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
-        v = tl.load(VP + crow[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
-        s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
-        if not DOT16:
-            v = v.to(tl.float32)
-        m, ssum, racc, acc = online_softmax_step(m, ssum, racc, acc, s, v, no_spread, TILT,
-                                                 PV)
+        m, ssum, racc, acc = _exact_tile(m, ssum, racc, acc, q, KP, VP, crow, valid, D,
+                                         offs_d, dmask, scale, no_spread, TILT, DOT16)
     # estimation zone: ranking slots n_ret .. n_ret + n_est, each cluster a pseudo-token
     # (centroid key, mean value, log-weight log(size))
     for off in range(tl.maximum(start, nx), end, BLOCK_N):
