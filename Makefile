@@ -25,6 +25,9 @@ test: setup lint
 	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra tests
 
 # Every Triton kernel launch of the kernel and device-step tests compiled for an H100/H200
-# (cuda:90) with this environment's Triton, no GPU needed (tests/triton_compile.py; ~5 min).
+# (cuda:90), no GPU needed (tests/triton_compile.py; ~5 min): with this environment's Triton,
+# or with TRITON_PATH=DIR the one installed there (`pip install --target DIR triton==3.6.0`,
+# the lent GPUs' version).
+TRITON_PATH ?=
 triton-compile: setup
-	$(PY) -m tests.triton_compile --arch 90
+	$(PY) -m tests.triton_compile --arch 90 $(if $(TRITON_PATH),--triton-path $(TRITON_PATH))

@@ -9,10 +9,13 @@ types and constexpr values while tests run under the interpreter (a pytest plugi
 compiles each distinct specialization for ``cuda:<arch>`` down to a cubin (Triton's bundled
 ``ptxas``) in a process without the interpreter.
 
-    python -m tests.triton_compile [--arch 90] [PYTEST ARGS...]
+    python -m tests.triton_compile [--arch 90] [--triton-path DIR] [PYTEST ARGS...]
 
 runs pytest (default: the Triton kernel tests and the device step's) with the recorder, then
-compiles what it recorded; exit status 0 only when every kernel compiled.
+compiles what it recorded; exit status 0 only when every kernel compiled. ``--triton-path``
+compiles with the Triton installed in DIR (``pip install --target DIR triton==3.6.0``: the
+lent GPUs' version, whose frontend refused what 3.9's accepts) while the tests record with
+this environment's.
 """
 
 from __future__ import annotations
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA compute capability x 10 (90: H100/H200)")
     parser.add_argument("--records", type=pathlib.Path, default=None,
                         help="compile these records (JSON) instead of running tests")
+    parser.add_argument("--triton-path", type=pathlib.Path, default=None,
+                        help="compile with the Triton installed in this directory")
     args, pytest_args = parser.parse_known_args(argv)
     root = pathlib.Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -171,10 +176,16 @@ def main(argv: list[str] | None = None) -> int:
             if run.returncode != 0:
                 print(f"the recording test run failed (exit {run.returncode})")
                 return 1
+            if args.triton_path is not None:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [str(args.triton_path.resolve()), str(root), env.get("PYTHONPATH", "")])
             return subprocess.run([sys.executable, "-m", "tests.triton_compile", "--arch",
                                    str(args.arch), "--records", str(path)], cwd=root,
                                   env=env).returncode
+    import triton
+
     records = with_gpu_variants(json.loads(args.records.read_text()))
+    print(f"Triton {triton.__version__} from {pathlib.Path(triton.__file__).parent}")
     t0 = time.perf_counter()
     failures = compile_records(records, args.arch)
     kernels = {f"{r['module']}.{r['name']}" for r in records}
