@@ -264,9 +264,8 @@ def online_softmax_step(m, ssum, racc, acc, s, v, spr, TILT: tl.constexpr,
     racc [G] the sum of p * spread under the tilted estimator, acc [G, D]) updated with the
     block's logits s [G, N] and values v [N, D] (spreads spr [N]); ``PRECISION`` of the
     p @ v product: "ieee" or "tf32" (fp32 v), or "native" (16-bit v, p rounded to its type,
-    as flash attention does; no default: Triton
-    3.6 passes a device function's default constexpr as a plain str, which fails to
-    compile). Returns the new state."""
+    as flash attention does). It has no default: Triton 3.6 passes a device function's
+    default constexpr as a plain str, which fails to compile. Returns the new state."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
