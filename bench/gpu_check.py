@@ -15,8 +15,8 @@ stage in its own process under a time limit, and writes into OUTDIR:
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the padded path, the device
 step, the pinning lifecycle), the two benchmarks, then the C++ CPU extension's tests on the
-GPU host's CPU. A stage that fails or runs out of time
-is recorded and the next one still runs. Exit status 0 only when every stage passed.
+GPU host's CPU. A stage that fails or runs out of time is recorded and the next one still
+runs. Exit status 0 only when every stage passed.
 """
 
 from __future__ import annotations

@@ -55,13 +55,13 @@ def launch_record(fn: Any, args: tuple, kwargs: dict) -> dict:
 
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
     for name, value in bound.arguments.items():
-        annotation = params[name].annotation
+        annotation = sig.parameters[name].annotation
         is_constexpr = "constexpr" in str(annotation)
         if is_constexpr or value is None:
             signature[name] = "constexpr"
