@@ -35,18 +35,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_retro.config import RetroConfig  # noqa: E402
+from vllm_retro.index.evaluate import exact_attention  # noqa: E402
 from vllm_retro.index.wave_index import WaveIndex  # noqa: E402
-
-
-def dense_output(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Exact attention in fp64: query [Hq, D] over keys, values [H_kv, N, D] (query head i
-    reads KV head ``i // (Hq // H_kv)``); returns [Hq, D]."""
-    group = query.shape[0] // keys.shape[0]
-    k = keys.double().repeat_interleave(group, 0)
-    v = values.double().repeat_interleave(group, 0)
-    p = torch.softmax(torch.einsum("hd,hnd->hn", query.double(), k) * scale, -1)
-    return torch.einsum("hn,hnd->hd", p, v)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -68,8 +58,8 @@ def layer_errors(data: dict[str, Any], config: RetroConfig) -> dict[int, float]:
                 t = p + i
                 index.append(k[:, t:t + 1].clone(), v[:, t:t + 1].clone())
                 out = index.decode(q[:, i], scale).output
-                errs.append(relative_error(out, dense_output(q[:, i], k[:, :t + 1],
-                                                             v[:, :t + 1], scale)).mean().item())
+                dense, _ = exact_attention(q[:, i], k[:, :t + 1], v[:, :t + 1], scale)
+                errs.append(relative_error(out, dense).mean().item())
             per.setdefault(int(name.split(".")[2]), []).append(statistics.mean(errs))
     return {layer: statistics.mean(v) for layer, v in sorted(per.items())}
 
@@ -88,6 +78,7 @@ def record(path: str, samples: int, tokens: int, max_tokens: int) -> None:
 
     rec: dict[str, dict[str, dict[str, Any]]] = {}
     worst = [0.0]
+    scales: set[float] = set()
     serving = route.RouteImplMixin.forward
 
     def forward(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs):
@@ -95,6 +86,7 @@ def record(path: str, samples: int, tokens: int, max_tokens: int) -> None:
             return serving(self, layer, query, key, value, kv_cache, md, output, *args,
                            **kwargs)
         name = layer.layer_name
+        scales.add(self.scale)
         for b in md.plan.builds:
             k, v = self.read_kv(layer, kv_cache, b.block_ids, b.num_tokens)
             rec.setdefault(b.request_id, {})[name] = {
@@ -120,24 +112,25 @@ def record(path: str, samples: int, tokens: int, max_tokens: int) -> None:
                 worst[0] = max(worst[0], relative_error(out[t], ref).max().item())
         return res
 
-    route.RouteImplMixin.forward = forward
     model = ensure_qwen_coder()
     render, count = tokenizer_fns(model)
     prompts = [common_words(tokens, s, render, count).prompt for s in range(samples)]
-    with engine(model, {}, tokens + max_tokens + 64, "float32") as llm:
-        llm.generate(prompts, [SamplingParams(max_tokens=max_tokens, temperature=0.0)]
-                     * samples, use_tqdm=False)
-    route.RouteImplMixin.forward = serving
-    scale = None
-    data: dict[str, Any] = {"requests": {}}
+    route.RouteImplMixin.forward = forward
+    try:
+        with engine(model, {}, tokens + max_tokens + 64, "float32") as llm:
+            llm.generate(prompts, [SamplingParams(max_tokens=max_tokens, temperature=0.0)]
+                         * samples, use_tqdm=False)
+    finally:
+        route.RouteImplMixin.forward = serving
+    if len(scales) != 1:
+        raise SystemExit(f"layer_error: expected one softmax scale over the retro layers, "
+                         f"got {sorted(scales)}")
+    data: dict[str, Any] = {"requests": {}, "scale": scales.pop()}
     for rid, layers in rec.items():
         for name, r in layers.items():
-            head_dim = r["k"][0].shape[-1]
-            scale = head_dim ** -0.5
             data["requests"].setdefault(rid, {})[name] = {
                 "k": torch.cat(r["k"], 1), "v": torch.cat(r["v"], 1),
                 "q": torch.stack(r["q"], 1), "prompt_tokens": r["prompt_tokens"]}
-    data["scale"] = scale
     torch.save(data, path)
     print(f"recorded {len(rec)} requests to {path}; engine output vs per-row reference: "
           f"worst relative error {worst[0]:.2e}")
