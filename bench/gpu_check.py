@@ -1,4 +1,4 @@
-"""Everything a lent GPU should verify, in one command, within 8 minutes.
+"""Everything a lent GPU should verify, in one command, within 8 minutes (~5 typically).
 
     python3 bench/gpu_check.py OUTDIR
 
@@ -14,13 +14,15 @@ stage in its own process under a time limit, and writes into OUTDIR:
   the wave index + wave buffer stack, KV in the host tier, 2 layers, 32K x batch 1 and 8).
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the padded path, the device
-step, the pinning lifecycle), the two benchmarks, then the C++ CPU extension's tests on the
-GPU host's CPU. A stage that fails or runs out of time is recorded and the next one still
-runs. Exit status 0 only when every stage passed.
+step, the pinning lifecycle), one process per test file, side by side; then, the GPU to
+themselves, the two benchmarks; then the C++ CPU extension's tests on the GPU host's CPU.
+A stage that fails or runs out of time is recorded and the next one still runs. Exit status
+0 only when every stage passed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -37,18 +39,35 @@ CPU_EXTENSION_TESTS = ["tests/kernels/test_cpu_build.py", "tests/kernels/test_cp
 host's CPU once, must not hide the CUDA results)."""
 
 
+def test_stages() -> list[tuple[str, list[str], int]]:
+    """One pytest process per CUDA test file, run side by side (a crash or a hang in one file
+    does not hide the others' results, as one C++ error hid most of them on an H100)."""
+    py = sys.executable
+    return [(f"cuda_tests:{pathlib.Path(t).stem}",
+             [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", t], 200)
+            for t in _test_files()]
+
+
+def _test_files() -> list[str]:
+    files = []
+    for t in TESTS:
+        path = ROOT / t
+        found = sorted(path.glob("test_*.py")) if path.is_dir() else [path]
+        files += [str(f.relative_to(ROOT)) for f in found
+                  if str(f.relative_to(ROOT)) not in CPU_EXTENSION_TESTS]
+    return files
+
+
 def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
-    """(name, command, time limit in seconds) of each stage, in order (<= 480 s in all)."""
+    """(name, command, time limit in seconds) of each stage after the tests, in order."""
     py = sys.executable
     return [
-        ("cuda_tests", [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *TESTS,
-                        *(f"--ignore={t}" for t in CPU_EXTENSION_TESTS)], 170),
         ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
                          "--batches", "1", "8", "--out", str(out / "device_step_cuda.json")],
-         150),
+         120),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
-                       "--out", str(out / "gpu_stack.json")], 100),
+                       "--out", str(out / "gpu_stack.json")], 80),
         ("cpu_extension_tests", [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
                                  *CPU_EXTENSION_TESTS], 60),
     ]
@@ -98,28 +117,36 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"machine": machine(), "stages": {}}
     print(json.dumps(summary["machine"]), flush=True)
     ok = True
-    with open(out / "log.txt", "w") as log:
-        for name, cmd, limit in stages(out):
-            log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit} s)\n")
-            log.flush()
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=limit)
-                rc, text = proc.returncode, proc.stdout
-            except subprocess.TimeoutExpired as exc:
-                rc = "timeout"
-                text = exc.stdout if isinstance(exc.stdout, str) else \
-                    (exc.stdout or b"").decode(errors="replace")
-            seconds = round(time.perf_counter() - t0, 1)
-            log.write(text)
-            log.flush()
+    with open(out / "log.txt", "w") as log, \
+            concurrent.futures.ThreadPoolExecutor(len(test_stages())) as pool:
+        # the test files share the host's cores (their torch references would each take all)
+        threads = str(max(1, (os.cpu_count() or 1) // len(test_stages())))
+        tests = [pool.submit(run_stage, *stage, dict(env, OMP_NUM_THREADS=threads))
+                 for stage in test_stages()]
+        results = [t.result() for t in tests] + [run_stage(*stage, env) for stage in stages(out)]
+        # (the benchmarks start once every test file is done: they time the GPU alone)
+        for name, cmd, limit, rc, seconds, text in results:
+            log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit} s)\n{text}")
             tail = text.strip().splitlines()[-15:]
             summary["stages"][name] = {"rc": rc, "seconds": seconds, "tail": tail}
             ok &= rc == 0
             print(f"{name}: rc {rc} in {seconds} s", *tail[-6:], sep="\n  ", flush=True)
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0 if ok else 1
+
+
+def run_stage(name: str, cmd: list[str], limit: int, env: dict) -> tuple:
+    """(name, cmd, limit, exit status or "timeout", seconds, output) of one stage."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=limit)
+        rc, text = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        rc = "timeout"
+        text = exc.stdout if isinstance(exc.stdout, str) else \
+            (exc.stdout or b"").decode(errors="replace")
+    return name, cmd, limit, rc, round(time.perf_counter() - t0, 1), text
 
 
 if __name__ == "__main__":

@@ -129,6 +129,26 @@ def _flags() -> tuple[str, ...]:
     return tuple(flags)
 
 
+@functools.cache
+def _ldflags() -> tuple[str, ...]:
+    """The link flags: OpenMP, and the C++ runtime this process has loaded (torch's), named
+    by its path. A link that cannot find ``libstdc++.so`` falls back to the static archive
+    without a word; on the H100 host the extension then carried its own copy of the C++
+    runtime beside torch's, and every check that formats a number into its message
+    segfaulted (here such a copy truncates the message at the first number). Naming the
+    shared library makes it a dependency of the extension whatever the compiler driver
+    finds (:func:`linked_libraries` shows it)."""
+    flags = ["-fopenmp"]
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    loaded = re.search(r"(/\S*/libstdc\+\+\.so[.\d]*)$", maps, re.M)
+    if loaded and os.path.isfile(loaded.group(1)):
+        flags.append(loaded.group(1))
+    return tuple(flags)
+
+
 def _build_dir() -> tuple[pathlib.Path, str]:
     """The build directory and its key: a hash of every input of the build command (ninja
     rebuilds everything when the command changes, e.g. another checkout's source paths or
@@ -138,7 +158,7 @@ def _build_dir() -> tuple[pathlib.Path, str]:
     # vllm-retro's cache root (vllm_retro.models.default_cache_dir; kernels import nothing
     # above them)
     root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
-    inputs = [*map(str, _SOURCES), *_flags(), torch.__version__,
+    inputs = [*map(str, _SOURCES), *_flags(), *_ldflags(), torch.__version__,
               *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
                          + "\0".join(inputs).encode()).hexdigest()[:16]
@@ -187,7 +207,7 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
         try:
             return cpp_extension.load(
                 name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_flags()),
-                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+                extra_ldflags=list(_ldflags()), build_directory=str(directory), verbose=False)
         except RuntimeError as exc:
             # only a failed build command is remembered (the same sources, flags and headers
             # fail the same way again); a missing ninja or a failed import is not
@@ -247,6 +267,19 @@ def load() -> Any:
                            "decoding falls back to the per-row path and index builds to "
                            "the torch k-means", _error)
         return _module
+
+
+def linked_libraries(path: str | os.PathLike) -> list[str] | None:
+    """The shared libraries the ELF file ``path`` depends on (its ``DT_NEEDED`` names, as
+    ``readelf -d`` lists them), or None when ``readelf`` cannot tell."""
+    try:
+        out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out.stdout)
 
 
 def load_error() -> str | None:

@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             run = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                  "tests.triton_compile", *(pytest_args or DEFAULT_TESTS)],
-                cwd=root, env={**env, RECORD_ENV: str(path), "TRITON_INTERPRET": "1"})
+                # the GPU hidden: on a GPU host the tests would hand the interpreter CUDA
+                # tensors, which it cannot read as the CPU tensors it records from
+                cwd=root, env={**env, RECORD_ENV: str(path), "TRITON_INTERPRET": "1",
+                               "CUDA_VISIBLE_DEVICES": ""})
             if run.returncode != 0:
                 print(f"the recording test run failed (exit {run.returncode})")
                 return 1

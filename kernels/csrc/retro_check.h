@@ -1,11 +1,9 @@
 // Argument checks of the CPU extension, raised as plain C++ standard exceptions.
 //
-// TORCH_CHECK throws c10::Error, which captures a C++ backtrace when it is constructed. On an
-// H100 host (Xeon Sapphire Rapids, g++ 13.3, torch 2.11+cu130) every such throw from a kernel
-// taking tensors ended the process with a segfault, while the same throw from a function
-// taking only a string was caught (bench/README.md, "On an H100"). These carry the message
-// only: pybind11 turns std::runtime_error into RuntimeError and std::invalid_argument into
-// ValueError, as torch did with TORCH_CHECK and TORCH_CHECK_VALUE.
+// These carry the message only: pybind11 turns std::runtime_error into RuntimeError and
+// std::invalid_argument into ValueError, as torch does with TORCH_CHECK and TORCH_CHECK_VALUE.
+// (They were brought in when every check failing on an H100 host segfaulted; the cause was
+// the link, which took the static C++ runtime there: see kernels/cpu_decode.py _ldflags.)
 #pragma once
 
 #include <c10/util/StringUtil.h>

@@ -24,9 +24,15 @@ def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
 def test_gpu_check_fits_a_device_lease(tmp_path):
     # one 10-minute command of a 15-minute lease, with room for a rerun: <= 8 minutes
     stages = gpu_check.stages(tmp_path)
-    assert sum(limit for _, _, limit in stages) <= 480
+    tests = gpu_check.test_stages()  # side by side
+    assert max(limit for *_, limit in tests) + sum(limit for *_, limit in stages) <= 480
     for path in gpu_check.TESTS + gpu_check.CPU_EXTENSION_TESTS:
         assert (gpu_check.ROOT / path).exists(), path
+    # every CUDA test file once, none of the C++ extension's (they run last, on their own)
+    files = [cmd[-1] for _, cmd, _ in tests]
+    assert len(set(files)) == len(files) >= len(gpu_check.TESTS)
+    assert not set(files) & set(gpu_check.CPU_EXTENSION_TESTS)
+    assert "tests/kernels/test_kmeans.py" in files
     benches = [(name, cmd) for name, cmd, _ in stages if "--out" in cmd]
     assert [name for name, _ in benches] == ["device_step", "gpu_stack"]
     for name, cmd in benches:  # the benchmarks accept their arguments

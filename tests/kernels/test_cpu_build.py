@@ -151,3 +151,71 @@ def test_a_failed_build_is_remembered_per_build_key(tmp_path, monkeypatch, caplo
     marker.unlink()
     monkeypatch.setattr(cpu_decode, "_error", None)
     assert cpu_decode.load() is not None and len(builds) == 1
+
+
+_NUMBER_IN_AN_ERROR = """
+#include <pybind11/pybind11.h>
+#include <c10/util/StringUtil.h>
+#include <stdexcept>
+void fail(long value) {
+  throw std::runtime_error(c10::str("probe: value ", value, " (accepted 0..4)"));
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("fail", &fail); }
+"""
+
+_BUILD_AND_FAIL = """
+import sys
+from torch.utils import cpp_extension
+mod = cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3],
+                         extra_ldflags=sys.argv[4:], verbose=False)
+print(mod.__file__)
+try:
+    mod.fail(5)
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+def _build_and_fail(tmp_path: Path, name: str, ldflags: list[str]) -> subprocess.CompletedProcess:
+    (tmp_path / name).mkdir()
+    return subprocess.run([sys.executable, "-c", _BUILD_AND_FAIL, name,
+                           str(tmp_path / "probe.cpp"), str(tmp_path / name), *ldflags],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_cpp_runtime_stays_torchs_where_the_link_would_take_the_static_one(tmp_path):
+    """A link that takes the static C++ runtime (as a compiler driver that finds no
+    ``libstdc++.so`` does; the H100 host's build did) gives the extension its own copy of
+    iostreams beside torch's: a check's message loses everything from its first number on
+    (here) or the process segfaults (there). The build's link flags keep the shared runtime
+    a dependency even then, and the message whole. A small extension stands in for ours (a
+    few seconds to build, not minutes)."""
+    from torch.utils import cpp_extension
+
+    if _compiler() is None or not cpp_extension.is_ninja_available():
+        pytest.skip("no C++ compiler or no ninja: torch builds no extension")
+    (tmp_path / "probe.cpp").write_text(_NUMBER_IN_AN_ERROR)
+    whole = "probe: value 5 (accepted 0..4)"
+
+    static = _build_and_fail(tmp_path, "static_runtime", ["-static-libstdc++"])
+    assert whole not in static.stdout, "the static runtime no longer breaks: the test shows nothing"
+
+    ours = _build_and_fail(tmp_path, "our_link", [*cpu_decode._ldflags(), "-static-libstdc++"])
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    so, message = ours.stdout.strip().splitlines()[-2:]
+    assert message == whole
+    needed = cpu_decode.linked_libraries(so)
+    if needed is not None:
+        assert any(lib.startswith("libstdc++.so") for lib in needed), needed
+
+
+def test_the_extension_depends_on_the_shared_cpp_runtime():
+    """The built extension names ``libstdc++.so`` among its dependencies (no copy of its
+    own: see the test above), and a check's message keeps its numbers."""
+    mod = cpu_decode.load()
+    if mod is None:
+        pytest.skip(f"extension not built: {cpu_decode.load_error()}")
+    needed = cpu_decode.linked_libraries(mod.__file__)
+    if needed is None:
+        pytest.skip("readelf cannot list the extension's dependencies")
+    assert any(lib.startswith("libstdc++.so") for lib in needed), needed
