@@ -168,7 +168,7 @@ import sys
 from torch.utils import cpp_extension
 mod = cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3],
                          extra_ldflags=sys.argv[4:], verbose=False)
-print(mod.__file__)
+print(mod.__file__, flush=True)  # before a crash, where the runtime breaks
 try:
     mod.fail(5)
 except RuntimeError as exc:
@@ -197,16 +197,21 @@ def test_the_cpp_runtime_stays_torchs_where_the_link_would_take_the_static_one(t
     (tmp_path / "probe.cpp").write_text(_NUMBER_IN_AN_ERROR)
     whole = "probe: value 5 (accepted 0..4)"
 
+    def cpp_runtime_linked(so: str) -> bool | None:
+        needed = cpu_decode.linked_libraries(so)
+        return None if needed is None else any(n.startswith("libstdc++.so") for n in needed)
+
+    # the control: how the message fares (cut here, a crash there) depends on the platform;
+    # that the link took the static runtime does not
     static = _build_and_fail(tmp_path, "static_runtime", ["-static-libstdc++"])
-    assert whole not in static.stdout, "the static runtime no longer breaks: the test shows nothing"
+    built = [ln for ln in static.stdout.splitlines() if ln.endswith(".so")]
+    assert built and cpp_runtime_linked(built[0]) in (False, None), static.stdout
 
     ours = _build_and_fail(tmp_path, "our_link", [*cpu_decode._ldflags(), "-static-libstdc++"])
     assert ours.returncode == 0, ours.stderr[-3000:]
     so, message = ours.stdout.strip().splitlines()[-2:]
     assert message == whole
-    needed = cpu_decode.linked_libraries(so)
-    if needed is not None:
-        assert any(lib.startswith("libstdc++.so") for lib in needed), needed
+    assert cpp_runtime_linked(so) in (True, None)
 
 
 def test_the_extension_depends_on_the_shared_cpp_runtime():
