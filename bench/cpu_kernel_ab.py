@@ -90,7 +90,7 @@ def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Name
                                                torch.device("cpu"), layer="L0"))
                for b in range(batch)]
     del keys, values
-    tilted = cfg.estimator == "tilted"
+    tilted = cfg.tilted_estimation
     walk = QueryWalk(batch, centers, seed=n, hq=hq)
     sweep = torch.empty(64 << 20, dtype=torch.uint8)
     times: dict[str, list[float]] = {"vllm": [], **{k: [] for k in kernels}}

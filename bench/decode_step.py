@@ -125,7 +125,7 @@ def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
     e = index.config.num_estimation(c)
     hkv, d = index.num_kv_heads, index.head_dim
     tilt = 0
-    if index.config.estimator == "tilted":
+    if index.config.tilted_estimation:
         tilt = hkv * (8 * e + 4 * d * (1 + 2 * index.residuals.rank))
     return hkv * d * elem * (c + 2 * e) + int(n_exact.sum()) * 2 * d * elem + tilt
 
@@ -376,7 +376,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             rbytes.append(step_bytes)
     phases: dict[str, float] = {}
     fused = {"row views (python)": 0.0}
-    tilted = cfg.estimator == "tilted"
+    tilted = cfg.tilted_estimation
     padded: dict[str, float] = {}
     for _ in range(args.phase_steps):  # the per-phase split, on separate steps
         q = walk.step().to(device, dtype)

@@ -16,7 +16,7 @@ from typing import Any
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DEVICE_RESIDENT = ("auto", "on", "off")
-ESTIMATORS = ("tilted", "centroid")
+ESTIMATORS = ("tilted", "centroid", "auto")
 CACHE_POLICIES = ("lru", "lfu")
 INDEXES = ("wave", "pqcache", "saap", "graph", "quest", "streaming")
 
@@ -103,7 +103,10 @@ class RetroConfig:
     estimator: str = "tilted"
     """How an estimated cluster is weighted: 'tilted' corrects the centroid's weight and mean
     value for the spread of the cluster's keys (see ``vllm_retro.index.estimator``);
-    'centroid' is the paper's size * exp(q.C / sqrt(d)), a lower bound of the true mass."""
+    'centroid' is the paper's size * exp(q.C / sqrt(d)), a lower bound of the true mass;
+    'auto' chooses between the two per KV head when the index is built, by which comes closer
+    to exact attention for the prompt's last queries
+    (:mod:`vllm_retro.index.estimator_choice`; tilted where no queries are given)."""
 
     # --- wave index: decode-time updates ----------------------------------------------------
     update_segment: int = 1024
@@ -300,6 +303,13 @@ class RetroConfig:
         if device_type != "cuda":
             return 1
         return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+    @property
+    def tilted_estimation(self) -> bool:
+        """The estimation zone carries the tilted estimator's terms ('tilted', and 'auto',
+        whose centroid heads carry zero terms: see
+        :meth:`vllm_retro.index.estimator.ResidualModel.set_tilted_heads`)."""
+        return self.estimator != "centroid"
 
     @property
     def min_indexed_context(self) -> int:

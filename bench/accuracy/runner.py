@@ -25,6 +25,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_double": {"retrieval_budget": 0.036},
     "retro_no_est": {"estimation_budget": 0.0},
     "retro_centroid": {"estimator": "centroid"},
+    "retro_auto": {"estimator": "auto"},
     # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
     "pqcache": {"index": "pqcache"},

@@ -19,8 +19,11 @@ def _cfg(**kw):
     return RetroConfig(**base)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("estimator", ["tilted", "centroid"])
+@pytest.mark.parametrize("dtype,tol,estimator", [
+    (torch.float32, 1e-5, "tilted"), (torch.bfloat16, 1e-2, "tilted"),
+    (torch.float32, 1e-5, "centroid"), (torch.bfloat16, 1e-2, "centroid"),
+    (torch.float32, 1e-5, "auto"),  # heads set apart per row, as builds judge them
+])
 @pytest.mark.parametrize("wave_buffer", [True, False])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256)])
 def test_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, d):
@@ -32,6 +35,9 @@ def test_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, 
     mgr = WaveBufferManager(cfg) if wave_buffer else None
     indexes = random_indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
     assert indexes[0].is_dense and not indexes[1].is_dense
+    if estimator == "auto":  # each row's heads split between the two estimators
+        for n, index in enumerate(indexes):
+            index.residuals.set_tilted_heads(torch.arange(h) % 2 == n % 2)
     scale = d ** -0.5
     updates = 0
     cache = MetaViewCache()  # a layer's: its fused batch kept across steps

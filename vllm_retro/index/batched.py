@@ -96,7 +96,7 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
     keys, values, starts, head_rows, mult = index.store.cluster_rows(
         wait=not index.store_settling)
     res = index.residuals
-    tilted = cfg.estimator == "tilted"
+    tilted = cfg.tilted_estimation
     win_k, win_v, first, n_win = index.window_ring()
     return cpu_decode.DecodeRow(
         centroids=scoring, value_sums=index.value_sums, sizes=index.sizes,
@@ -209,7 +209,7 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if cache is not None and cache.resident.applies(indexes, query):
         return cache.resident.decode(indexes, query, scale, out)
     if same and out.dtype == query.dtype and fused_batch(indexes, query, FUSED_SCORING):
-        tilted = kind is WaveIndex and indexes[0].config.estimator == "tilted"
+        tilted = kind is WaveIndex and indexes[0].config.tilted_estimation
         rows = [packed_row(i, tilted) for i in indexes]
         if cache is None:
             batch = cpu_decode.pack_batch(rows)

@@ -293,7 +293,7 @@ def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tenso
     and the estimated clusters of ranking ``top``, read in place. Returns [R, G, D]."""
     return kernels.resident_attention(
         q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
-        plan.retrieval, plan.estimation, scale, tilted=layer.config.estimator == "tilted",
+        plan.retrieval, plan.estimation, scale, tilted=layer.config.tilted_estimation,
         backend=layer.config.kernel_backend)
 
 

@@ -84,6 +84,24 @@ class ResidualModel:
         self._factored = False
         """Every head's factors come from an SVD of a non-zero matrix (later blocks refine
         them incrementally)."""
+        self.tilted_heads = torch.ones(h, dtype=torch.bool, device=device)
+        """[H] heads whose terms are kept; the others' profile and value factors are zero, so
+        their estimated clusters get the paper's weight and mean value exactly (a zero
+        variance tilts nothing), on every decode path (see :meth:`set_tilted_heads`)."""
+        self._all_tilted = True
+
+    def set_tilted_heads(self, heads: torch.Tensor) -> None:
+        """Keep the tilted estimator on ``heads`` ([H] bool) only; the rest estimate by
+        centroid from now on (blocks added later included). Set at build, before the first
+        decode: the decode paths' batch views read the terms when a block joins."""
+        self.tilted_heads = heads.to(dtype=torch.bool, device=self.profile.device)
+        self._all_tilted = bool(self.tilted_heads.all())  # (add() must not sync a device)
+        self._mask_heads()
+
+    def _mask_heads(self) -> None:
+        keep = self.tilted_heads
+        self.profile = self.profile * keep[:, None]
+        self.value_factor = (self.value_factor * keep[:, None, None]).contiguous()
 
     def add(self, key_sq: torch.Tensor, cross: torch.Tensor) -> None:
         """Fold in a block's residual sums (key_sq [H, D], cross [H, D, D], see
@@ -102,11 +120,13 @@ class ResidualModel:
             u, sv, wh = torch.linalg.svd(m @ q, full_matrices=False)  # [H, D, r], [H, r]
             self.value_factor = (u * sv[:, None, :]).contiguous()
             self.key_factor = (q @ wh.transpose(1, 2)).contiguous()
-            return
-        u, sv, vh = torch.linalg.svd(m)
-        self.value_factor = (u[..., :self.rank] * sv[:, None, :self.rank]).contiguous()
-        self.key_factor = vh[:, :self.rank, :].transpose(1, 2).contiguous()
-        self._factored = bool(ok.all())
+        else:
+            u, sv, vh = torch.linalg.svd(m)
+            self.value_factor = (u[..., :self.rank] * sv[:, None, :self.rank]).contiguous()
+            self.key_factor = vh[:, :self.rank, :].transpose(1, 2).contiguous()
+            self._factored = bool(ok.all())
+        if not self._all_tilted:
+            self._mask_heads()
 
     def query_terms(self, query: torch.Tensor, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,4 +139,5 @@ class ResidualModel:
     def nbytes(self) -> int:
         """Bytes held (running sums, profile and factors)."""
         return sum(t.numel() * t.element_size() for t in (
-            self.key_sq, self.cross, self.profile, self.value_factor, self.key_factor))
+            self.key_sq, self.cross, self.profile, self.value_factor, self.key_factor,
+            self.tilted_heads))

@@ -289,7 +289,7 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     tilt = None
     est = top.gather(1, meta.estimation_slots) if meta.estimation_slots.shape[1] else \
         torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
-    if first.config.estimator == "tilted" and est.shape[1]:
+    if first.config.tilted_estimation and est.shape[1]:
         qvar, vshift = residual_query_terms(q, meta.profile, meta.key_factor,
                                             meta.value_factor, scale)
         tilt = kernels.TiltTerms(meta.spreads, meta.deviates, qvar, vshift)

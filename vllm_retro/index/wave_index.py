@@ -34,6 +34,7 @@ from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters, cluster_block_steps, run_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
+from vllm_retro.index.estimator_choice import JUDGE_QUERIES, choose_tilted_heads
 from vllm_retro.index.steady import SteadyPool, ring_size
 from vllm_retro.index.store import ClusterStore, DenseClusterStore, SteadyParts
 
@@ -156,6 +157,9 @@ class WaveIndex:
         """Counts changes of the meta index (a block joining it, :meth:`free`): a batch view
         read at one generation stays valid until the next."""
         self._meta_nbytes = (-1, 0)  # (the meta_generation it was counted at, bytes)
+        self.judged_queries = 0
+        """Prompt queries that chose each head's estimator (``estimator='auto'``; 0: none
+        given, every head tilted)."""
         self.fused_view: Any = None
         """The fused CPU kernel's packed view of this index and the layout generations it
         was read at (:func:`vllm_retro.index.batched.packed_row`), kept across steps; reset
@@ -165,10 +169,15 @@ class WaveIndex:
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, config: RetroConfig | None = None,
-              store: ClusterStore | None = None, **options: Any) -> WaveIndex:
+              store: ClusterStore | None = None, queries: torch.Tensor | None = None,
+              scale: float | None = None, **options: Any) -> WaveIndex:
         """Index a prefilled context. keys, values: [H_kv, N, D] post-RoPE, same dtype/device.
 
-        ``options`` go to the constructor of subclasses (e.g. a baseline's page size).
+        ``queries`` ([Hq, T, D] post-RoPE, the prompt's last positions) and the softmax
+        ``scale`` (default ``D ** -0.5``) judge each head's estimator under
+        ``estimator='auto'`` (:mod:`vllm_retro.index.estimator_choice`); other estimators
+        ignore them. ``options`` go to the constructor of subclasses (e.g. a baseline's page
+        size).
         """
         config = config or RetroConfig()
         h, n, d = keys.shape
@@ -182,8 +191,13 @@ class WaveIndex:
         if n >= config.min_indexed_context and middle_end > sink:
             mk, mv = keys[:, sink:middle_end], values[:, sink:middle_end]
             index.store.stage(mk, mv)
-            index._add_block(mk, mv, sink, index._cluster(mk, mv, update=False))
+            clusters = index._cluster(mk, mv, update=False)
+            index._add_block(mk, mv, sink, clusters)
             index.window_start = middle_end
+            if config.estimator == "auto" and queries is not None and queries.shape[1]:
+                index.residuals.set_tilted_heads(choose_tilted_heads(
+                    index, queries, mk, mv, clusters, d ** -0.5 if scale is None else scale))
+                index.judged_queries = min(queries.shape[1], JUDGE_QUERIES)
         # the window: at most local_window + update_segment - 1 tokens here, within the ring
         ws = index.window_start
         index.steady.write_rows(index.slot, sink, ws, keys[:, ws:], values[:, ws:])
@@ -517,7 +531,7 @@ class WaveIndex:
                            device=query.device)
         q = query.reshape(h, -1, d)
         tilt = None
-        if self.config.estimator == "tilted" and sel.estimation_ids.shape[1]:
+        if self.config.tilted_estimation and sel.estimation_ids.shape[1]:
             qvar, vshift = self.residuals.query_terms(q, scale)
             tilt = kernels.TiltTerms(self.spreads, self.deviates, qvar, vshift)
         mark("estimator")

@@ -20,7 +20,8 @@ class IndexBuild:
     num_tokens: int
     query_rows: tuple[int, int] | None = None
     """Batch token rows ``[start, end)`` of the request in this step (its prompt's last
-    chunk), whose queries train a graph index (``index='graph'``)."""
+    chunk), whose queries train a graph index (``index='graph'``) or judge each head's
+    estimator (``estimator='auto'``)."""
 
 
 @dataclass(frozen=True, slots=True)

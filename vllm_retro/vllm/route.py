@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from vllm_retro.index.batched import append_batch, decode_batch
+from vllm_retro.index.estimator_choice import JUDGE_QUERIES
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
@@ -213,6 +214,12 @@ class RouteImplMixin:
                 group = query.shape[1] // key.shape[1]
                 step = max(1, -(-(e - s) * group // rt.config.graph_train_queries))
                 queries = query[s:e:step].transpose(0, 1).contiguous()
+            elif rt.config.estimator == "auto" and b.query_rows is not None:
+                # the prompt's last queries judge each head's estimator ([Hq, T, D]), scaled
+                # by the softmax scale here so that the build needs no scale of its own
+                s, e = b.query_rows
+                queries = (query[max(s, e - JUDGE_QUERIES):e].transpose(0, 1).float()
+                           * self.scale)
             rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0,
                             queries=queries)
         if md.plan.decodes:

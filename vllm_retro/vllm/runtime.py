@@ -183,7 +183,6 @@ class RetroRuntime:
                queries: torch.Tensor | None = None) -> WaveIndex:
         assert self.config is not None
         faults.check("index_build", request_id)
-        pq = self.config.index == "pqcache"
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer)
         if self.config.index == "saap":  # the trained routing, checked against the model
@@ -196,8 +195,11 @@ class RetroRuntime:
             index = GraphIndex.build(keys, values, self.config, store=store, queries=queries)
         elif self.config.index in PAGE_INDEXES:
             index = PAGE_INDEXES[self.config.index].build(keys, values, self.config, store=store)
-        else:
-            index = (PQIndex if pq else WaveIndex).build(keys, values, self.config, store=store)
+        elif self.config.index == "pqcache":
+            index = PQIndex.build(keys, values, self.config, store=store)
+        else:  # queries, under estimator='auto': scaled by the submitter (see submit_build)
+            index = WaveIndex.build(keys, values, self.config, store=store, queries=queries,
+                                    scale=1.0)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it
         # is never waited for by the first decode step
         store.settle()
@@ -208,7 +210,8 @@ class RetroRuntime:
                      queries: torch.Tensor | None = None) -> None:
         """Hand one layer of a request's prefilled KV (keys, values: [H_kv, N, D], a private
         copy, read back in ``read_seconds``; queries: None or [H, T, D] post-RoPE prefill
-        queries, a private copy, for the graph index) to the index builder; :meth:`index`
+        queries, a private copy: for the graph index, or, times the layer's softmax scale,
+        for the wave index's ``estimator='auto'``) to the index builder; :meth:`index`
         takes the index over at the request's switch. The read and, when the builder runs
         builds in the step, the build count as the step's index time."""
         t0 = time.perf_counter()
