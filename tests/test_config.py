@@ -41,7 +41,7 @@ def test_defaults_follow_the_paper():
     ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
     ("device_resident", "yes", "one of 'auto', 'on', 'off'"),
-    ("estimator", "paper", "one of 'tilted', 'centroid'"),
+    ("estimator", "paper", "one of 'tilted', 'centroid', 'auto'"),
     ("enabled", "yes", "true or false"),
     ("retrieval_budget", True, "a number in (0.0, 1.0]"),
 ])
