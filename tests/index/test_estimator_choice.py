@@ -103,7 +103,7 @@ def test_auto_keeps_per_head_the_estimator_closer_to_exact_on_its_queries(rng):
     torch.testing.assert_close(err_c, want_c, rtol=2e-2, atol=1e-4)
     chosen = choose_tilted_heads(index, queries, mk, mv, cl, d ** -0.5)
     assert torch.equal(chosen, err_t <= err_c)
-    built = WaveIndex.build(k, v, bare, queries=queries)
+    built = WaveIndex.build(k, v, bare, judge_queries=queries)
     assert torch.equal(built.residuals.tilted_heads, chosen)
     q = queries[:, -1]
     assert rel_err(built.decode(q).output, full_attention(q, k, v)) < 0.5

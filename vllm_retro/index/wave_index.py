@@ -169,12 +169,12 @@ class WaveIndex:
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, config: RetroConfig | None = None,
-              store: ClusterStore | None = None, queries: torch.Tensor | None = None,
-              scale: float | None = None, **options: Any) -> WaveIndex:
+              store: ClusterStore | None = None, judge_queries: torch.Tensor | None = None,
+              judge_scale: float | None = None, **options: Any) -> WaveIndex:
         """Index a prefilled context. keys, values: [H_kv, N, D] post-RoPE, same dtype/device.
 
-        ``queries`` ([Hq, T, D] post-RoPE, the prompt's last positions) and the softmax
-        ``scale`` (default ``D ** -0.5``) judge each head's estimator under
+        ``judge_queries`` ([Hq, T, D] post-RoPE, the prompt's last positions) and the softmax
+        ``judge_scale`` (default ``D ** -0.5``) judge each head's estimator under
         ``estimator='auto'`` (:mod:`vllm_retro.index.estimator_choice`); other estimators
         ignore them. ``options`` go to the constructor of subclasses (e.g. a baseline's page
         size).
@@ -194,10 +194,12 @@ class WaveIndex:
             clusters = index._cluster(mk, mv, update=False)
             index._add_block(mk, mv, sink, clusters)
             index.window_start = middle_end
-            if config.estimator == "auto" and queries is not None and queries.shape[1]:
-                index.residuals.set_tilted_heads(choose_tilted_heads(
-                    index, queries, mk, mv, clusters, d ** -0.5 if scale is None else scale))
-                index.judged_queries = min(queries.shape[1], JUDGE_QUERIES)
+            judge = judge_queries
+            if config.estimator == "auto" and judge is not None and judge.shape[1]:
+                scale = d ** -0.5 if judge_scale is None else judge_scale
+                index.residuals.set_tilted_heads(
+                    choose_tilted_heads(index, judge, mk, mv, clusters, scale))
+                index.judged_queries = min(judge.shape[1], JUDGE_QUERIES)
         # the window: at most local_window + update_segment - 1 tokens here, within the ring
         ws = index.window_start
         index.steady.write_rows(index.slot, sink, ws, keys[:, ws:], values[:, ws:])

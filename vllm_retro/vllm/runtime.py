@@ -198,8 +198,8 @@ class RetroRuntime:
         elif self.config.index == "pqcache":
             index = PQIndex.build(keys, values, self.config, store=store)
         else:  # queries, under estimator='auto': scaled by the submitter (see submit_build)
-            index = WaveIndex.build(keys, values, self.config, store=store, queries=queries,
-                                    scale=1.0)
+            index = WaveIndex.build(keys, values, self.config, store=store,
+                                    judge_queries=queries, judge_scale=1.0)
         # the host-tier layout (on the buffer's worker) is part of the build: done here, it
         # is never waited for by the first decode step
         store.settle()
