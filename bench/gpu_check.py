@@ -117,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"machine": machine(), "stages": {}}
     print(json.dumps(summary["machine"]), flush=True)
     ok = True
+    files = test_stages()
     with open(out / "log.txt", "w") as log, \
-            concurrent.futures.ThreadPoolExecutor(len(test_stages())) as pool:
+            concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
         # the test files share the host's cores (their torch references would each take all)
-        threads = str(max(1, (os.cpu_count() or 1) // len(test_stages())))
+        threads = str(max(1, (os.cpu_count() or 1) // len(files)))
         tests = [pool.submit(run_stage, *stage, dict(env, OMP_NUM_THREADS=threads))
-                 for stage in test_stages()]
+                 for stage in files]
         results = [t.result() for t in tests] + [run_stage(*stage, env) for stage in stages(out)]
         # (the benchmarks start once every test file is done: they time the GPU alone)
         for name, cmd, limit, rc, seconds, text in results:
