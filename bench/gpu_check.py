@@ -44,7 +44,8 @@ def test_stages() -> list[tuple[str, list[str], int]]:
     does not hide the others' results, as one C++ error hid most of them on an H100)."""
     py = sys.executable
     return [(f"cuda_tests:{pathlib.Path(t).stem}",
-             [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", t], 200)
+             [py, "-m", "pytest", "-v", "-ra", "-p", "no:cacheprovider",
+              "-o", "faulthandler_timeout=60", t], 200)
             for t in _test_files()]
 
 
@@ -68,7 +69,7 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
                        "--out", str(out / "gpu_stack.json")], 80),
-        ("cpu_extension_tests", [py, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+        ("cpu_extension_tests", [py, "-m", "pytest", "-v", "-ra", "-p", "no:cacheprovider",
                                  *CPU_EXTENSION_TESTS], 60),
     ]
 
