@@ -26,13 +26,20 @@ def test_gpu_check_fits_a_device_lease(tmp_path):
     stages = gpu_check.stages(tmp_path)
     tests = gpu_check.test_stages()  # side by side
     assert max(limit for *_, limit in tests) + sum(limit for *_, limit in stages) <= 480
-    for path in gpu_check.TESTS + gpu_check.CPU_EXTENSION_TESTS:
+    for path in [*gpu_check.TESTS, *gpu_check.CPU_EXTENSION_TESTS]:
         assert (gpu_check.ROOT / path).exists(), path
     # every CUDA test file once, none of the C++ extension's (they run last, on their own)
     files = [cmd[-1] for _, cmd, _ in tests]
     assert len(set(files)) == len(files) >= len(gpu_check.TESTS)
     assert not set(files) & set(gpu_check.CPU_EXTENSION_TESTS)
     assert "tests/kernels/test_kmeans.py" in files
+    for path, k in gpu_check.TESTS.items():  # a -k selection picks at least one test
+        if k:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                   "-p", "no:cacheprovider", "-k", k, path],
+                                  cwd=gpu_check.ROOT, capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0 and f"{path}::" in proc.stdout, proc.stdout[-2000:]
     benches = [(name, cmd) for name, cmd, _ in stages if "--out" in cmd]
     assert [name for name, _ in benches] == ["device_step", "gpu_stack"]
     for name, cmd in benches:  # the benchmarks accept their arguments
