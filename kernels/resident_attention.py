@@ -8,8 +8,9 @@ exact tokens are
   (window token ``i`` at ring row ``(ring_start + i) % ring``), rows of the layer's steady
   pool ``[S, sink_cap + ring, H, D]`` at its slot and head;
 - its retrieval zone: the tokens of clusters ``top[r, :n_ret]``, cluster-contiguous rows of
-  the layer's cluster pool ``[P, N, D]`` (cluster c of pool row p at ``starts[p, c]``,
-  ``sizes[p, c]`` tokens);
+  the layer's cluster pool ``[P, N, D]`` (cluster c of pool row p at ``starts[p, c]`` of
+  p's region, ``sizes[p, c]`` tokens) or, read in place, one pool ``[M, D]`` that every row
+  shares (``starts`` absolute);
 
 and the estimated clusters are ``top[r, n_ret:n_ret + n_est]``, each a pseudo-token with its
 centroid as key, its mean value, log-weight ``log(size)`` and, with the tilted estimator,
@@ -50,12 +51,16 @@ from vllm_retro.kernels.tripartite_attention import (
 
 @dataclass(frozen=True)
 class LayerPools:
-    """A layer's device-resident tensors (rows ``P = slots x H``), all contiguous."""
+    """A layer's tensors as the decode step reads them (rows ``P = slots x H``), all
+    contiguous."""
 
     keys: torch.Tensor
-    """[P, N, D] indexed keys, cluster-contiguous per row."""
+    """Indexed keys, cluster-contiguous: [P, N, D], a region of N rows per pool row (``starts``
+    relative to it), or [M, D], one pool all rows share (``starts`` absolute: a wave buffer's
+    host tier read in place, pinned on CUDA so the kernels read it over the bus; its row 0
+    must be finite: the torch path reads it for masked tokens)."""
     values: torch.Tensor
-    """[P, N, D]."""
+    """Laid out as ``keys``."""
     centroids: torch.Tensor
     """[P, C, D]."""
     value_sums: torch.Tensor
@@ -79,6 +84,11 @@ class LayerPools:
     steady_v: torch.Tensor
     """[S, sink_cap + ring, H, D]."""
     sink_cap: int
+
+    @property
+    def row_tokens(self) -> int:
+        """Rows of ``keys`` per pool row: N, or 0 for one shared pool (absolute starts)."""
+        return self.keys.shape[1] if self.keys.dim() == 3 else 0
 
 
 def retrieval_runs(sizes: torch.Tensor, starts: torch.Tensor, pool_row: torch.Tensor,
@@ -110,7 +120,7 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
     h = pools.steady_k.shape[2]
     rows = plan_rows(plan, h)
     ring = pools.steady_k.shape[1] - pools.sink_cap
-    n_cap = pools.keys.shape[1]
+    n_cap = pools.row_tokens
     ends, offs = retrieval_runs(pools.sizes, pools.starts, rows.pool_row, top, rows.n_ret,
                                 r_max)
     j = torch.arange(width, device=dev)[None, :].expand(r, width)
@@ -335,7 +345,7 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
         pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
         pools.deviates, pools.profile, pools.key_factor, pools.value_factor,
         acc, mx, ls, ra, vsh,
-        plan.shape[1], g, d, h, pools.keys.shape[1], pools.sizes.shape[1], pools.sink_cap,
+        plan.shape[1], g, d, h, pools.row_tokens, pools.sizes.shape[1], pools.sink_cap,
         pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), rank,
         chunk, float(scale),
         query.stride(0), query.stride(1), top.stride(0),

@@ -20,21 +20,23 @@ def _cfg(**kw):
     return RetroConfig(**base)
 
 
-def _shared_steady(indexes, cfg, slots):
-    """Move the indexes' steady zones into one layer pool (as serving does), in ``slots``."""
+def _shared_steady(indexes, cfg, slots, capacity=0):
+    """Move the indexes' steady zones into one layer pool (as serving does), in ``slots``
+    (of at least ``capacity``)."""
     first = indexes[0]
     pool = SteadyPool(first.num_kv_heads, first.head_dim, cfg.sink_tokens,
                       ring_size(cfg.local_window, cfg.update_segment),
-                      first.centroids.dtype, "cpu", slots=max(slots) + 1, zeroed=True)
+                      first.centroids.dtype, "cpu", slots=max(max(slots) + 1, capacity),
+                      zeroed=True)
     for index, slot in zip(indexes, slots, strict=True):
         index.adopt_steady(pool, slot)
     return pool
 
 
-def _layer(cfg, first, slots=8, clusters=256, tokens=4096):
+def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False):
     return DeviceLayer(cfg, first.num_kv_heads, first.head_dim, first.centroids.dtype, "cpu",
                        slots=slots, max_clusters=clusters, max_tokens=tokens,
-                       rank=first.residuals.rank)
+                       rank=first.residuals.rank, in_place=in_place)
 
 
 def _step(layer, slots, indexes, q, scale, check=None):
@@ -51,16 +53,18 @@ def _step(layer, slots, indexes, q, scale, check=None):
     (torch.float32, 1e-5, "centroid"), (torch.bfloat16, 1e-2, "centroid"),
     (torch.float32, 1e-5, "auto"),  # heads set apart per row, as builds judge them
 ])
-@pytest.mark.parametrize("wave_buffer", [True, False])
+@pytest.mark.parametrize("store", ["dense", "wave_buffer", "in_place"])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128)])
-def test_decode_step_equals_per_row_decode(dtype, tol, estimator, wave_buffer, group, d):
+def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, d):
     """Rows of different lengths (one dense) in scattered slots, 70 steps crossing update
     blocks at different steps (reloads); a row finishes mid-run and a new one takes another
-    slot. Every step runs under SyncCheck."""
+    slot. Every step runs under SyncCheck. The indexes' KV is copied into the layer from
+    dense stores or from a wave buffer's host tier, or read in place from the host tier
+    (its pool grows, and is replaced, as blocks land: the layer reloads its starts)."""
     g = torch.Generator().manual_seed(d + group)
     cfg = _cfg(estimator=estimator)
     h = 2
-    mgr = WaveBufferManager(cfg) if wave_buffer else None
+    mgr = WaveBufferManager(cfg) if store != "dense" else None
     indexes = random_indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
     assert indexes[0].is_dense and not indexes[1].is_dense
     if estimator == "auto":  # each row's heads split between the two estimators
@@ -68,10 +72,11 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, wave_buffer, g
             index.residuals.set_tilted_heads(torch.arange(h) % 2 == n % 2)
     slots = [5, 0, 3, 6]
     _shared_steady(indexes, cfg, [2, 7, 0, 4])
-    layer = _layer(cfg, indexes[0])
+    layer = _layer(cfg, indexes[0], in_place=store == "in_place")
     scale = d ** -0.5
     updates = 0
     launches = set()
+    layouts = set()  # the token pools the steps read
     for step in range(70):
         if step == 30:  # a request finishes; another joins in a free slot
             layer.release(slots.pop(2))
@@ -87,12 +92,15 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, wave_buffer, g
         check = SyncCheck()
         out = _step(layer, slots, indexes, q, scale, check)
         launches.add(check.launches)
+        layouts.add(layer.keys.data_ptr())
         ref = torch.stack([i.decode(q[b], scale).output for b, i in enumerate(indexes)])
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
                                    msg=f"step {step}")
     assert updates >= 3
     assert len(launches) == 1  # one fixed sequence of operations, whatever the step
+    if store == "in_place":  # the layer reads the host tier's pool itself
+        assert layouts == {indexes[0].store.cluster_rows()[0].data_ptr()}
     if mgr:
         mgr.close()
 
@@ -118,10 +126,64 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_footprint_is_what_a_layer_allocates(dtype):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_footprint_is_what_a_layer_allocates(dtype, in_place):
     layer = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70, max_tokens=900,
-                        rank=4)
-    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4) == layer.nbytes()
+                        rank=4, in_place=in_place)
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place) == layer.nbytes()
+    # read in place, the layer holds no token: 2 x 3 x 2 x 900 x 64 elements fewer
+    kv = 2 * 3 * 2 * 900 * 64 * layer.centroids.element_size()
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, True) == \
+        DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, False) - kv
+
+
+def test_read_in_place_follows_the_host_tier_when_its_pool_is_replaced():
+    """A request joining the layer's host tier outgrows its pool, which is replaced by a
+    larger one (a pool without a reservation): the slots loaded before are reloaded against
+    the new pool (their starts are its rows) and the step still equals the reference."""
+    g = torch.Generator().manual_seed(8)
+    cfg = _cfg()
+    h, d = 2, 32
+    mgr = WaveBufferManager(cfg)
+    indexes = random_indexes([300, 500], cfg, h, d, torch.float32, g, mgr)
+    _shared_steady(indexes, cfg, [0, 1], capacity=3)
+    layer = _layer(cfg, indexes[0], clusters=512, tokens=0, in_place=True)
+    q = torch.randn(2, h * 2, d, generator=g)
+    _step(layer, [0, 1], indexes, q, d ** -0.5)
+    before = (indexes[0].store.layout_generation, layer.keys.data_ptr())
+    big = random_indexes([6000], cfg, h, d, torch.float32, g, mgr, first=2)
+    big[0].adopt_steady(indexes[0].steady, 2)
+    indexes += big
+    big[0].store.cluster_rows()  # (waits until the buffer's worker has laid it out)
+    assert indexes[0].store.layout_generation != before[0]  # the pool was replaced
+    assert not layer.loaded(0, indexes[0])
+    q = torch.randn(3, h * 2, d, generator=g)
+    out = _step(layer, [0, 1, 2], indexes, q, d ** -0.5, SyncCheck())
+    assert layer.keys.data_ptr() != before[1]
+    ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    mgr.close()
+
+
+def test_read_in_place_needs_one_pool_the_device_can_read():
+    g = torch.Generator().manual_seed(2)
+    cfg = _cfg()
+    h, d = 2, 32
+    mgr = WaveBufferManager(cfg)
+    # two layers' pools (as if two models' requests were batched): not one pool
+    a = random_indexes([300], cfg, h, d, torch.float32, g, mgr, layer="L0")
+    b = random_indexes([300], cfg, h, d, torch.float32, g, mgr, layer="L1", first=1)
+    _shared_steady(a + b, cfg, [0, 1])
+    layer = _layer(cfg, a[0], in_place=True)
+    layer.refresh([0, 1], a + b)
+    with pytest.raises(ValueError, match="different pools"):
+        layer.plan([0, 1], a + b)
+    meta = DeviceLayer(cfg, h, d, torch.float32, "meta", slots=2, max_clusters=256,
+                       max_tokens=0, rank=a[0].residuals.rank, in_place=True)
+    with pytest.raises(ValueError, match="pool is on cpu, unpinned; accepted: on meta, or "
+                                         "pinned host memory for a CUDA layer"):
+        meta.load(0, a[0])
+    mgr.close()
 
 
 def test_load_rejects_what_does_not_fit_naming_the_bound():

@@ -119,3 +119,42 @@ def test_nan_query_row_stays_in_its_row(triton_device):
         got = fn(q.to(d), _on(d, pools), plan.to(d), top.to(d), width, r_max, e_max,
                  0.125).cpu()
         torch.testing.assert_close(got[others], clean[others], rtol=1e-5, atol=1e-5)
+
+
+def _shared_pool(pools: LayerPools, gen: torch.Generator) -> LayerPools:
+    """The same tokens in one pool [M, D] every row shares (as a wave buffer's host tier
+    keeps them): the pool rows' regions in a shuffled order, with gaps, starts absolute."""
+    p, n, d = pools.keys.shape
+    gap = 5
+    order = torch.randperm(p, generator=gen)
+    base = torch.empty(p, dtype=torch.int64)
+    base[order] = torch.arange(p) * (n + gap) + gap
+    keys = torch.full((p * (n + gap) + gap, d), float("nan"), dtype=pools.keys.dtype)
+    keys[0] = 0  # the torch path's placeholder for masked reads (a finite row)
+    values = keys.clone()
+    for row in range(p):
+        keys[base[row]:base[row] + n] = pools.keys[row]
+        values[base[row]:base[row] + n] = pools.values[row]
+    starts = pools.starts + base[:, None]
+    fields = {**vars(pools), "keys": keys, "values": values, "starts": starts}
+    return LayerPools(**fields)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_a_shared_pool_read_in_place_gives_the_same_attention(dtype, tol, triton_device):
+    """Tokens read in place from one shared pool ([M, D], absolute starts; the rows between
+    regions NaN but row 0, which masked reads use, so a misplaced read shows) equal those
+    read from per-row regions, in both paths."""
+    gen = torch.Generator().manual_seed(3)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, dtype)
+    shared = _shared_pool(pools, gen)
+    assert shared.row_tokens == 0 and pools.row_tokens == pools.keys.shape[1]
+    ref = resident_attention_torch(q, pools, plan, top, width, r_max, e_max, 0.125)
+    got = resident_attention_torch(q, shared, plan, top, width, r_max, e_max, 0.125)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    dev = triton_device
+    got = resident_attention_triton(q.to(dev), _on(dev, shared), plan.to(dev), top.to(dev),
+                                    width, r_max, e_max, 0.125).cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)

@@ -4,7 +4,8 @@ The step's shapes depend only on the batch size and the plan's static widths
 (:class:`~vllm_retro.index.device_layer.StepPlan`), so one graph per such key replays it:
 per step the query and the plan's integers are copied into the graph's static inputs, then
 the whole step is one replay (no per-operation launch cost). A key also holds the steady
-pool's storage, which the graph reads by address: a grown pool is a new key. Off CUDA the
+pool's storage and the token pools', which the graph reads by address: a grown pool (or,
+read in place, a store's replaced one) is a new key. Off CUDA the
 step runs eagerly.
 """
 
@@ -44,7 +45,8 @@ class StepGraphs:
     def _key(self, plan: StepPlan, query: torch.Tensor, scale: float) -> tuple:
         return (tuple(query.shape), query.dtype, plan.clusters, plan.retrieval,
                 plan.estimation, plan.retrieval_tokens, plan.steady_tokens,
-                plan.steady.k.data_ptr(), plan.steady.v.data_ptr(), float(scale))
+                plan.steady.k.data_ptr(), plan.steady.v.data_ptr(),
+                self.layer.keys.data_ptr(), self.layer.values.data_ptr(), float(scale))
 
     def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float) -> _Captured:
         static_q = query.clone()

@@ -100,6 +100,11 @@ class _Loaded:
     """[H] int64 (host) indexed tokens per KV head."""
     retrieval_bound: int
     """Most tokens any head's retrieval zone can read (its largest clusters)."""
+    layout: int = 0
+    """In place: the store's :attr:`~vllm_retro.index.store.RowAddressedStore.layout_generation`
+    when loaded (its pool replaced since: the slot's starts are stale)."""
+    source: int = 0
+    """In place: the address of the keys pool the slot's starts point into."""
 
 
 class DeviceLayer:
@@ -108,14 +113,20 @@ class DeviceLayer:
     ``slots`` requests at once, each with at most ``max_clusters`` clusters and
     ``max_tokens`` indexed tokens per KV head. Allocated once; a request gets a slot from
     its caller (the same slot numbering as the steady pool's is natural, not required).
+
+    ``in_place``: hold only the meta pool; the retrieval zone's tokens are read where the
+    indexes' store keeps them, one pool the whole batch shares (a wave buffer's host tier:
+    pinned, so on CUDA the kernels read the selected tokens over the bus, zero-copy). For
+    contexts whose KV does not fit the device: nothing is copied per request but the meta
+    index, and ``max_tokens`` is not a bound (0 accepted).
     """
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, slots: int,
-                 max_clusters: int, max_tokens: int, rank: int):
+                 max_clusters: int, max_tokens: int, rank: int, in_place: bool = False):
         for name, v in (("slots", slots), ("max_clusters", max_clusters),
                         ("max_tokens", max_tokens), ("rank", rank)):
-            if v < 1:
+            if v < (0 if in_place and name == "max_tokens" else 1):
                 raise ValueError(f"DeviceLayer: {name}={v}; accepted: an integer >= 1")
         self.config = config
         self.num_kv_heads = h = num_kv_heads
@@ -125,11 +136,14 @@ class DeviceLayer:
         self.num_slots = slots
         self.max_clusters = c = max_clusters
         self.max_tokens = n = max_tokens
+        self.in_place = in_place
         rows = slots * h
         f32 = torch.float32
-        # zero-filled: rows past a row's data are read (and masked) by the gathers
-        self.keys = torch.zeros(rows, n, d, dtype=dtype, device=dev)
-        self.values = torch.zeros(rows, n, d, dtype=dtype, device=dev)
+        if in_place:  # the store's pool, set by each load (see _Loaded.source)
+            self.keys = self.values = torch.empty(0, d, dtype=dtype)
+        else:  # zero-filled: rows past a row's data are read (and masked) by the gathers
+            self.keys = torch.zeros(rows, n, d, dtype=dtype, device=dev)
+            self.values = torch.zeros(rows, n, d, dtype=dtype, device=dev)
         self.centroids = torch.zeros(rows, c, d, dtype=dtype, device=dev)
         self.value_sums = torch.zeros(rows, c, d, dtype=dtype, device=dev)
         self.sizes = torch.zeros(rows, c, dtype=torch.int32, device=dev)
@@ -152,22 +166,24 @@ class DeviceLayer:
 
     @staticmethod
     def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
-                  tokens: int, rank: int) -> int:
+                  tokens: int, rank: int, in_place: bool = False) -> int:
         """Device bytes a layer of these bounds allocates (its :meth:`nbytes`)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         per_cluster = 2 * head_dim * elem + 4 + 8 + 4 + 4  # meta rows, sizes, starts, fp32 x2
-        per_row = 2 * tokens * head_dim * elem + clusters * per_cluster + \
-            4 * head_dim * (1 + 2 * rank)
+        kv = 0 if in_place else 2 * tokens * head_dim * elem
+        per_row = kv + clusters * per_cluster + 4 * head_dim * (1 + 2 * rank)
         return slots * heads * per_row
 
     def nbytes(self) -> int:
-        """Bytes held on the device."""
+        """Bytes held on the device (in place: the meta pool only; the KV is the store's)."""
+        held = [] if self.in_place else [self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in (
-            self.keys, self.values, self.centroids, self.value_sums, self.sizes, self.starts,
+            *held, self.centroids, self.value_sums, self.sizes, self.starts,
             self.spreads, self.deviates, self.profile, self.key_factor, self.value_factor))
 
     def load(self, slot: int, index: WaveIndex) -> None:
-        """Copy ``index``'s meta index, residual model and indexed KV into ``slot``
+        """Copy ``index``'s meta index, residual model and indexed KV (in place: where the
+        store keeps each cluster) into ``slot``
         (host-side work when a request arrives or a block lands, not per step). When the
         slot already holds an earlier generation of the same index, only the clusters added
         since are copied (a wave index's meta index only grows: blocks append clusters),
@@ -187,13 +203,15 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
         sizes = index.sizes.long().cpu()
+        layout = index.store.layout_generation if self.in_place else 0
         prev = self._loaded.get(slot)
-        grow = prev is not None and prev.uid == index.uid and prev.clusters <= c
+        grow = prev is not None and prev.uid == index.uid and prev.clusters <= c and \
+            prev.layout == layout
         first = prev.clusters if grow else 0
         held = prev.head_tokens if grow else torch.zeros(h, dtype=torch.int64)
         added = sizes[:, first:]
         tokens = held + added.sum(1)
-        if int(tokens.max()) > self.max_tokens:
+        if not self.in_place and int(tokens.max()) > self.max_tokens:
             raise ValueError(f"DeviceLayer.load: {int(tokens.max())} indexed tokens per head; "
                              f"accepted: at most {self.max_tokens} (max_tokens)")
         rows = slice(slot * h, (slot + 1) * h)
@@ -201,21 +219,21 @@ class DeviceLayer:
             for pool in (self.sizes, self.starts, self.spreads, self.deviates):
                 pool[rows] = 0
         dev = self.device
+        keys, values, starts, head_rows, mult = index.store.cluster_rows()
+        if self.in_place:
+            self._read_in_place(keys, values)
         if c > first:
-            keys, values, starts, head_rows, mult = index.store.cluster_rows()
-            src = starts[:, first:c].cpu() * mult + head_rows * torch.arange(h)[:, None]
-            idx, _, totals = expand_runs(src, added)
-            for j in range(h):
-                t0, t = int(held[j]), int(totals[j])
-                take = idx[j, :t].to(keys.device)
-                self.keys[slot * h + j, t0:t0 + t] = keys.index_select(0, take).to(dev, self.dtype)
-                self.values[slot * h + j, t0:t0 + t] = values.index_select(0, take).to(
-                    dev, self.dtype)
             new = slice(first, c)
+            # each new cluster's first row in the store's pool
+            src = starts[:, new].cpu() * mult + head_rows * torch.arange(h)[:, None]
+            if self.in_place:  # the tokens stay where they are
+                self.starts[rows, new] = src.to(dev)
+            else:
+                self._copy_tokens(slot, keys, values, src, added, held)
+                self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
             self.centroids[rows, new] = index.centroids[:, new].to(dev, self.dtype)
             self.value_sums[rows, new] = index.value_sums[:, new].to(dev, self.dtype)
             self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
-            self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
             self.spreads[rows, new] = index.spreads[:, new].to(dev, torch.float32)
             self.deviates[rows, new] = index.deviates[:, new].to(dev, torch.float32)
         res = index.residuals
@@ -224,13 +242,45 @@ class DeviceLayer:
         self.value_factor[rows] = res.value_factor.to(dev)
         r = self.config.num_retrieval(c)
         bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
-        self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound)
+        self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
+                                     layout, keys.data_ptr() if self.in_place else 0)
+
+    def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
+                     src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
+        """Copy clusters (first rows ``src`` [H, n] in the store's pool, ``added`` [H, n]
+        tokens each) into ``slot``'s rows after the ``held`` [H] tokens already there."""
+        h = self.num_kv_heads
+        idx, _, totals = expand_runs(src, added)
+        for j in range(h):
+            t0, t = int(held[j]), int(totals[j])
+            take = idx[j, :t].to(keys.device)
+            self.keys[slot * h + j, t0:t0 + t] = keys.index_select(0, take).to(
+                self.device, self.dtype)
+            self.values[slot * h + j, t0:t0 + t] = values.index_select(0, take).to(
+                self.device, self.dtype)
+
+    def _read_in_place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take the store's pool as the one the kernels read (in place)."""
+        if keys.dim() != 2 or keys.shape[1] != self.head_dim or keys.dtype != self.dtype or \
+                not keys.is_contiguous() or values.shape != keys.shape:
+            raise ValueError(f"DeviceLayer.load in place: the store's pool is "
+                             f"{tuple(keys.shape)} {keys.dtype}; accepted: contiguous "
+                             f"[rows, {self.head_dim}] {self.dtype}")
+        if keys.device != self.device and not (
+                self.device.type == "cuda" and keys.device.type == "cpu"
+                and keys.is_pinned() and values.is_pinned()):
+            raise ValueError(f"DeviceLayer.load in place: the store's pool is on "
+                             f"{keys.device}, unpinned; accepted: on {self.device}, or "
+                             "pinned host memory for a CUDA layer")
+        self.keys, self.values = keys, values
 
     def loaded(self, slot: int, index: WaveIndex) -> bool:
-        """True when ``slot`` holds ``index``'s current meta index."""
+        """True when ``slot`` holds ``index``'s current meta index (read in place: and its
+        store's pool has not been replaced since)."""
         held = self._loaded.get(slot)
-        return held is not None and (held.uid, held.generation) == (index.uid,
-                                                                      index.meta_generation)
+        return held is not None and (held.uid, held.generation) == (
+            index.uid, index.meta_generation) and (
+            not self.in_place or held.layout == index.store.layout_generation)
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s index (its rows are overwritten by the next load)."""
@@ -268,6 +318,9 @@ class DeviceLayer:
         if self.device.type == "cuda":
             host = host.pin_memory()
         held = [self._loaded[s] for s in slots]
+        if self.in_place and any(x.source != self.keys.data_ptr() for x in held):
+            raise ValueError("DeviceLayer.plan: the batch's stores keep their tokens in "
+                             "different pools; read in place, a layer's batch needs one")
         c_live = min(round_up(max(x.clusters for x in held)), self.max_clusters)
         return StepPlan(
             ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
