@@ -40,7 +40,7 @@ def test_defaults_follow_the_paper():
     ("table_threads", 0, "an integer in [1, 1024]"),
     ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
-    ("device_resident", "yes", "one of 'auto', 'on', 'off'"),
+    ("device_resident", "yes", "one of 'auto', 'on', 'in_place', 'off'"),
     ("estimator", "paper", "one of 'tilted', 'centroid', 'auto'"),
     ("enabled", "yes", "true or false"),
     ("retrieval_budget", True, "a number in (0.0, 1.0]"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-DEVICE_RESIDENT = ("auto", "on", "off")
+DEVICE_RESIDENT = ("auto", "on", "in_place", "off")
 ESTIMATORS = ("tilted", "centroid", "auto")
 CACHE_POLICIES = ("lru", "lfu")
 INDEXES = ("wave", "pqcache", "saap", "graph", "quest", "streaming")
@@ -210,11 +210,13 @@ class RetroConfig:
     kernel_backend: str = "auto"
     """'triton' (CUDA), 'torch' (reference, any device) or 'auto' (triton on CUDA)."""
     device_resident: str = "auto"
-    """Decode a layer from a device-resident copy of its indexed KV (one fixed sequence of
-    device operations per layer step, no host synchronisation, replayed from CUDA graphs;
-    vllm_retro.index.device_layer): 'auto' on CUDA while the copy fits the device's free
-    memory, else the host tier and device block cache serve it; 'on' on any device (tests,
-    benchmarks); 'off' never."""
+    """Decode a layer by the device step (one fixed sequence of device operations per layer
+    step, no host synchronisation, replayed from CUDA graphs; vllm_retro.index.device_layer)
+    over a device-resident copy of its indexed KV or, read in place, over the wave buffer's
+    pinned host tier: 'auto' on CUDA, copied while the copy fits the device's free memory,
+    else in place (the meta index alone on the device), else the host tier and device block
+    cache serve it; 'on' (copied) and 'in_place' on any device (tests, benchmarks); 'off'
+    never."""
 
     def __post_init__(self) -> None:
         for name in ("enabled", "async_updates"):

@@ -10,6 +10,7 @@ from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
 from vllm_retro.index.padded import MetaViewCache
+from vllm_retro.index.resident import in_place_capable, placement
 from vllm_retro.index.steady import SteadyPool, ring_size
 from vllm_retro.kernels.sync_check import SyncCheck
 
@@ -26,15 +27,16 @@ def _pool(cfg, h, d, dtype, slots):
                       dtype, "cpu", slots=slots, zeroed=True)
 
 
-@pytest.mark.parametrize("wave_buffer", [True, False])
+@pytest.mark.parametrize("wave_buffer,mode", [(True, "on"), (False, "on"), (True, "in_place")])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, dtype, tol):
+def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode, dtype, tol):
     """A layer's rows in one steady pool, decoded through decode_batch as the route does
     (append_batch, then decode_batch with the layer's cache): 90 steps through update blocks
     (incremental loads); a request leaves and a longer one joins in its slot (a full load and
-    a grown layer)."""
+    a grown layer). The tokens copied into the layer, or read in place from the wave
+    buffer's host tier."""
     g = torch.Generator().manual_seed(11)
-    cfg = _cfg()
+    cfg = _cfg(device_resident=mode)
     h, d = 2, 64
     mgr = WaveBufferManager(cfg) if wave_buffer else None
     indexes = random_indexes([40, 700, 1300], cfg, h, d, dtype, g, mgr)
@@ -63,6 +65,7 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, dtyp
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
                                    msg=f"step {step}")
     assert updates >= 2 and len(grown) == 2  # one growth for the 3000-token request
+    assert cache.resident.layer.in_place == (mode == "in_place")
     assert cache.nbytes() >= cache.resident.nbytes() > 0
     cache.clear()
     assert cache.resident.layer is None
@@ -88,3 +91,35 @@ def test_resident_path_only_where_it_applies():
     cfg = _cfg()
     indexes = random_indexes([300, 500], cfg, h, d, torch.float32, g)
     assert not MetaViewCache().resident.applies(indexes, torch.zeros(2, h, d))
+
+
+def test_auto_copies_what_fits_and_reads_the_rest_in_place():
+    assert placement(100, 10, 100, True) == "copy"
+    assert placement(101, 10, 100, True) == "in_place"
+    assert placement(101, 10, 100, False) is None  # tokens not in one pool the device reads
+    assert placement(101, 101, 100, True) is None
+
+
+def test_in_place_only_over_one_pool():
+    """Dense stores (a pool each) or two layers' host tiers: not read in place."""
+    g = torch.Generator().manual_seed(13)
+    h, d = 2, 32
+    cfg = _cfg(device_resident="in_place")
+    dense = random_indexes([300, 500], cfg, h, d, torch.float32, g)
+    assert not in_place_capable(dense, torch.device("cpu"))
+    mgr = WaveBufferManager(cfg)
+    one = random_indexes([300, 500], cfg, h, d, torch.float32, g, mgr)
+    two = random_indexes([300], cfg, h, d, torch.float32, g, mgr, layer="L1", first=2)
+    assert in_place_capable(one, torch.device("cpu"))
+    assert not in_place_capable(one + two, torch.device("cpu"))
+    pool = _pool(cfg, h, d, torch.float32, 3)
+    for slot, index in enumerate(one + two):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    assert cache.resident.applies(one, torch.zeros(2, h, d))
+    assert not cache.resident.applies(one + two, torch.zeros(3, h, d))
+    out = decode_batch(one + two, torch.randn(3, h, d, generator=g), d ** -0.5, cache=cache)
+    assert not out.isnan().any()  # served by the host tier's path
+    for index in one + two:
+        index.free()
+    mgr.close()

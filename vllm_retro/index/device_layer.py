@@ -100,11 +100,10 @@ class _Loaded:
     """[H] int64 (host) indexed tokens per KV head."""
     retrieval_bound: int
     """Most tokens any head's retrieval zone can read (its largest clusters)."""
-    layout: int = 0
-    """In place: the store's :attr:`~vllm_retro.index.store.RowAddressedStore.layout_generation`
-    when loaded (its pool replaced since: the slot's starts are stale)."""
     source: int = 0
-    """In place: the address of the keys pool the slot's starts point into."""
+    """In place: the address of the keys pool the slot's starts point into (a store's pool,
+    once replaced, keeps the rows laid out before: a slot stays valid until a load from
+    the new pool moves the layer there, and every slot with it)."""
 
 
 class DeviceLayer:
@@ -203,10 +202,11 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
         sizes = index.sizes.long().cpu()
-        layout = index.store.layout_generation if self.in_place else 0
+        keys, values, starts, head_rows, mult = index.store.cluster_rows()
+        source = keys.data_ptr() if self.in_place else 0
         prev = self._loaded.get(slot)
         grow = prev is not None and prev.uid == index.uid and prev.clusters <= c and \
-            prev.layout == layout
+            prev.source == source
         first = prev.clusters if grow else 0
         held = prev.head_tokens if grow else torch.zeros(h, dtype=torch.int64)
         added = sizes[:, first:]
@@ -219,7 +219,6 @@ class DeviceLayer:
             for pool in (self.sizes, self.starts, self.spreads, self.deviates):
                 pool[rows] = 0
         dev = self.device
-        keys, values, starts, head_rows, mult = index.store.cluster_rows()
         if self.in_place:
             self._read_in_place(keys, values)
         if c > first:
@@ -243,7 +242,7 @@ class DeviceLayer:
         r = self.config.num_retrieval(c)
         bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
-                                     layout, keys.data_ptr() if self.in_place else 0)
+                                     source)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -275,12 +274,10 @@ class DeviceLayer:
         self.keys, self.values = keys, values
 
     def loaded(self, slot: int, index: WaveIndex) -> bool:
-        """True when ``slot`` holds ``index``'s current meta index (read in place: and its
-        store's pool has not been replaced since)."""
+        """True when ``slot`` holds ``index``'s current meta index."""
         held = self._loaded.get(slot)
-        return held is not None and (held.uid, held.generation) == (
-            index.uid, index.meta_generation) and (
-            not self.in_place or held.layout == index.store.layout_generation)
+        return held is not None and (held.uid, held.generation) == (index.uid,
+                                                                      index.meta_generation)
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s index (its rows are overwritten by the next load)."""
@@ -292,7 +289,13 @@ class DeviceLayer:
         for slot, index in zip(slots, indexes, strict=True):
             if not self.loaded(slot, index):
                 self.load(slot, index)
-
+        for _ in range(3 if self.in_place else 0):  # a load moved the layer to a new pool
+            stale = [(s, i) for s, i in zip(slots, indexes, strict=True)
+                     if self._loaded[s].source != self.keys.data_ptr()]
+            if not stale:
+                break
+            for slot, index in stale:
+                self.load(slot, index)
     def plan(self, slots: list[int], indexes: list[WaveIndex]) -> StepPlan:
         """The step's integers for ``indexes`` in ``slots`` (each loaded, see
         :meth:`refresh`), sharing one steady pool; one host->device copy, not waited for."""

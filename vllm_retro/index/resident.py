@@ -1,14 +1,19 @@
-"""A layer's decode from device-resident KV: when it applies, and the :class:`DeviceLayer` it
-runs on, sized to the layer's batch and grown on demand.
+"""A layer's decode by the device step (:mod:`vllm_retro.index.device_layer`): when it
+applies, and the :class:`DeviceLayer` it runs on, sized to the layer's batch and grown on
+demand.
 
 ``RetroConfig.device_resident`` decides: 'auto' takes this path on CUDA while the layer's
-resident copy fits the device's free memory (checked when it grows; else the wave buffer's
-host tier and device cache serve the layer: :func:`vllm_retro.index.padded.decode_padded`),
-'on' takes it on any device (tests, benchmarks), 'off' never. A request keeps its steady-pool
-slot as its slot here, so the layer's tables are indexed the same way.
+resident copy fits the device's free memory, else, when the batch's tokens are in one pinned
+host pool (a wave buffer's host tier), reads them there in place with only the meta index on
+the device (checked when the layer grows); else the wave buffer's host tier and device cache
+serve the layer (:func:`vllm_retro.index.padded.decode_padded`). 'on' copies on any device,
+'in_place' reads in place on any device (tests, benchmarks), 'off' never. A request keeps its
+steady-pool slot as its slot here, so the layer's tables are indexed the same way.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,11 +34,40 @@ def resident_capable(index: WaveIndex) -> bool:
     return type(index) is WaveIndex and hasattr(index.store, "cluster_rows")
 
 
+def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
+    """True when a :class:`DeviceLayer` on ``device`` can read these indexes' tokens in
+    place: one pool holds them all, on ``device`` or, for CUDA, pinned in host memory."""
+    pools = [i.store.cluster_rows(wait=False)[:2] for i in indexes]
+    k, v = pools[0]
+    if any(kk.data_ptr() != k.data_ptr() or vv.data_ptr() != v.data_ptr() for kk, vv in pools):
+        return False
+    if k.device == device:
+        return True
+    return device.type == "cuda" and k.device.type == "cpu" and k.is_pinned() and \
+        v.is_pinned()
+
+
+def placement(copy_bytes: int, meta_bytes: int, free_bytes: int, in_place_ok: bool
+              ) -> str | None:
+    """Under 'auto', how a layer is held: 'copy' (its tokens copied to the device) when
+    ``copy_bytes`` fit the ``free_bytes`` the layer may take, else 'in_place' (the meta index
+    alone, ``meta_bytes``, the tokens read where the store keeps them) when that fits and
+    ``in_place_ok``, else None (the host tier's path serves the layer)."""
+    if copy_bytes <= free_bytes:
+        return "copy"
+    if in_place_ok and meta_bytes <= free_bytes:
+        return "in_place"
+    return None
+
+
 class ResidentDecode:
     """One layer's resident decode state (held by the layer's
     :class:`~vllm_retro.index.padded.MetaViewCache`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, free_bytes: Callable[[torch.device], int] | None = None) -> None:
+        """``free_bytes``: a device's free memory in bytes (default: CUDA's
+        ``mem_get_info``), asked when the layer grows under 'auto'."""
+        self.free_bytes = free_bytes or (lambda dev: torch.cuda.mem_get_info(dev)[0])
         self.layer: DeviceLayer | None = None
         self.graphs: StepGraphs | None = None
         self._refused: tuple | None = None
@@ -70,28 +104,39 @@ class ResidentDecode:
         # a slot loads: its token count is read from the device (a load waits anyway)
         need = (first.steady.num_slots, max(i.num_clusters for i in indexes),
                 max(int(i.sizes.sum(1).max()) if i.num_clusters else 0 for i in indexes))
-        if fits and need[1] <= lay.max_clusters and need[2] <= lay.max_tokens:
+        if fits and need[1] <= lay.max_clusters and (
+                in_place_capable(indexes, lay.device) if lay.in_place
+                else need[2] <= lay.max_tokens):
             return True
-        if self._grow(first, need, mode):
+        if self._grow(indexes, need, mode):
             return True
         self._refused = batch
         return False
 
-    def _grow(self, first: WaveIndex, need: tuple[int, int, int], mode: str) -> bool:
-        lay = self.layer
+    def _grow(self, indexes: list[WaveIndex], need: tuple[int, int, int], mode: str) -> bool:
+        first, lay = indexes[0], self.layer
         held = (0, 0, 0) if lay is None else (lay.num_slots, lay.max_clusters, lay.max_tokens)
         slots = max(need[0], held[0])
         clusters = max(round_up(int(need[1] * GROWTH), 64), held[1])
         tokens = max(round_up(int(need[2] * GROWTH), 1024), held[2])
         dev, dtype = first.centroids.device, first.centroids.dtype
         h, d, rank = first.num_kv_heads, first.head_dim, first.residuals.rank
+        in_place = mode == "in_place"
+        if in_place and not in_place_capable(indexes, dev):
+            return False
         if mode == "auto":
-            want = DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank)
-            if want + HEADROOM_BYTES > torch.cuda.mem_get_info(dev)[0] + self.nbytes():
+            how = placement(
+                DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
+                DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, in_place=True),
+                self.free_bytes(dev) + self.nbytes() - HEADROOM_BYTES,
+                in_place_capable(indexes, dev))
+            if how is None:
                 return False
+            in_place = how == "in_place"
         self.clear()  # the old layer's memory first
         self.layer = DeviceLayer(first.config, h, d, dtype, dev, slots=slots,
-                                 max_clusters=clusters, max_tokens=tokens, rank=rank)
+                                 max_clusters=clusters, max_tokens=0 if in_place else tokens,
+                                 rank=rank, in_place=in_place)
         self.graphs = StepGraphs(self.layer)
         self._refused = None
         return True
