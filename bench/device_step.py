@@ -15,6 +15,10 @@ query already on the device:
 - **eager**: :func:`~vllm_retro.index.device_layer.decode_step`;
 - **graph**: the same step replayed from a CUDA graph
   (:class:`~vllm_retro.index.device_graph.StepGraphs`);
+- per ``--placements``: ``copy``, the index's tokens copied into the layer (KV on the
+  device), and ``in_place``, only its meta index on the device and the retrieval zone read
+  where the wave buffer's host tier keeps it (pinned host memory, over the bus: the regime
+  where the KV does not fit the device); the index is built over a wave buffer store then;
 - **rank** and **attend**: the eager step's two parts alone
   (:func:`~vllm_retro.index.device_layer.rank_clusters`: cluster scoring and top-k;
   :func:`~vllm_retro.index.device_layer.attend`), where its time goes.
@@ -26,6 +30,7 @@ CUDA the same code runs on the CPU against torch's SDPA (a smoke run: the CPU's 
 path is the fused kernel, ``bench/decode_step.py``).
 
     python bench/device_step.py --out DIR/device_step.json          # 32K, 128K x batch 1, 8
+    python bench/device_step.py --placements copy in_place --out DIR/device_step.json
     python bench/device_step.py --contexts 4096 --batches 1 2 --heads 8 2 64   # small, CPU
 """
 
@@ -47,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode_step import QueryWalk, synthetic_kv  # noqa: E402
 from bench.gpu.stacks import sdpa_context  # noqa: E402
+from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
@@ -75,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--kmeans-iters", type=int, default=None,
                     help="k-means rounds of the index build (default: the config's)")
+    ap.add_argument("--placements", nargs="+", choices=("copy", "in_place"), default=["copy"],
+                    help="the layer's tokens copied to the device, read in place from the "
+                         "host tier, or both (default: copy)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     return ap.parse_args(argv)
 
@@ -119,17 +128,26 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
     """Every batch size at context ``n``: one index built on the device, loaded per slot."""
     hq, hkv, d = args.heads
     keys, values, centers = synthetic_kv(1, n, dtype, seed=n, hkv=hkv, d=d)
+    # read in place, the tokens must be in a wave buffer's host tier (pinned on CUDA)
+    manager = WaveBufferManager(cfg) if "in_place" in args.placements else None
+    store = manager.store("r0", hkv, d, dtype, device, layer="L0") if manager else None
     t0 = time.perf_counter()
-    index = WaveIndex.build(keys[0].to(device), values[0].to(device), cfg)
+    index = WaveIndex.build(keys[0].to(device), values[0].to(device), cfg, store=store)
+    if store is not None:
+        store.cluster_rows()  # the buffer's worker has laid the tokens out
     if device.type == "cuda":
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     kv = (keys.to(device), values.to(device))
     del keys, values
-    cases = [{"context": n, "batch": b, "clusters": index.num_clusters, "index_build_s": build_s,
-              **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa)}
-             for b in batches]
+    cases = [{"context": n, "batch": b, "placement": where, "clusters": index.num_clusters,
+              "index_build_s": build_s,
+              **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa,
+                           where == "in_place")}
+             for b in batches for where in args.placements]
     index.free()
+    if manager is not None:
+        manager.close()
     return cases
 
 
@@ -161,12 +179,14 @@ def graphed(fn, example: torch.Tensor):
 
 def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers: torch.Tensor,
                b: int, args, device: torch.device, dtype: torch.dtype, cfg: RetroConfig,
-               sdpa) -> dict:
-    """One batch size: ``index`` in each of ``b`` slots, dense over ``b`` copies of ``kv``."""
+               sdpa, in_place: bool = False) -> dict:
+    """One batch size: ``index`` in each of ``b`` slots (its tokens copied to the layer, or
+    read in place), dense over ``b`` copies of ``kv``."""
     hq, hkv, d = args.heads
     n, scale = kv[0].shape[2], d ** -0.5
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
-                        max_tokens=n, rank=index.residuals.rank)
+                        max_tokens=0 if in_place else n, rank=index.residuals.rank,
+                        in_place=in_place)
     slots, rows = list(range(b)), [index] * b
     layer.refresh(slots, rows)
     plan = layer.plan(slots, rows)
@@ -248,7 +268,9 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     }
     graph_note = (f", sdpa graph {ms['dense_sdpa_graph']:.3f}" if "dense_sdpa_graph" in ms
                   else "")
-    print(f"{n:>7} x {b:<3} dense {ms['dense']:.3f} ms (sdpa {ms['dense_sdpa']:.3f}"
+    where = "in place" if in_place else "copy"
+    print(f"{n:>7} x {b:<3} {where:<8} dense {ms['dense']:.3f} ms "
+          f"(sdpa {ms['dense_sdpa']:.3f}"
           f"{graph_note})  "
           f"eager {ms['eager']:.3f} ms "
           f"({case['speedup_eager']:.2f}x)  graph {ms['graph']:.3f} ms "

@@ -8,12 +8,13 @@ stage in its own process under a time limit, and writes into OUTDIR:
 - ``log.txt``: every stage's output;
 - ``summary.json``: the machine (GPU, driver, torch, Triton, CUDA) and per stage its exit
   status, seconds and last lines;
-- the benchmarks' JSON: ``device_step_cuda.json`` (:mod:`bench.device_step`: one layer step
-  with the KV on the device, dense SDPA vs the device step eager and from a CUDA graph,
-  ``set_sync_debug_mode("error")``, graph = eager) and ``gpu_stack.json`` (``bench.gpu``:
-  the wave index + wave buffer stack, KV in the host tier, 2 layers, 32K x batch 1 and 8).
+- the benchmarks' JSON: ``device_step_cuda.json`` (:mod:`bench.device_step`: one layer step,
+  its tokens copied to the device or read in place from the pinned host tier, dense SDPA vs
+  the device step eager and from a CUDA graph, ``set_sync_debug_mode("error")``, graph =
+  eager) and ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older
+  host-tier path, 2 layers, 32K x batch 1 and 8).
 
-Stages: the CUDA tests (Triton kernels compiled for the GPU, the padded path, the device
+Stages: the CUDA tests (Triton kernels compiled for the GPU, the device
 step, the pinning lifecycle), one process per test file, side by side; then, the GPU to
 themselves, the two benchmarks; then the C++ CPU extension's tests on the GPU host's CPU.
 A stage that fails or runs out of time is recorded and the next one still runs. Exit status
@@ -54,7 +55,7 @@ def test_stages() -> list[tuple[str, list[str], int]]:
     py = sys.executable
     return [(f"cuda_tests:{pathlib.Path(t).stem}",
              [py, "-m", "pytest", "-v", "-ra", "-p", "no:cacheprovider", "--durations=5",
-              "-o", "faulthandler_timeout=60", *(["-k", k] if k else []), t], 200)
+              "-o", "faulthandler_timeout=60", *(["-k", k] if k else []), t], 150)
             for t, k in _test_files()]
 
 
@@ -73,8 +74,8 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
     py = sys.executable
     return [
         ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
-                         "--batches", "1", "8", "--out", str(out / "device_step_cuda.json")],
-         120),
+                         "--batches", "1", "8", "--placements", "copy", "in_place",
+                         "--out", str(out / "device_step_cuda.json")], 180),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
                        "--out", str(out / "gpu_stack.json")], 80),

@@ -11,9 +11,13 @@ from bench import device_step, gpu_check
 def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
     out = tmp_path / "ds.json"
     result = device_step.main(["--device", "cpu", "--contexts", "2048", "--batches", "1", "2",
-                               "--heads", "4", "2", "32", "--steps", "2", "--out", str(out)])
+                               "--heads", "4", "2", "32", "--steps", "2",
+                               "--placements", "copy", "in_place", "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert [(c["context"], c["batch"]) for c in result["cases"]] == [(2048, 1), (2048, 2)]
+    assert [(c["context"], c["batch"], c["placement"]) for c in result["cases"]] == [
+        (2048, 1, "copy"), (2048, 1, "in_place"), (2048, 2, "copy"), (2048, 2, "in_place")]
+    copy, in_place = result["cases"][:2]
+    assert in_place["layer_bytes"] < copy["layer_bytes"] / 2  # the meta index alone
     for case in result["cases"]:
         assert case["rel_err_vs_reference"] < 1e-5  # fp32: the step is the reference's
         assert case["graph_vs_eager_max_abs"] == 0  # off CUDA the "graph" runs eagerly

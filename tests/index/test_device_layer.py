@@ -253,25 +253,31 @@ def test_decode_step_with_triton_kernels(triton_device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol):
+def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in_place):
     """On a GPU: the step equals the per-row reference, passes
-    ``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph replays it exactly."""
+    ``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph replays it exactly; the
+    tokens copied into the layer or read in place from the wave buffer's pinned host tier
+    (over the bus)."""
     from vllm_retro.index.device_graph import StepGraphs
     from vllm_retro.index.wave_index import WaveIndex
 
     g = torch.Generator().manual_seed(9)
     cfg = _cfg(kernel_backend="auto")
     h, d, dev = 2, 128, torch.device("cuda")
+    mgr = WaveBufferManager(cfg) if in_place else None
     indexes = [WaveIndex.build(torch.randn(h, n, d, generator=g).to(dev, dtype),
-                               torch.randn(h, n, d, generator=g).to(dev, dtype), cfg)
+                               torch.randn(h, n, d, generator=g).to(dev, dtype), cfg,
+                               store=mgr.store(f"r{n}", h, d, dtype, dev, layer="L0")
+                               if mgr else None)
                for n in (700, 2500)]
     pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
                       dtype, dev, slots=2, zeroed=True)
     for slot, index in enumerate(indexes):
         index.adopt_steady(pool, slot)
     layer = DeviceLayer(cfg, h, d, dtype, dev, slots=4, max_clusters=256, max_tokens=4096,
-                        rank=indexes[0].residuals.rank)
+                        rank=indexes[0].residuals.rank, in_place=in_place)
     graphs = StepGraphs(layer)
     slots = [3, 1]
     for _ in range(3):
@@ -292,3 +298,9 @@ def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol):
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(eager.float(), ref.float(), rtol=tol, atol=tol)
     assert graphs.captures == 1
+    if in_place:
+        assert layer.keys.device.type == "cpu" and layer.keys.is_pinned()
+        torch.cuda.synchronize()
+        for index in indexes:
+            index.free()
+        mgr.close()
