@@ -68,8 +68,9 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
 
 def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir, monkeypatch):
     # CUDA's two batched paths, here through the 'torch' kernels — over padded rows (KV in
-    # the wave buffer) and from device-resident KV (one fixed op sequence per layer step) —
-    # and the fused CPU kernel decode the same rows to the same greedy tokens: mixed
+    # the wave buffer) and from device-resident KV (one fixed op sequence per layer step),
+    # copied or read in place from the host tier — and the fused CPU kernel decode the same
+    # rows to the same greedy tokens: mixed
     # lengths, continuous batching, update blocks every 64 tokens, a request finishing early.
     from vllm_retro.index.resident import ResidentDecode
 
@@ -79,18 +80,22 @@ def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir, 
         resident_rows.append(len(indexes)), decode(self, indexes, *a))[1])
     lengths, max_tokens = [90, 700, 1500, 3000], [40, 150, 150, 150]
     runs = {}
-    for backend, resident in (("auto", "auto"), ("torch", "off"), ("torch", "on")):
+    for backend, resident in (("auto", "auto"), ("torch", "off"), ("torch", "on"),
+                              ("torch", "in_place")):
         with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0,
                                            "kernel_backend": backend,
                                            "device_resident": resident}) as llm:
             runs[backend, resident] = generate_tokens(llm, lengths, max_tokens)
             c = get_runtime().counters
             assert c.retro_decode_tokens > 2 * 3 * 140 and c.index_updates > 0
-        if resident != "on":
+        if resident in ("auto", "off"):
             assert resident_rows == []
-    assert sum(resident_rows) == c.retro_decode_tokens  # every indexed row of the last run
+        else:  # every indexed row of the run
+            assert sum(resident_rows) == c.retro_decode_tokens
+            resident_rows.clear()
     assert runs["torch", "off"] == runs["auto", "auto"]
     assert runs["torch", "on"] == runs["auto", "auto"]
+    assert runs["torch", "in_place"] == runs["auto", "auto"]
 
 
 def _free_blocks(llm) -> int:
