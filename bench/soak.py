@@ -29,8 +29,9 @@ reservations; vLLM's running and waiting requests). The report (JSON, and a plot
 and gauges over time next to it, in ``bench/results/soak_<label>.*``) gives requests
 answered, needles right against alone, aborts by phase, 4xx/5xx, the faults' outcomes and
 the server's failure counters, time to drain, latency percentiles, how long the gauges took
-to return to zero, resident memory after the run against after warm-up, and the tracebacks
-in the server log (injected or not). ``verdict`` lists every check that failed.
+to return to zero, resident memory after the run against after warm-up (with ``--rounds``
+N > 1 also after each round: growth from round to round is a leak), and the tracebacks in
+the server log (injected or not). ``verdict`` lists every check that failed.
 
     python -m bench.soak --spawn --faults --requests 300 --label qwen_cpu
     python -m bench.soak --url http://127.0.0.1:8000 --model-dir DIR --requests 100
@@ -622,8 +623,8 @@ def verdict(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
         for site in FAULT_SITES:
             got = s["outcomes"].get(f"fault:{site}", {})
             want = "answered" if site in ANSWERED_FAULTS else "error"
-            if got.get(want, 0) != args.faults_each:
-                bad.append(f"fault {site}: {got}, want {args.faults_each} {want}")
+            if got.get(want, 0) != args.faults_each * args.rounds:
+                bad.append(f"fault {site}: {got}, want {args.faults_each * args.rounds} {want}")
         c = report["failure_counters"]
         if c.get("failed_requests", 0) < 2 * args.faults_each:
             bad.append(f"server counted {c.get('failed_requests')} failed requests")
@@ -636,6 +637,10 @@ def verdict(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     rss = report.get("rss_ratio_after_to_warm")
     if rss is not None and rss > 1.05:
         bad.append(f"resident memory after the run {rss:.3f}x after warm-up (> 1.05)")
+    grew = report.get("rss_ratio_last_to_first_round")
+    if grew is not None and grew > 1.02:
+        bad.append(f"resident memory grew {grew:.3f}x from the first round's end to the last's "
+                   "(> 1.02: a leak)")
     other = [t for t in report["tracebacks"] if not t["injected"]]
     if other:
         bad.append(f"{len(other)} tracebacks not from injected faults: "
@@ -700,6 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "resident memory")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="send the crowd this many times (same requests; memory that grows "
+                        "from round to round leaks, a first round's growth may be pools "
+                        "reaching their high-water mark)")
     p.add_argument("--aborts", type=int, default=65)
     p.add_argument("--faults", action="store_true", help="inject faults (see module docs)")
     p.add_argument("--faults-each", type=int, default=5)
@@ -805,14 +814,22 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> dict[str, Any]:
     time.sleep(2)
     rss_warm = resident_bytes(pid) if pid is not None else None
     marks["crowd"] = time.perf_counter() - sampler.t0
-    print(f"soak: alone done ({len(alone)}); the crowd: {len(reqs)} requests over "
-          f"{args.concurrency} clients", flush=True)
-    results, wall = asyncio.run(run_all(url, reqs, model, max_len, args.concurrency, headers,
+    results: list[Result] = []
+    rss_rounds: list[int] = []
+    wall = 0.0
+    for n in range(args.rounds):  # the same crowd again: memory that grows per round leaks
+        print(f"soak: alone done ({len(alone)}); the crowd{f' (round {n + 1})' if n else ''}: "
+              f"{len(reqs)} requests over {args.concurrency} clients", flush=True)
+        got, took = asyncio.run(run_all(url, reqs, model, max_len, args.concurrency, headers,
                                         args.timeout))
-    marks["drained"] = time.perf_counter() - sampler.t0
-    zero_s, after = wait_gauges_zero(url, 60)
-    time.sleep(5)
-    rss_after = resident_bytes(pid) if pid is not None else None
+        results += got
+        wall += took
+        marks[f"drained {n + 1}" if n else "drained"] = time.perf_counter() - sampler.t0
+        zero_s, after = wait_gauges_zero(url, 60)
+        time.sleep(5)
+        if pid is not None:
+            rss_rounds.append(resident_bytes(pid))
+    rss_after = rss_rounds[-1] if rss_rounds else None
     sampler.stop()
     report: dict[str, Any] = {
         "label": args.label, "url": url, "model": model, "max_model_len": max_len,
@@ -825,6 +842,9 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> dict[str, Any]:
         "gauges_zero_after_warmup_s": warm_zero,
         "rss_warm_bytes": rss_warm, "rss_after_bytes": rss_after,
         "rss_ratio_after_to_warm": (rss_after / rss_warm if rss_warm else None),
+        "rss_after_round_bytes": rss_rounds,
+        "rss_ratio_last_to_first_round": (rss_rounds[-1] / rss_rounds[0]
+                                          if len(rss_rounds) > 1 else None),
         "rss_peak_bytes": max((s.get("rss_bytes", 0) for s in sampler.samples), default=None),
         "marks": marks,
         "results": [asdict(r) for r in results],

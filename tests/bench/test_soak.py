@@ -82,3 +82,17 @@ def test_short_soak_against_a_tiny_server_with_every_fault(tmp_path: Path,
     written = json.loads((tmp_path / "soak_ci_tiny.json").read_text())
     assert written["verdict"] == []
     assert (tmp_path / "soak_ci_tiny.png").stat().st_size > 0
+
+
+def test_memory_that_grows_from_round_to_round_fails_the_run() -> None:
+    """With ``--rounds`` the first round may raise resident memory to its pools' high-water
+    mark; growing again in a later round is a leak."""
+    base = {"summary": {"needles": {"worse_than_alone": []}}, "results": [],
+            "gauges_zero_after_s": 0.1, "gauges_after": {}, "tracebacks": [],
+            "rss_ratio_after_to_warm": 1.0}
+    args = _args(rounds=3)
+    assert soak.verdict({**base, "rss_ratio_last_to_first_round": 1.01}, args) == []
+    bad = soak.verdict({**base, "rss_ratio_last_to_first_round": 1.04}, args)
+    assert len(bad) == 1 and "grew 1.040x" in bad[0] and "a leak" in bad[0]
+    bad = soak.verdict({**base, "rss_ratio_after_to_warm": 1.09}, args)
+    assert len(bad) == 1 and "1.090x after warm-up" in bad[0]
