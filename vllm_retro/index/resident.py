@@ -13,8 +13,6 @@ steady-pool slot as its slot here, so the layer's tables are indexed the same wa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from vllm_retro.index.device_graph import StepGraphs
@@ -64,10 +62,7 @@ class ResidentDecode:
     """One layer's resident decode state (held by the layer's
     :class:`~vllm_retro.index.padded.MetaViewCache`)."""
 
-    def __init__(self, free_bytes: Callable[[torch.device], int] | None = None) -> None:
-        """``free_bytes``: a device's free memory in bytes (default: CUDA's
-        ``mem_get_info``), asked when the layer grows under 'auto'."""
-        self.free_bytes = free_bytes or (lambda dev: torch.cuda.mem_get_info(dev)[0])
+    def __init__(self) -> None:
         self.layer: DeviceLayer | None = None
         self.graphs: StepGraphs | None = None
         self._refused: tuple | None = None
@@ -128,7 +123,7 @@ class ResidentDecode:
             how = placement(
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, in_place=True),
-                self.free_bytes(dev) + self.nbytes() - HEADROOM_BYTES,
+                torch.cuda.mem_get_info(dev)[0] + self.nbytes() - HEADROOM_BYTES,
                 in_place_capable(indexes, dev))
             if how is None:
                 return False
