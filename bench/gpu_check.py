@@ -16,7 +16,8 @@ stage in its own process under a time limit, and writes into OUTDIR:
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the device
 step, the pinning lifecycle), one process per test file, side by side; then, the GPU to
-themselves, the two benchmarks; then the C++ CPU extension's tests on the GPU host's CPU.
+themselves, the two benchmarks; then the C++ CPU extension's tests on the GPU host's CPU,
+and a profile of two CPU-tensor tests there (``bench/cpu_profile.py``).
 A stage that fails or runs out of time is recorded and the next one still runs. Exit status
 0 only when every stage passed.
 """
@@ -75,7 +76,7 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
     return [
         ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
                          "--batches", "1", "8", "--placements", "copy", "in_place",
-                         "--out", str(out / "device_step_cuda.json")], 180),
+                         "--out", str(out / "device_step_cuda.json")], 150),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
                        "--out", str(out / "gpu_stack.json")], 80),
@@ -83,6 +84,8 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
         # model's registry packages, and the captured data is too large to carry)
         ("cpu_extension_tests", [py, "-m", "pytest", "-v", "-ra", "-p", "no:cacheprovider",
                                  "-k", "not real_attention_data", *CPU_EXTENSION_TESTS], 60),
+        # why CPU-tensor tests ran 10-100x slower on an H100's host than on the dev machine
+        ("cpu_profile", [py, "bench/cpu_profile.py"], 30),
     ]
 
 

@@ -57,3 +57,13 @@ def test_gpu_check_needs_its_output_directory():
     proc = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=gpu_check.ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage: python3 bench/gpu_check.py OUTDIR" in proc.stderr
+
+
+def test_cpu_profile_prints_the_threading_and_the_costliest_functions():
+    proc = subprocess.run([sys.executable, "bench/cpu_profile.py",
+                           "tests/index/test_wave_index.py::test_full_budget_equals_full_attention"
+                           "[2-2-1200-32-512]"],
+                          cwd=gpu_check.ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "ATen/Parallel" in proc.stdout and "1 passed" in proc.stdout
+    assert "tottime" in proc.stdout and "function calls" in proc.stdout
