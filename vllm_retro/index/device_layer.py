@@ -8,7 +8,10 @@ and gpt-fast's in-place buffers are, in rows of ``R = slots x H`` (one per (requ
 KV head)):
 
 - ``keys``, ``values`` [slots * H, N_cap, D]: each row's indexed tokens, cluster-contiguous
-  (cluster c of a row at ``starts[row, c]``, ``sizes[row, c]`` tokens);
+  (cluster c of a row at ``starts[row, c]``, ``sizes[row, c]`` tokens); or, with
+  ``in_place`` (the KV does not fit the device), the store's own pool [M, D] that the whole
+  batch shares — a wave buffer's host tier, pinned, read over the bus — with ``starts``
+  absolute rows of it;
 - the meta pool [slots * H, C_cap, ...]: centroids, value sums (KV dtype), sizes (int32, 0
   as padding), starts (int64), spreads and deviates (fp32) — and per row the tilted
   estimator's residual model (profile [D], key and value factors [D, rank], fp32);
