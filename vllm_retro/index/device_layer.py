@@ -91,6 +91,15 @@ class StepPlan:
     change the step's shapes (a CUDA graph is captured again only when a slot loads)."""
 
 
+def readable_in_place(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> bool:
+    """True when kernels on ``device`` can read the pool (``keys``, ``values``) where it is:
+    on ``device``, or pinned host memory for a CUDA device (read over the bus)."""
+    if keys.device == device and values.device == device:
+        return True
+    return device.type == "cuda" and keys.device.type == values.device.type == "cpu" and \
+        keys.is_pinned() and values.is_pinned()
+
+
 @dataclass(frozen=True)
 class _Loaded:
     """What a slot of a :class:`DeviceLayer` holds."""
@@ -205,11 +214,13 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
         sizes = index.sizes.long().cpu()
-        keys, values, starts, head_rows, mult = index.store.cluster_rows()
-        source = keys.data_ptr() if self.in_place else 0
         prev = self._loaded.get(slot)
-        grow = prev is not None and prev.uid == index.uid and prev.clusters <= c and \
-            prev.source == source
+        same = prev is not None and prev.uid == index.uid and prev.clusters <= c
+        # the store's (keys, values, starts, head_rows, mult), when anything is read from it
+        rows_of = index.store.cluster_rows() if self.in_place or not same or \
+            prev.clusters < c else None
+        source = rows_of[0].data_ptr() if self.in_place else 0
+        grow = same and prev.source == source
         first = prev.clusters if grow else 0
         held = prev.head_tokens if grow else torch.zeros(h, dtype=torch.int64)
         added = sizes[:, first:]
@@ -223,8 +234,9 @@ class DeviceLayer:
                 pool[rows] = 0
         dev = self.device
         if self.in_place:
-            self._read_in_place(keys, values)
+            self._read_in_place(rows_of[0], rows_of[1])
         if c > first:
+            keys, values, starts, head_rows, mult = rows_of
             new = slice(first, c)
             # each new cluster's first row in the store's pool
             src = starts[:, new].cpu() * mult + head_rows * torch.arange(h)[:, None]
@@ -268,9 +280,7 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load in place: the store's pool is "
                              f"{tuple(keys.shape)} {keys.dtype}; accepted: contiguous "
                              f"[rows, {self.head_dim}] {self.dtype}")
-        if keys.device != self.device and not (
-                self.device.type == "cuda" and keys.device.type == "cpu"
-                and keys.is_pinned() and values.is_pinned()):
+        if not readable_in_place(keys, values, self.device):
             raise ValueError(f"DeviceLayer.load in place: the store's pool is on "
                              f"{keys.device}, unpinned; accepted: on {self.device}, or "
                              "pinned host memory for a CUDA layer")

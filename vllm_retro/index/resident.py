@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.index.device_graph import StepGraphs
-from vllm_retro.index.device_layer import DeviceLayer, round_up
+from vllm_retro.index.device_layer import DeviceLayer, readable_in_place, round_up
 from vllm_retro.index.wave_index import WaveIndex
 
 GROWTH = 1.5
@@ -39,10 +39,7 @@ def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
     k, v = pools[0]
     if any(kk.data_ptr() != k.data_ptr() or vv.data_ptr() != v.data_ptr() for kk, vv in pools):
         return False
-    if k.device == device:
-        return True
-    return device.type == "cuda" and k.device.type == "cpu" and k.is_pinned() and \
-        v.is_pinned()
+    return readable_in_place(k, v, device)
 
 
 def placement(copy_bytes: int, meta_bytes: int, free_bytes: int, in_place_ok: bool
