@@ -16,9 +16,12 @@ query already on the device:
 - **graph**: the same step replayed from a CUDA graph
   (:class:`~vllm_retro.index.device_graph.StepGraphs`);
 - per ``--placements``: ``copy``, the index's tokens copied into the layer (KV on the
-  device), and ``in_place``, only its meta index on the device and the retrieval zone read
+  device), ``in_place``, only its meta index on the device and the retrieval zone read
   where the wave buffer's host tier keeps it (pinned host memory, over the bus: the regime
-  where the KV does not fit the device); the index is built over a wave buffer store then;
+  where the KV does not fit the device; the index is built over a wave buffer store then),
+  and ``in_place_cache``, the same through the layer's cluster cache on the device (the
+  wave buffer's device cache budget, as serving sizes it: ``cache_fraction`` of the tokens
+  in blocks of two average clusters), with its token hit ratio over the timed steps;
 - **rank** and **attend**: the eager step's two parts alone
   (:func:`~vllm_retro.index.device_layer.rank_clusters`: cluster scoring and top-k;
   :func:`~vllm_retro.index.device_layer.attend`), where its time goes.
@@ -30,7 +33,7 @@ CUDA the same code runs on the CPU against torch's SDPA (a smoke run: the CPU's 
 path is the fused kernel, ``bench/decode_step.py``).
 
     python bench/device_step.py --out DIR/device_step.json          # 32K, 128K x batch 1, 8
-    python bench/device_step.py --placements copy in_place --out DIR/device_step.json
+    python bench/device_step.py --placements copy in_place in_place_cache --out DIR/x.json
     python bench/device_step.py --contexts 4096 --batches 1 2 --heads 8 2 64   # small, CPU
 """
 
@@ -59,9 +62,11 @@ from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
 from vllm_retro.index.device_layer import (  # noqa: E402
     DeviceLayer,
     attend,
+    cache_blocks_for,
     decode_step,
     rank_clusters,
 )
+from vllm_retro.index.resident import CACHE_BLOCK_CLUSTERS  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -81,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--kmeans-iters", type=int, default=None,
                     help="k-means rounds of the index build (default: the config's)")
-    ap.add_argument("--placements", nargs="+", choices=("copy", "in_place"), default=["copy"],
+    ap.add_argument("--placements", nargs="+", choices=("copy", "in_place", "in_place_cache"),
+                    default=["copy"],
                     help="the layer's tokens copied to the device, read in place from the "
                          "host tier, or both (default: copy)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
@@ -129,7 +135,8 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
     hq, hkv, d = args.heads
     keys, values, centers = synthetic_kv(1, n, dtype, seed=n, hkv=hkv, d=d)
     # read in place, the tokens must be in a wave buffer's host tier (pinned on CUDA)
-    manager = WaveBufferManager(cfg) if "in_place" in args.placements else None
+    manager = WaveBufferManager(cfg) if any(p.startswith("in_place")
+                                            for p in args.placements) else None
     store = manager.store("r0", hkv, d, dtype, device, layer="L0") if manager else None
     t0 = time.perf_counter()
     index = WaveIndex.build(keys[0].to(device), values[0].to(device), cfg, store=store)
@@ -142,8 +149,7 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
     del keys, values
     cases = [{"context": n, "batch": b, "placement": where, "clusters": index.num_clusters,
               "index_build_s": build_s,
-              **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa,
-                           where == "in_place")}
+              **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa, where)}
              for b in batches for where in args.placements]
     index.free()
     if manager is not None:
@@ -179,14 +185,18 @@ def graphed(fn, example: torch.Tensor):
 
 def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers: torch.Tensor,
                b: int, args, device: torch.device, dtype: torch.dtype, cfg: RetroConfig,
-               sdpa, in_place: bool = False) -> dict:
+               sdpa, where: str = "copy") -> dict:
     """One batch size: ``index`` in each of ``b`` slots (its tokens copied to the layer, or
-    read in place), dense over ``b`` copies of ``kv``."""
+    read in place, through a cluster cache or not: ``where``), dense over ``b`` copies of
+    ``kv``."""
     hq, hkv, d = args.heads
     n, scale = kv[0].shape[2], d ** -0.5
+    in_place = where.startswith("in_place")
+    block = CACHE_BLOCK_CLUSTERS * cfg.cluster_size
+    blocks = cache_blocks_for(cfg, n, block) if where == "in_place_cache" else 0
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,
-                        in_place=in_place)
+                        in_place=in_place, cache_blocks=blocks, cache_block_tokens=block)
     slots, rows = list(range(b)), [index] * b
     layer.refresh(slots, rows)
     plan = layer.plan(slots, rows)
@@ -234,6 +244,7 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
         checks["dense_graph_vs_eager_max_abs"] = float(
             (dense_graph(q).float() - ref.float()).abs().max())
     timer = Timer(device)
+    before = layer.cache_tokens()
     for _ in range(3):  # warm-up
         dense(q), decode_step(layer, plan, q, scale), graphs(plan, q, scale)
         if ours is not None:
@@ -251,6 +262,9 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
         rows = q.reshape(b * hkv, -1, d)
         top = timer("rank", lambda rows=rows: rank_clusters(layer, plan, rows, scale))
         timer("attend", lambda rows=rows, top=top: attend(layer, plan, rows, top, scale))
+    cached, read = (a - b for a, b in zip(layer.cache_tokens(), before, strict=True))
+    checks["cache_blocks"] = blocks
+    checks["cache_hit_ratio"] = cached / (cached + read) if blocks and cached + read else None
     ms = timer.medians()
     ms["dense"] = min(ms["dense_sdpa"], ms.get("dense_triton", float("inf")),
                       ms.get("dense_sdpa_graph", float("inf")))
@@ -268,15 +282,16 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     }
     graph_note = (f", sdpa graph {ms['dense_sdpa_graph']:.3f}" if "dense_sdpa_graph" in ms
                   else "")
-    where = "in place" if in_place else "copy"
-    print(f"{n:>7} x {b:<3} {where:<8} dense {ms['dense']:.3f} ms "
+    hits = f"  hits {checks['cache_hit_ratio']:.2f}" if blocks else ""
+    print(f"{n:>7} x {b:<3} {where:<14} dense {ms['dense']:.3f} ms "
           f"(sdpa {ms['dense_sdpa']:.3f}"
           f"{graph_note})  "
           f"eager {ms['eager']:.3f} ms "
           f"({case['speedup_eager']:.2f}x)  graph {ms['graph']:.3f} ms "
           f"({case['speedup_graph']:.2f}x)  [rank {ms['rank']:.3f} + attend "
           f"{ms['attend']:.3f} ms]  graph-eager {checks['graph_vs_eager_max_abs']:.2g}"
-          f"  vs reference {checks['rel_err_vs_reference']:.2g}  ops {checks['torch_ops']}",
+          f"  vs reference {checks['rel_err_vs_reference']:.2g}  ops {checks['torch_ops']}"
+          f"{hits}",
           flush=True)
     return case
 

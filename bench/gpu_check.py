@@ -76,6 +76,7 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
     return [
         ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
                          "--batches", "1", "8", "--placements", "copy", "in_place",
+                         "in_place_cache",
                          "--out", str(out / "device_step_cuda.json")], 150),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",

@@ -18,6 +18,11 @@ import os
 import torch
 from torch import Tensor
 
+from vllm_retro.kernels.cluster_cache import (
+    ClusterCache,
+    cache_lookup_torch,
+    cache_lookup_triton,
+)
 from vllm_retro.kernels.gather import gather_runs_ref, gather_runs_triton
 from vllm_retro.kernels.kmeans import (
     available_cpu,
@@ -45,7 +50,9 @@ from vllm_retro.kernels.tripartite_attention import (
 )
 
 __all__ = [
+    "ClusterCache",
     "TiltTerms",
+    "cache_lookup",
     "cluster_scores",
     "gather_runs",
     "kmeans_assign",
@@ -119,13 +126,24 @@ def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, plan: Tensor, w
 
 def resident_attention(query: Tensor, pools: LayerPools, plan: Tensor, top: Tensor,
                        width: int, r_max: int, e_max: int, scale: float, tilted: bool = True,
+                       cache: ClusterCache | None = None, runs: Tensor | None = None,
                        backend: str = "auto") -> Tensor:
     """Dispatching :func:`kernels.resident_attention.resident_attention_torch` (tripartite
-    decode read in place from a layer's pools)."""
-    args = (query, pools, plan, top, width, r_max, e_max, scale, tilted)
+    decode read in place from a layer's pools, through its cluster cache when given)."""
+    args = (query, pools, plan, top, width, r_max, e_max, scale, tilted, cache, runs)
     if resolve_backend(backend, query.device) == "triton":
         return resident_attention_triton(*args)
     return resident_attention_torch(*args)
+
+
+def cache_lookup(cache: ClusterCache, sizes: Tensor, plan: Tensor, top: Tensor, r_max: int,
+                 backend: str = "auto") -> Tensor:
+    """Dispatching :func:`kernels.cluster_cache.cache_lookup_torch` (a step's retrieval
+    clusters looked up in and admitted to a layer's cluster cache)."""
+    args = (cache, sizes, plan, top, r_max)
+    if resolve_backend(backend, top.device) == "triton":
+        return cache_lookup_triton(*args)
+    return cache_lookup_torch(*args)
 
 
 def tripartite_decode(

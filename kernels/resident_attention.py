@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_retro.kernels._common import block_size, tensor_cores_16bit, tl, triton
+from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.step_plan import plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
@@ -107,7 +108,9 @@ def retrieval_runs(sizes: torch.Tensor, starts: torch.Tensor, pool_row: torch.Te
 
 def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor,
                              top: torch.Tensor, width: int, r_max: int, e_max: int,
-                             scale: float, tilted: bool = True) -> torch.Tensor:
+                             scale: float, tilted: bool = True,
+                             cache: ClusterCache | None = None,
+                             runs: torch.Tensor | None = None) -> torch.Tensor:
     """The reference (torch operations): the packed execution buffer ([R, width, D]: the
     steady zone, then the retrieval zone's tokens; ``width`` >= every row's exact tokens)
     gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D]; plan
@@ -144,6 +147,8 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
                          pools.keys.view(-1, d).index_select(0, src_c)).view(r, width, d)
     exec_v = torch.where(pick, pools.steady_v.view(-1, d).index_select(0, src_s),
                          pools.values.view(-1, d).index_select(0, src_c)).view(r, width, d)
+    if cache is not None and r_max:
+        _through_cache(cache, runs, ends, run, u, valid & ~in_steady, exec_k, exec_v)
     k_top = top.shape[1]
     est_slots = (rows.n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
         max(k_top - 1, 0))
@@ -166,6 +171,29 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
     return out
 
 
+def _through_cache(cache: ClusterCache, runs: torch.Tensor, ends: torch.Tensor,
+                   run: torch.Tensor, u: torch.Tensor, retrieved: torch.Tensor,
+                   exec_k: torch.Tensor, exec_v: torch.Tensor) -> None:
+    """The torch path's cache: retrieval tokens (``retrieved`` [R, W] of the execution
+    buffer, zone token ``u`` in run ``run``) of hits replaced in ``exec_k`` / ``exec_v`` by
+    the cache's rows; those of admitted misses written to the cache."""
+    d = exec_k.shape[2]
+    begin = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
+    i = u - torch.gather(begin, 1, run)  # the token's place in its cluster
+    row0 = torch.gather(runs[0], 1, run)
+    hit = torch.gather(runs[1], 1, run).bool()
+    in_cache = retrieved & (row0 >= 0) & (i < cache.block_tokens)
+    sink = cache.keys.shape[0] - 1
+    rows = torch.where(in_cache, row0 + i, sink).reshape(-1)
+    read = (in_cache & hit).reshape(-1, 1)
+    flat_k, flat_v = exec_k.view(-1, d), exec_v.view(-1, d)
+    flat_k.copy_(torch.where(read, cache.keys.index_select(0, rows), flat_k))
+    flat_v.copy_(torch.where(read, cache.values.index_select(0, rows), flat_v))
+    fill = torch.where((in_cache & ~hit).reshape(-1), rows, sink)
+    cache.keys.index_copy_(0, fill, flat_k)
+    cache.values.index_copy_(0, fill, flat_v)
+
+
 @triton.jit
 def _logits(q, k, scale, DOT16: tl.constexpr):
     """Scaled logits [G, N] of query heads q [G, D] against keys k [N, D]: 16-bit operands
@@ -186,6 +214,14 @@ def _exact_tile(m, ssum, racc, acc, q, K, V, rows, valid, D, offs_d, dmask, scal
     mk = valid[:, None] & dmask[None, :]
     k = tl.load(K + rows[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
     v = tl.load(V + rows[:, None] * D + offs_d[None, :], mask=mk, other=0.0)
+    return _exact_kv(m, ssum, racc, acc, q, k, v, valid, scale, no_spread, TILT, DOT16)
+
+
+@triton.jit
+def _exact_kv(m, ssum, racc, acc, q, k, v, valid, scale, no_spread, TILT: tl.constexpr,
+              DOT16: tl.constexpr):
+    """Exact tokens ``k``, ``v`` [N, D] (``valid`` [N] of them real) into the online softmax
+    state (see :func:`_exact_tile`)."""
     s = tl.where(valid[None, :], _logits(q, k, scale, DOT16), float("-inf"))
     if not DOT16:
         v = v.to(tl.float32)
@@ -194,13 +230,34 @@ def _exact_tile(m, ssum, racc, acc, q, K, V, rows, valid, D, offs_d, dmask, scal
 
 
 @triton.jit
+def _cached_tile(m, ssum, racc, acc, q, K, V, CK, CV, rows, crows, valid, read, fill, D,
+                 offs_d, dmask, scale, no_spread, TILT: tl.constexpr, DOT16: tl.constexpr):
+    """:func:`_exact_tile` of retrieval tokens with a cluster cache: those ``read`` from the
+    cache at its rows ``crows``, the others at ``rows`` of K / V, and those to ``fill``
+    written to the cache as they are read."""
+    here = read[:, None] & dmask[None, :]
+    there = (valid & ~read)[:, None] & dmask[None, :]
+    k = tl.load(K + rows[:, None] * D + offs_d[None, :], mask=there, other=0.0)
+    v = tl.load(V + rows[:, None] * D + offs_d[None, :], mask=there, other=0.0)
+    k = tl.where(here, tl.load(CK + crows[:, None] * D + offs_d[None, :], mask=here,
+                               other=0.0), k)
+    v = tl.where(here, tl.load(CV + crows[:, None] * D + offs_d[None, :], mask=here,
+                               other=0.0), v)
+    into = fill[:, None] & dmask[None, :]
+    tl.store(CK + crows[:, None] * D + offs_d[None, :], k, mask=into)
+    tl.store(CV + crows[:, None] * D + offs_d[None, :], v, mask=into)
+    return _exact_kv(m, ssum, racc, acc, q, k, v, valid, scale, no_spread, TILT, DOT16)
+
+
+@triton.jit
 def _resident_split_kernel(
     Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF, KF, VF,
-    ACC, MX, LS, RA, VSH,
-    B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, RANK, chunk, scale,
-    sq_r, sq_g, s_top, sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g,
+    CK, CV, RUNS, ACC, MX, LS, RA, VSH,
+    B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, RANK, T_CACHE, chunk, scale,
+    sq_r, sq_g, s_top, s_runp, s_run, sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr, DOT16: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated);
     # a split walks its share of each zone in a loop of its own, so a tile loads only its
@@ -223,6 +280,11 @@ def _resident_split_kernel(
     len_r = tl.load(SZ + prow * C_CAP + cid_r, mask=rmask, other=0).to(tl.int64)
     ends = tl.cumsum(len_r, axis=0)
     offs_run = tl.load(ST + prow * C_CAP + cid_r, mask=rmask, other=0) - (ends - len_r)
+    if CACHE:  # the cluster cache's row of zone token u is coff[j] + u while u < cend[j]
+        row0 = tl.load(RUNS + r * s_run + offs_r, mask=rmask, other=-1)
+        hit_r = tl.load(RUNS + s_runp + r * s_run + offs_r, mask=rmask, other=0)
+        coff_r = row0 - (ends - len_r)
+        cend_r = tl.where(row0 >= 0, ends - len_r + T_CACHE, 0)
     ends = tl.where(rmask, ends, 9223372036854775807)
     nx = nst + tl.sum(len_r, axis=0)
     total = nx + ne
@@ -275,10 +337,19 @@ def _resident_split_kernel(
         valid = pos < c_end
         u = pos - nst
         run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-        off_run = tl.sum(tl.where(offs_r[None, :] == run[:, None], offs_run[None, :], 0), axis=1)
+        onehot = offs_r[None, :] == run[:, None]
+        off_run = tl.sum(tl.where(onehot, offs_run[None, :], 0), axis=1)
         crow = prow * N_CAP + off_run + u
-        m, ssum, racc, acc = _exact_tile(m, ssum, racc, acc, q, KP, VP, crow, valid, D,
-                                         offs_d, dmask, scale, no_spread, TILT, DOT16)
+        if CACHE:
+            in_cache = valid & (u < tl.sum(tl.where(onehot, cend_r[None, :], 0), axis=1))
+            hit = tl.sum(tl.where(onehot, hit_r[None, :], 0), axis=1) > 0
+            ccrow = tl.sum(tl.where(onehot, coff_r[None, :], 0), axis=1) + u
+            m, ssum, racc, acc = _cached_tile(m, ssum, racc, acc, q, KP, VP, CK, CV, crow,
+                                              ccrow, valid, in_cache & hit, in_cache & ~hit,
+                                              D, offs_d, dmask, scale, no_spread, TILT, DOT16)
+        else:
+            m, ssum, racc, acc = _exact_tile(m, ssum, racc, acc, q, KP, VP, crow, valid, D,
+                                             offs_d, dmask, scale, no_spread, TILT, DOT16)
     # estimation zone: ranking slots n_ret .. n_ret + n_est, each cluster a pseudo-token
     # (centroid key, mean value, log-weight log(size))
     for off in range(tl.maximum(start, nx), end, BLOCK_N):
@@ -308,6 +379,8 @@ def _resident_split_kernel(
 def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor,
                               top: torch.Tensor, width: int, r_max: int, e_max: int,
                               scale: float, tilted: bool = True,
+                              cache: ClusterCache | None = None,
+                              runs: torch.Tensor | None = None,
                               num_splits: int | None = None) -> torch.Tensor:
     """Triton version of :func:`resident_attention_torch` (same arguments and result): two
     launches, every key and value read in place, the row's integers and retrieval runs
@@ -340,20 +413,27 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
     rank = pools.key_factor.shape[2]
     dot16 = tensor_cores_16bit(query, pools.keys, pools.values, pools.steady_k,
                                pools.steady_v, pools.centroids)
+    cached = cache is not None and r_max > 0
+    if cached:
+        ck, cv, t_cache = cache.keys, cache.values, cache.block_tokens
+        runs = runs.contiguous()
+    else:
+        ck, cv, t_cache, runs = pools.keys, pools.values, 0, top
     _resident_split_kernel[(r, splits)](
         query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
         pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
         pools.deviates, pools.profile, pools.key_factor, pools.value_factor,
-        acc, mx, ls, ra, vsh,
+        ck, cv, runs, acc, mx, ls, ra, vsh,
         plan.shape[1], g, d, h, pools.row_tokens, pools.sizes.shape[1], pools.sink_cap,
         pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), rank,
-        chunk, float(scale),
+        t_cache, chunk, float(scale),
         query.stride(0), query.stride(1), top.stride(0),
+        runs.stride(0) if cached else 0, runs.stride(1) if cached else 0,
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
         vsh.stride(0), vsh.stride(1),
         BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_size(max(r_max, 1)), BLOCK_K=block_size(rank, 2), TILT=tilt,
-        DOT16=dot16,
+        DOT16=dot16, CACHE=cached,
     )
     merge_splits(acc, mx, ls, ra if tilt else None, vsh if tilt else None, out)
     return out

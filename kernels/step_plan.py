@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 PLAN_FIELDS = ("slot", "steady_slot", "clusters", "retrieval", "estimation", "sinks",
-               "ring_start", "window")
+               "ring_start", "window", "step")
 """The rows of a step plan's int64 tensor, per request of the batch: its slot in the layer's
-pools and in the steady pool, its clusters, its zone sizes (clusters), its sinks, and its
-window (first ring row, tokens)."""
+pools and in the steady pool, its clusters, its zone sizes (clusters), its sinks, its
+window (first ring row, tokens), and the layer's step counter (the same in every column:
+the cluster cache's clock, :mod:`kernels.cluster_cache`)."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,14 @@ class PlanRows:
     sinks: torch.Tensor
     ring_start: torch.Tensor
     n_steady: torch.Tensor
+    step: torch.Tensor
 
 
 def plan_rows(plan: torch.Tensor, heads: int) -> PlanRows:
     """Expand a plan ([len(PLAN_FIELDS), B] int64) to its rows."""
     b = plan.shape[1]
     ints = plan[:, :, None].expand(-1, -1, heads).contiguous().view(len(PLAN_FIELDS), b * heads)
-    slot, st_slot, clusters, n_ret, n_est, sinks, ring_start, window = ints.unbind(0)
+    slot, st_slot, clusters, n_ret, n_est, sinks, ring_start, window, step = ints.unbind(0)
     head = torch.arange(heads, device=plan.device).repeat(b)
     return PlanRows(slot * heads + head, st_slot, head, clusters, n_ret, n_est, sinks,
-                    ring_start, sinks + window)
+                    ring_start, sinks + window, step)

@@ -33,10 +33,11 @@ def _shared_steady(indexes, cfg, slots, capacity=0):
     return pool
 
 
-def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False):
+def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False, cache_blocks=0):
     return DeviceLayer(cfg, first.num_kv_heads, first.head_dim, first.centroids.dtype, "cpu",
                        slots=slots, max_clusters=clusters, max_tokens=tokens,
-                       rank=first.residuals.rank, in_place=in_place)
+                       rank=first.residuals.rank, in_place=in_place,
+                       cache_blocks=cache_blocks, cache_block_tokens=8)
 
 
 def _step(layer, slots, indexes, q, scale, check=None):
@@ -53,14 +54,16 @@ def _step(layer, slots, indexes, q, scale, check=None):
     (torch.float32, 1e-5, "centroid"), (torch.bfloat16, 1e-2, "centroid"),
     (torch.float32, 1e-5, "auto"),  # heads set apart per row, as builds judge them
 ])
-@pytest.mark.parametrize("store", ["dense", "wave_buffer", "in_place"])
+@pytest.mark.parametrize("store", ["dense", "wave_buffer", "in_place", "in_place_cache"])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128)])
 def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, d):
     """Rows of different lengths (one dense) in scattered slots, 70 steps crossing update
     blocks at different steps (reloads); a row finishes mid-run and a new one takes another
     slot. Every step runs under SyncCheck. The indexes' KV is copied into the layer from
     dense stores or from a wave buffer's host tier, or read in place from the host tier
-    (its pool grows, and is replaced, as blocks land: the layer reloads its starts)."""
+    (its pool grows, and is replaced, as blocks land: the layer reloads its starts), also
+    through a small cluster cache (6 blocks of 8 tokens per row: hits, admissions,
+    evictions, clusters larger than a block, a slot taken by a new request)."""
     g = torch.Generator().manual_seed(d + group)
     cfg = _cfg(estimator=estimator)
     h = 2
@@ -72,7 +75,8 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
             index.residuals.set_tilted_heads(torch.arange(h) % 2 == n % 2)
     slots = [5, 0, 3, 6]
     _shared_steady(indexes, cfg, [2, 7, 0, 4])
-    layer = _layer(cfg, indexes[0], in_place=store == "in_place")
+    layer = _layer(cfg, indexes[0], in_place=store.startswith("in_place"),
+                   cache_blocks=6 if store == "in_place_cache" else 0)
     scale = d ** -0.5
     updates = 0
     launches = set()
@@ -99,8 +103,10 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
                                    msg=f"step {step}")
     assert updates >= 3
     assert len(launches) == 1  # one fixed sequence of operations, whatever the step
-    if store == "in_place":  # the layer reads the host tier's pool itself
+    if store.startswith("in_place"):  # the layer reads the host tier's pool itself
         assert layouts == {indexes[0].store.cluster_rows()[0].data_ptr()}
+    cached, read = layer.cache_tokens()
+    assert (cached > 0 and read > 0) if store == "in_place_cache" else cached == read == 0
     if mgr:
         mgr.close()
 
@@ -126,11 +132,12 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_footprint_is_what_a_layer_allocates(dtype, in_place):
+@pytest.mark.parametrize("in_place,cache", [(False, 0), (True, 0), (True, 12)])
+def test_footprint_is_what_a_layer_allocates(dtype, in_place, cache):
     layer = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70, max_tokens=900,
-                        rank=4, in_place=in_place)
-    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place) == layer.nbytes()
+                        rank=4, in_place=in_place, cache_blocks=cache, cache_block_tokens=16)
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place, cache, 16) == \
+        layer.nbytes()
     # read in place, the layer holds no token: 2 x 3 x 2 x 900 x 64 elements fewer
     kv = 2 * 3 * 2 * 900 * 64 * layer.centroids.element_size()
     assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, True) == \
@@ -227,18 +234,20 @@ def test_a_stale_slot_is_reloaded_when_its_block_lands():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_decode_step_with_triton_kernels(triton_device):
+@pytest.mark.parametrize("cache", [False, True])
+def test_decode_step_with_triton_kernels(triton_device, cache):
     """The same step with the Triton kernels (the CUDA configuration; on the CPU under the
     interpreter): equal to the per-row reference, free of host synchronisation (wrappers
-    included) and five launches."""
+    included) and five launches — six read in place through a cluster cache (its lookup)."""
     if triton_device != "cpu":
         pytest.skip("runs the indexes on the CPU")
     g = torch.Generator().manual_seed(5)
     cfg = _cfg(kernel_backend="triton", segment_size=256)
     h, d = 2, 32
-    indexes = random_indexes([40, 300, 520], cfg, h, d, torch.float32, g)
+    mgr = WaveBufferManager(cfg) if cache else None
+    indexes = random_indexes([40, 300, 520], cfg, h, d, torch.float32, g, mgr)
     _shared_steady(indexes, cfg, [2, 0, 1])
-    layer = _layer(cfg, indexes[0])
+    layer = _layer(cfg, indexes[0], in_place=cache, cache_blocks=4 if cache else 0)
     for _ in range(3):
         q = torch.randn(3, h * 2, d, generator=g)
         for index in indexes:
@@ -247,19 +256,23 @@ def test_decode_step_with_triton_kernels(triton_device):
         out = _step(layer, [1, 4, 0], indexes, q, d ** -0.5, check)
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-        # CUDA's configuration: scoring (2 Triton kernels), top-k, attention (2): at most 8
-        # launches per layer step, whatever the batch
-        assert check.launches == 5, check.ops
+        # CUDA's configuration: scoring (2 Triton kernels), top-k, (the cache's lookup),
+        # attention (2): at most 8 launches per layer step, whatever the batch
+        assert check.launches == (6 if cache else 5), check.ops
+    assert min(layer.cache_tokens()) > 0 if cache else layer.cache is None
+    if mgr:
+        mgr.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("in_place,cache", [(False, 0), (True, 0), (True, 8)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in_place):
+def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in_place, cache):
     """On a GPU: the step equals the per-row reference, passes
     ``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph replays it exactly; the
     tokens copied into the layer or read in place from the wave buffer's pinned host tier
-    (over the bus)."""
+    (over the bus), there also through a cluster cache on the device (the replay then
+    reads the eager step's admissions)."""
     from vllm_retro.index.device_graph import StepGraphs
     from vllm_retro.index.wave_index import WaveIndex
 
@@ -277,7 +290,8 @@ def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in
     for slot, index in enumerate(indexes):
         index.adopt_steady(pool, slot)
     layer = DeviceLayer(cfg, h, d, dtype, dev, slots=4, max_clusters=256, max_tokens=4096,
-                        rank=indexes[0].residuals.rank, in_place=in_place)
+                        rank=indexes[0].residuals.rank, in_place=in_place, cache_blocks=cache,
+                        cache_block_tokens=16)
     graphs = StepGraphs(layer)
     slots = [3, 1]
     for _ in range(3):
@@ -298,6 +312,7 @@ def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(eager.float(), ref.float(), rtol=tol, atol=tol)
     assert graphs.captures == 1
+    assert (min(layer.cache_tokens()) > 0) if cache else layer.cache is None
     if in_place:
         assert layer.keys.device.type == "cpu" and layer.keys.is_pinned()
         torch.cuda.synchronize()

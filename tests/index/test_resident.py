@@ -9,6 +9,7 @@ from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
+from vllm_retro.index.device_layer import cache_blocks_for
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.resident import in_place_capable, placement
 from vllm_retro.index.steady import SteadyPool, ring_size
@@ -66,6 +67,10 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
                                    msg=f"step {step}")
     assert updates >= 2 and len(grown) == 2  # one growth for the 3000-token request
     assert cache.resident.layer.in_place == (mode == "in_place")
+    if mode == "in_place":  # the device cache budget as a cluster cache, and it served reads
+        assert min(cache.resident.layer.cache_tokens()) > 0
+    else:
+        assert cache.resident.layer.cache is None
     assert cache.nbytes() >= cache.resident.nbytes() > 0
     cache.clear()
     assert cache.resident.layer is None
@@ -73,6 +78,15 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
         for index in indexes:
             index.free()
         mgr.close()
+
+
+def test_cache_blocks_for_the_device_cache_budget():
+    """An in-place layer's cluster cache takes the wave buffer's device cache budget:
+    cache_fraction of a row's tokens, or cache_pages pages, in whole blocks."""
+    assert cache_blocks_for(_cfg(), 128 * 1024, 32) == 205  # 5% of 128K tokens: 6554
+    assert cache_blocks_for(_cfg(cache_fraction=0.1), 1000, 32) == 4
+    assert cache_blocks_for(_cfg(cache_pages=10), 1 << 20, 32) == 3  # 80 tokens
+    assert cache_blocks_for(_cfg(cache_fraction=0.0), 1 << 20, 32) == 0
 
 
 def test_resident_path_only_where_it_applies():

@@ -46,7 +46,7 @@ def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, 
               "retrieval": n_ret, "estimation": torch.minimum(n_cl - n_ret,
                                                               torch.tensor(k_top - r_max)),
               "sinks": [4, 2, 0], "ring_start": [17, 0, 22],  # the first wraps the ring
-              "window": [20, 24, 5]}
+              "window": [20, 24, 5], "step": [1, 1, 1]}
     plan = torch.stack([torch.as_tensor(fields[k]) for k in PLAN_FIELDS]).long()
     rows = plan_rows(plan, h)
     scores = torch.rand(len(rows.pool_row), c_cap, generator=gen)

@@ -34,8 +34,15 @@ batch's integers as one [8, B] int64 tensor, copied to the device without waitin
    nothing is ever cut off), the estimated clusters from the meta pool, the tilted
    estimator's query terms from the rows' residual models.
 
-On CUDA that is five launches per layer step; the torch path (CPU, and the reference)
-spells the same step out in plain operations, packing an execution buffer.
+Read in place, a layer may keep a cluster cache on the device
+(:mod:`vllm_retro.kernels.cluster_cache`: the wave buffer's device cache, LRU over blocks of
+clusters, its tables on the device): between the two steps one launch looks the retrieval
+zone up, stamps its hits and admits its misses into the least recently used blocks, and the
+attention reads hits there and writes admitted misses as it reads them over the bus.
+
+On CUDA that is five launches per layer step (six with a cluster cache); the torch path
+(CPU, and the reference) spells the same step out in plain operations, packing an
+execution buffer.
 
 Every shape depends only on the batch size and the layer's bounds (``C_live``, ``r_max``,
 ``e_max``, ``T_ret``, the steady width), which change only when a slot is loaded: a CUDA
@@ -55,6 +62,7 @@ from vllm_retro.config import RetroConfig
 from vllm_retro.index.steady import SteadyPool
 from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.resident_attention import LayerPools
 from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
@@ -89,6 +97,16 @@ class StepPlan:
     """Steady-zone width of the step: the steady pool's rows per slot (sinks and ring), a
     bound on every row's sinks + window that never changes, so a decoding window does not
     change the step's shapes (a CUDA graph is captured again only when a slot loads)."""
+
+
+def cache_blocks_for(config: RetroConfig, tokens: int, block_tokens: int) -> int:
+    """Blocks per (slot, KV head) of an in-place layer's cluster cache for rows of at most
+    ``tokens`` indexed tokens: the wave buffer's device cache budget
+    (``config.cache_pages`` pages per head when set, else ``config.cache_fraction`` of the
+    tokens) in blocks of ``block_tokens``; 0 for no cache."""
+    budget = config.cache_pages * config.page_size if config.cache_pages is not None \
+        else config.cache_fraction * tokens
+    return -(-int(budget) // block_tokens) if budget >= 1 else 0
 
 
 def readable_in_place(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> bool:
@@ -129,16 +147,23 @@ class DeviceLayer:
     indexes' store keeps them, one pool the whole batch shares (a wave buffer's host tier:
     pinned, so on CUDA the kernels read the selected tokens over the bus, zero-copy). For
     contexts whose KV does not fit the device: nothing is copied per request but the meta
-    index, and ``max_tokens`` is not a bound (0 accepted).
+    index, and ``max_tokens`` is not a bound (0 accepted). ``cache_blocks`` > 0 (in place
+    only): a :class:`~vllm_retro.kernels.cluster_cache.ClusterCache` of that many blocks of
+    ``cache_block_tokens`` tokens per (slot, KV head) keeps recently retrieved clusters on
+    the device (see :func:`cache_blocks_for`).
     """
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, slots: int,
-                 max_clusters: int, max_tokens: int, rank: int, in_place: bool = False):
+                 max_clusters: int, max_tokens: int, rank: int, in_place: bool = False,
+                 cache_blocks: int = 0, cache_block_tokens: int = 32):
         for name, v in (("slots", slots), ("max_clusters", max_clusters),
                         ("max_tokens", max_tokens), ("rank", rank)):
             if v < (0 if in_place and name == "max_tokens" else 1):
                 raise ValueError(f"DeviceLayer: {name}={v}; accepted: an integer >= 1")
+        if cache_blocks and not in_place:
+            raise ValueError(f"DeviceLayer: cache_blocks={cache_blocks} without in_place; "
+                             "accepted: 0 (a copied layer reads every token on the device)")
         self.config = config
         self.num_kv_heads = h = num_kv_heads
         self.head_dim = d = head_dim
@@ -164,6 +189,12 @@ class DeviceLayer:
         self.profile = torch.zeros(rows, d, dtype=f32, device=dev)
         self.key_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
         self.value_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
+        self.cache = ClusterCache.allocate(rows, c, cache_blocks, cache_block_tokens, d,
+                                           dtype, dev) if cache_blocks else None
+        """In place: the retrieval clusters kept on the device (None: every retrieved token
+        read over the bus)."""
+        self.steps = 0
+        """Plans made (the cache's clock)."""
         self._loaded: dict[int, _Loaded] = {}
         """What each slot holds."""
 
@@ -177,20 +208,32 @@ class DeviceLayer:
 
     @staticmethod
     def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
-                  tokens: int, rank: int, in_place: bool = False) -> int:
+                  tokens: int, rank: int, in_place: bool = False, cache_blocks: int = 0,
+                  cache_block_tokens: int = 32) -> int:
         """Device bytes a layer of these bounds allocates (its :meth:`nbytes`)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         per_cluster = 2 * head_dim * elem + 4 + 8 + 4 + 4  # meta rows, sizes, starts, fp32 x2
         kv = 0 if in_place else 2 * tokens * head_dim * elem
         per_row = kv + clusters * per_cluster + 4 * head_dim * (1 + 2 * rank)
-        return slots * heads * per_row
+        cache = ClusterCache.footprint(slots * heads, clusters, cache_blocks,
+                                       cache_block_tokens, head_dim, dtype) if cache_blocks else 0
+        return slots * heads * per_row + cache
 
     def nbytes(self) -> int:
         """Bytes held on the device (in place: the meta pool only; the KV is the store's)."""
         held = [] if self.in_place else [self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in (
             *held, self.centroids, self.value_sums, self.sizes, self.starts,
-            self.spreads, self.deviates, self.profile, self.key_factor, self.value_factor))
+            self.spreads, self.deviates, self.profile, self.key_factor, self.value_factor)) + \
+            (self.cache.nbytes() if self.cache is not None else 0)
+
+    def cache_tokens(self) -> tuple[int, int]:
+        """Retrieval tokens read so far from the cluster cache and in place, over every slot
+        (read from the device: for reports, not the step); (0, 0) without a cache."""
+        if self.cache is None:
+            return 0, 0
+        read = self.cache.tokens.sum(0).tolist()
+        return int(read[0]), int(read[1])
 
     def load(self, slot: int, index: WaveIndex) -> None:
         """Copy ``index``'s meta index, residual model and indexed KV (in place: where the
@@ -232,6 +275,8 @@ class DeviceLayer:
         if not grow:
             for pool in (self.sizes, self.starts, self.spreads, self.deviates):
                 pool[rows] = 0
+            if self.cache is not None:  # another index, or its tokens moved: cached for none
+                self.cache.clear_rows(rows)
         dev = self.device
         if self.in_place:
             self._read_in_place(rows_of[0], rows_of[1])
@@ -328,7 +373,7 @@ class DeviceLayer:
             fields = {"slot": slot, "steady_slot": index.slot, "clusters": c,
                       "retrieval": cfg.num_retrieval(c), "estimation": cfg.num_estimation(c),
                       "sinks": index.num_sinks, "ring_start": index.ring_start,
-                      "window": index.win_len}
+                      "window": index.win_len, "step": self.steps + 1}
             cols.append([fields[f] for f in PLAN_FIELDS])
         host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
         if self.device.type == "cuda":
@@ -338,6 +383,7 @@ class DeviceLayer:
             raise ValueError("DeviceLayer.plan: the batch's stores keep their tokens in "
                              "different pools; read in place, a layer's batch needs one")
         c_live = min(round_up(max(x.clusters for x in held)), self.max_clusters)
+        self.steps += 1
         return StepPlan(
             ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
             retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
@@ -359,11 +405,18 @@ def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: fl
 def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tensor,
            scale: float) -> torch.Tensor:
     """Step 2 of :func:`decode_step`: attention over the steady zone, the retrieved tokens
-    and the estimated clusters of ranking ``top``, read in place. Returns [R, G, D]."""
+    and the estimated clusters of ranking ``top``, read in place — with a cluster cache,
+    the retrieval zone looked up and admitted first (one more launch) and its hits read
+    there. Returns [R, G, D]."""
+    backend = layer.config.kernel_backend
+    runs = None
+    if layer.cache is not None:
+        runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
+                                    backend=backend)
     return kernels.resident_attention(
         q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
         plan.retrieval, plan.estimation, scale, tilted=layer.config.tilted_estimation,
-        backend=layer.config.kernel_backend)
+        cache=layer.cache, runs=runs, backend=backend)
 
 
 def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: float,

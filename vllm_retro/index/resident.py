@@ -4,8 +4,9 @@ demand.
 
 ``RetroConfig.device_resident`` decides: 'auto' takes this path on CUDA while the layer's
 resident copy fits the device's free memory, else, when the batch's tokens are in one pinned
-host pool (a wave buffer's host tier), reads them there in place with only the meta index on
-the device (checked when the layer grows); else the wave buffer's host tier and device cache
+host pool (a wave buffer's host tier), reads them there in place with only the meta index and
+a cluster cache (the wave buffer's device cache budget, ``cache_fraction``) on the device
+(checked when the layer grows); else the wave buffer's host tier and device cache
 serve the layer (:func:`vllm_retro.index.padded.decode_padded`). 'on' copies on any device,
 'in_place' reads in place on any device (tests, benchmarks), 'off' never. A request keeps its
 steady-pool slot as its slot here, so the layer's tables are indexed the same way.
@@ -16,11 +17,19 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.index.device_graph import StepGraphs
-from vllm_retro.index.device_layer import DeviceLayer, readable_in_place, round_up
+from vllm_retro.index.device_layer import (
+    DeviceLayer,
+    cache_blocks_for,
+    readable_in_place,
+    round_up,
+)
 from vllm_retro.index.wave_index import WaveIndex
 
 GROWTH = 1.5
 """A grown layer holds this many times what its batch needs (fewer regrowths)."""
+CACHE_BLOCK_CLUSTERS = 2
+"""A block of an in-place layer's cluster cache holds this many average clusters' tokens
+(``cluster_size`` each): most clusters whole, the largest' first tokens."""
 HEADROOM_BYTES = 2 << 30
 """Device memory left free after a resident layer grows under 'auto' (allocator slack,
 activations of the next steps)."""
@@ -116,10 +125,13 @@ class ResidentDecode:
         in_place = mode == "in_place"
         if in_place and not in_place_capable(indexes, dev):
             return False
+        block = CACHE_BLOCK_CLUSTERS * first.config.cluster_size
+        blocks = cache_blocks_for(first.config, tokens, block)
         if mode == "auto":
             how = placement(
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
-                DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, in_place=True),
+                DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, True, blocks,
+                                      block),
                 torch.cuda.mem_get_info(dev)[0] + self.nbytes() - HEADROOM_BYTES,
                 in_place_capable(indexes, dev))
             if how is None:
@@ -128,7 +140,9 @@ class ResidentDecode:
         self.clear()  # the old layer's memory first
         self.layer = DeviceLayer(first.config, h, d, dtype, dev, slots=slots,
                                  max_clusters=clusters, max_tokens=0 if in_place else tokens,
-                                 rank=rank, in_place=in_place)
+                                 rank=rank, in_place=in_place,
+                                 cache_blocks=blocks if in_place else 0,
+                                 cache_block_tokens=block)
         self.graphs = StepGraphs(self.layer)
         self._refused = None
         return True
