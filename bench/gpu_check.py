@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TESTS = {"tests/kernels": None,
          "tests/index/test_device_layer.py": "cuda",
+         "tests/index/test_resident.py": "cuda",
          "tests/index/test_wave_index.py": "triton_backend",
          "tests/buffer/test_pinning.py": None}
 """Test paths and the ``-k`` selection of each (None: all). In the index files only the tests

@@ -13,8 +13,10 @@ stay hot. State per pool row ``p`` (one (request slot, KV head)), preallocated:
   cached (column C_cap: a sink for masked writes);
 - ``cluster_of`` [P, S + 1] int32: the cluster block ``s`` holds, -1 when free;
 - ``stamp`` [P, S + 1] int64: the last step that read or filled each block (LRU);
-- ``tokens`` [P, 2] int64: retrieval tokens read from the cache and over the bus, summed
-  over the steps (what the hit ratio is made of; read by the host only when reported).
+- ``counts`` [P, 4] int64, summed over the steps: retrieval tokens read from the cache,
+  retrieval tokens read in place (over the bus), retrieval clusters found in the cache
+  (hits), clusters not found (misses) — what the hit ratio and the bus traffic are made
+  of, read by the host only when reported.
 
 A step's :func:`cache_lookup` runs on the device before the attention, one program per row
 (no host synchronisation): the retrieval zone's clusters that are cached are hits (their
@@ -54,8 +56,9 @@ class ClusterCache:
     """[P, S + 1] int32 cluster of each block, -1: free."""
     stamp: torch.Tensor
     """[P, S + 1] int64 last step each block was read or filled."""
-    tokens: torch.Tensor
-    """[P, 2] int64 retrieval tokens read from the cache (column 0) and in place (1)."""
+    counts: torch.Tensor
+    """[P, 4] int64: retrieval tokens read from the cache, tokens read in place, clusters
+    found in the cache, clusters not found."""
     block_tokens: int
     """T: tokens per block."""
 
@@ -75,7 +78,7 @@ class ClusterCache:
             block_of=torch.full((rows, clusters + 1), -1, dtype=torch.int32, device=device),
             cluster_of=torch.full((rows, blocks + 1), -1, dtype=torch.int32, device=device),
             stamp=torch.zeros(rows, blocks + 1, dtype=torch.int64, device=device),
-            tokens=torch.zeros(rows, 2, dtype=torch.int64, device=device),
+            counts=torch.zeros(rows, 4, dtype=torch.int64, device=device),
             block_tokens=block_tokens)
 
     @staticmethod
@@ -84,7 +87,7 @@ class ClusterCache:
         """Device bytes :meth:`allocate` takes for these bounds."""
         elem = torch.empty(0, dtype=dtype).element_size()
         kv = 2 * (rows * blocks * block_tokens + 1) * head_dim * elem
-        return kv + rows * (4 * (clusters + 1) + 12 * (blocks + 1) + 16)
+        return kv + rows * (4 * (clusters + 1) + 12 * (blocks + 1) + 32)
 
     @property
     def blocks(self) -> int:
@@ -94,7 +97,7 @@ class ClusterCache:
     def nbytes(self) -> int:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
-            self.keys, self.values, self.block_of, self.cluster_of, self.stamp, self.tokens))
+            self.keys, self.values, self.block_of, self.cluster_of, self.stamp, self.counts))
 
     def clear_rows(self, rows: slice) -> None:
         """Forget what pool rows ``rows`` cache (a slot loaded with another index); their
@@ -149,8 +152,9 @@ def cache_lookup_torch(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Ten
     cache.cluster_of.index_copy_(0, prow, cluster_of.to(cache.cluster_of.dtype))
     cache.stamp.index_copy_(0, prow, stamp)
     from_cache = (size.clamp_max(t) * hit).sum(1)
-    read = torch.stack([from_cache, size.sum(1) - from_cache], 1)
-    cache.tokens.index_add_(0, prow, read)
+    n_hit = hit.sum(1)
+    read = torch.stack([from_cache, size.sum(1) - from_cache, n_hit, keep.sum(1) - n_hit], 1)
+    cache.counts.index_add_(0, prow, read)
     cached = torch.where(hit, blk, vict)
     row0 = torch.where(cached >= 0, (prow[:, None] * s + cached) * t, -1)
     return torch.stack([row0, hit.long()])
@@ -158,7 +162,7 @@ def cache_lookup_torch(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Ten
 
 @triton.jit
 def _cache_lookup_kernel(
-    PLAN, TOP, SZ, BLK, CLU, STAMP, TOK, SCR, RUNS,
+    PLAN, TOP, SZ, BLK, CLU, STAMP, CNT, SCR, RUNS,
     B, H, C_CAP, S, T, R_MAX, s_top, s_run,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -195,8 +199,10 @@ def _cache_lookup_kernel(
     tl.store(CLU + prow * (S + 1) + vict, cid.to(tl.int32), mask=admit)
     tl.store(STAMP + prow * (S + 1) + vict, clock, mask=admit)
     from_cache = tl.sum(tl.where(hit, tl.minimum(size, T), 0), axis=0)
-    tl.store(TOK + prow * 2, tl.load(TOK + prow * 2) + from_cache)
-    tl.store(TOK + prow * 2 + 1, tl.load(TOK + prow * 2 + 1) + tl.sum(size, axis=0) - from_cache)
+    tl.store(CNT + prow * 4, tl.load(CNT + prow * 4) + from_cache)
+    tl.store(CNT + prow * 4 + 1, tl.load(CNT + prow * 4 + 1) + tl.sum(size, axis=0) - from_cache)
+    tl.store(CNT + prow * 4 + 2, tl.load(CNT + prow * 4 + 2) + nhit)
+    tl.store(CNT + prow * 4 + 3, tl.load(CNT + prow * 4 + 3) + tl.sum(miss.to(tl.int64), axis=0))
     cached = tl.where(hit, blk, vict)
     row0 = tl.where(cached >= 0, (prow * S + cached) * T, -1)
     out = offs_r < R_MAX
@@ -218,7 +224,7 @@ def cache_lookup_triton(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Te
     scratch = torch.empty(rows, block_s, dtype=torch.int64, device=top.device)
     top = top.contiguous()
     _cache_lookup_kernel[(r,)](
-        plan, top, sizes, cache.block_of, cache.cluster_of, cache.stamp, cache.tokens,
+        plan, top, sizes, cache.block_of, cache.cluster_of, cache.stamp, cache.counts,
         scratch, runs, plan.shape[1], r // plan.shape[1], sizes.shape[1], s,
         cache.block_tokens, r_max, top.stride(0), runs.stride(1),
         BLOCK_R=block_size(r_max), BLOCK_S=block_s)

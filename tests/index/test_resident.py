@@ -11,8 +11,9 @@ from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
 from vllm_retro.index.device_layer import cache_blocks_for
 from vllm_retro.index.padded import MetaViewCache
-from vllm_retro.index.resident import in_place_capable, placement
+from vllm_retro.index.resident import CacheCounts, in_place_capable, placement
 from vllm_retro.index.steady import SteadyPool, ring_size
+from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.sync_check import SyncCheck
 
 
@@ -69,6 +70,14 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
     assert cache.resident.layer.in_place == (mode == "in_place")
     if mode == "in_place":  # the device cache budget as a cluster cache, and it served reads
         assert min(cache.resident.layer.cache_tokens()) > 0
+        # its counts reach the buffer's statistics (the server's device cache metrics),
+        # those of the layer replaced at the growth included
+        last = cache.resident.layer.cache.counts.sum(0).tolist()
+        snap = mgr.stats.snapshot()
+        assert snap["hit_tokens"] > last[0] and snap["cluster_hits"] > last[2] > 0
+        assert snap["cluster_misses"] > last[3] > 0
+        assert snap["bytes_h2d"] == snap["miss_tokens"] * 2 * d * torch.empty(
+            0, dtype=dtype).element_size()
     else:
         assert cache.resident.layer.cache is None
     assert cache.nbytes() >= cache.resident.nbytes() > 0
@@ -137,3 +146,40 @@ def test_in_place_only_over_one_pool():
     for index in one + two:
         index.free()
     mgr.close()
+
+
+class _Sink:
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def add(self, **deltas: float) -> None:
+        for k, v in deltas.items():
+            self.totals[k] = self.totals.get(k, 0) + v
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                        reason="needs a CUDA GPU"))])
+def test_cache_counts_reach_the_statistics_without_waiting(device):
+    """On CUDA a report never waits: it takes the copy an earlier report started once it has
+    landed (checked under the sync debug mode); a report with ``wait`` takes everything."""
+    cache = ClusterCache.allocate(3, 10, 4, 8, 16, torch.bfloat16, device)
+    sink = _Sink()
+    counts = CacheCounts(sink)
+    cache.counts.add_(torch.tensor([5, 7, 2, 3], device=device))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts.report(cache)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        counts.report(cache)  # the first copy has landed
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert sink.totals == {"hit_tokens": 15, "miss_tokens": 21, "cluster_hits": 6,
+                           "cluster_misses": 9, "bytes_h2d": 21 * 2 * 16 * 2}
+    cache.counts[0, 0] += 1
+    counts.report(cache, wait=True)
+    assert sink.totals["hit_tokens"] == 16 and sink.totals["miss_tokens"] == 21

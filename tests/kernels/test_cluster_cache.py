@@ -39,14 +39,14 @@ def test_lookup_admits_misses_into_the_least_recently_used_blocks():
     assert runs[0].tolist() == [[0, 4, -1]] and runs[1].tolist() == [[0, 0, 0]]
     assert cache.block_of[0, :10].tolist() == [-1] * 5 + [0, 1, -1, -1, -1]
     assert cache.cluster_of[0, :3].tolist() == [5, 6, -1]
-    assert cache.tokens[0].tolist() == [0, 11]  # both read over the bus (5 + 6 tokens)
+    assert cache.counts[0].tolist() == [0, 11, 0, 2]  # both read over the bus (5 + 6 tokens)
 
     # 6 hits (block 1); 7 is admitted into the free block 2, not block 0 (stamp 1 > 0)
     runs = cache_lookup_torch(cache, sizes, _plan([0], [2], 2), top(6, 7), 2)
     assert runs.tolist() == [[[4, 8]], [[1, 0]]]
     assert cache.cluster_of[0, :3].tolist() == [5, 6, 7]
     assert cache.stamp[0, :3].tolist() == [1, 2, 2]
-    assert cache.tokens[0].tolist() == [4, 11 + 2 + 7]  # 6: its first 4 cached, 2 + all of 7
+    assert cache.counts[0].tolist() == [4, 11 + 2 + 7, 1, 3]  # 6: its first 4 cached, 2 + 7
 
     # 8 and 9 miss: block 0 (stamp 1), then block 1 (stamp 2, before block 2 by index)
     runs = cache_lookup_torch(cache, sizes, _plan([0], [2], 3), top(9, 8), 2)
@@ -63,7 +63,7 @@ def test_lookup_admits_misses_into_the_least_recently_used_blocks():
 
 def _tables(cache, clusters):
     return (cache.block_of[:, :clusters], cache.cluster_of[:, :cache.blocks],
-            cache.stamp[:, :cache.blocks], cache.tokens)
+            cache.stamp[:, :cache.blocks], cache.counts)
 
 
 def _consistent(cache, clusters):
@@ -101,7 +101,7 @@ def test_triton_lookup_matches_torch_over_many_steps(blocks, triton_device):
         for a, b in zip(_tables(tri, c_cap), _tables(ref, c_cap), strict=True):
             torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
         _consistent(ref, c_cap)
-    assert int(ref.tokens[:, 0].sum()) > 0 and int(ref.tokens[:, 1].sum()) > 0
+    assert int(ref.counts[:, 0].sum()) > 0 and int(ref.counts[:, 1].sum()) > 0
 
 
 def test_allocate_refuses_bad_bounds():
@@ -166,7 +166,7 @@ def test_attention_through_the_cache_equals_attention_without_it(dtype, tol, tri
                                         runs=runs).cpu()
         assert not got.isnan().any()
         torch.testing.assert_close(got.float(), plain.float(), rtol=tol, atol=tol)
-    assert int(ref_cache.tokens[:, 0].sum()) > 0  # some tokens were read from the cache
+    assert int(ref_cache.counts[:, 0].sum()) > 0  # some tokens were read from the cache
     for cache in (ref_cache, tri_cache):
         cache = ClusterCache(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
                                 for k, v in vars(cache).items()})

@@ -232,7 +232,7 @@ class DeviceLayer:
         (read from the device: for reports, not the step); (0, 0) without a cache."""
         if self.cache is None:
             return 0, 0
-        read = self.cache.tokens.sum(0).tolist()
+        read = self.cache.counts[:, :2].sum(0).tolist()
         return int(read[0]), int(read[1])
 
     def load(self, slot: int, index: WaveIndex) -> None:

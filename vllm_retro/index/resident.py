@@ -14,6 +14,8 @@ steady-pool slot as its slot here, so the layer's tables are indexed the same wa
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 from vllm_retro.index.device_graph import StepGraphs
@@ -24,6 +26,7 @@ from vllm_retro.index.device_layer import (
     round_up,
 )
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels.cluster_cache import ClusterCache
 
 GROWTH = 1.5
 """A grown layer holds this many times what its batch needs (fewer regrowths)."""
@@ -71,6 +74,8 @@ class ResidentDecode:
     def __init__(self) -> None:
         self.layer: DeviceLayer | None = None
         self.graphs: StepGraphs | None = None
+        self.counts = CacheCounts()
+        """The layer's cluster cache counts on their way to the buffer's statistics."""
         self._refused: tuple | None = None
         """The batch ((uid, meta generation) of each index) whose layer did not fit the
         device under 'auto': it decodes through the host tier without asking (or reading
@@ -81,7 +86,10 @@ class ResidentDecode:
         return self.layer.nbytes() if self.layer is not None else 0
 
     def clear(self) -> None:
-        """Drop the layer and its graphs."""
+        """Drop the layer and its graphs (its cache counts reported first)."""
+        if self.layer is not None and self.layer.cache is not None:
+            self.counts.report(self.layer.cache, wait=True)
+        self.counts = CacheCounts(self.counts.stats)
         self.layer = self.graphs = None
 
     def applies(self, indexes: list[WaveIndex], query: torch.Tensor) -> bool:
@@ -156,5 +164,58 @@ class ResidentDecode:
         self.layer.refresh(slots, indexes)
         plan = self.layer.plan(slots, indexes)
         out.copy_(self.graphs(plan, query, scale))
+        if self.layer.cache is not None:
+            self.counts.stats = self.counts.stats or getattr(
+                getattr(indexes[0].store, "manager", None), "stats", None)
+            self.counts.report(self.layer.cache)
         return out
+
+
+class CountSink(Protocol):
+    """Where counts go: the wave buffer's ``BufferStats`` (``add(name=delta, ...)``)."""
+
+    def add(self, **deltas: float) -> None: ...
+
+
+class CacheCounts:
+    """Moves an in-place layer's cluster cache counts (:attr:`ClusterCache.counts`, on the
+    device) into the wave buffer's statistics (``cluster_hits``, ``cluster_misses``,
+    ``hit_tokens``, ``miss_tokens``, ``bytes_h2d``: the server's device cache metrics)
+    without waiting for the device: on CUDA each report takes the copy an earlier one
+    started into pinned memory, once it has landed, and starts the next."""
+
+    def __init__(self, stats: CountSink | None = None):
+        self.stats = stats
+        """Where the counts go (None: nowhere yet)."""
+        self._host: torch.Tensor | None = None
+        """The counts summed over the rows, [4] int64 on the host (pinned on CUDA)."""
+        self._landed: Any = None
+        """The CUDA event after the copy into ``_host`` (None: no copy in flight)."""
+        self._reported = [0, 0, 0, 0]
+
+    def report(self, cache: ClusterCache, wait: bool = False) -> None:
+        """Add to :attr:`stats` what ``cache`` counted since the last report that landed
+        (``wait``: everything so far, waiting for the device)."""
+        summed = cache.counts.sum(0)
+        if not summed.is_cuda or wait:
+            self._add(summed.tolist(), cache)
+            self._landed = None
+            return
+        if self._landed is not None:
+            if not self._landed.query():
+                return  # the last copy is still on its way
+            self._add(self._host.tolist(), cache)
+        if self._host is None:
+            self._host = torch.empty(4, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(summed, non_blocking=True)
+        self._landed = torch.cuda.Event()
+        self._landed.record()
+
+    def _add(self, now: list[int], cache: ClusterCache) -> None:
+        d = [a - b for a, b in zip(now, self._reported, strict=True)]
+        self._reported = now
+        if self.stats is not None and any(d):
+            row = 2 * cache.keys.shape[1] * cache.keys.element_size()
+            self.stats.add(hit_tokens=d[0], miss_tokens=d[1], cluster_hits=d[2],
+                           cluster_misses=d[3], bytes_h2d=d[1] * row)
 
