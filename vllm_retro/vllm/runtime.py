@@ -27,6 +27,7 @@ from vllm_retro.index.saap_model import load_saap
 from vllm_retro.index.steady import SlotTable, SteadyPool
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode
+from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
@@ -365,11 +366,14 @@ class RetroRuntime:
         for index in (per_layer or {}).values():
             index.free()
         self._slots.release(request_id)
-        if not len(self._slots):  # no request left: the pools' memory goes back
+        idle = not len(self._slots)
+        if idle:  # no request left: the pools' memory goes back
             for pool in self._steady.values():
                 pool.release()
         if self._manager is not None:
             self._manager.free_request(request_id)
+        if idle and per_layer is not None:  # and what the heap keeps of the freed buffers
+            release_free_heap()
         if per_layer is not None:
             self.counters.requests_released += 1
         return per_layer is not None
