@@ -463,6 +463,16 @@ def resident_bytes(pid: int) -> int:
     return total
 
 
+def resident_by_process(pid: int) -> dict[str, int]:
+    """Resident memory of the server and each descendant, by ``"<pid> <name>"`` (where a
+    growth sits: the API server, the engine core)."""
+    out = {}
+    for p in server_processes(pid):
+        with contextlib.suppress(psutil.Error):
+            out[f"{p.pid} {p.name()}"] = p.memory_info().rss
+    return out
+
+
 def gauges(url: str) -> dict[str, float]:
     """The :data:`GAUGES` and :data:`FAILURE_COUNTERS` now (-1 when ``/metrics`` fails)."""
     try:
@@ -813,6 +823,7 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> dict[str, Any]:
     warm_zero, _ = wait_gauges_zero(url, 30)
     time.sleep(2)
     rss_warm = resident_bytes(pid) if pid is not None else None
+    by_process_warm = resident_by_process(pid) if pid is not None else {}
     marks["crowd"] = time.perf_counter() - sampler.t0
     results: list[Result] = []
     rss_rounds: list[int] = []
@@ -830,6 +841,7 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> dict[str, Any]:
         if pid is not None:
             rss_rounds.append(resident_bytes(pid))
     rss_after = rss_rounds[-1] if rss_rounds else None
+    by_process_after = resident_by_process(pid) if pid is not None else {}
     sampler.stop()
     report: dict[str, Any] = {
         "label": args.label, "url": url, "model": model, "max_model_len": max_len,
@@ -845,6 +857,8 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> dict[str, Any]:
         "rss_after_round_bytes": rss_rounds,
         "rss_ratio_last_to_first_round": (rss_rounds[-1] / rss_rounds[0]
                                           if len(rss_rounds) > 1 else None),
+        "rss_by_process_warm_bytes": by_process_warm,
+        "rss_by_process_after_bytes": by_process_after,
         "rss_peak_bytes": max((s.get("rss_bytes", 0) for s in sampler.samples), default=None),
         "marks": marks,
         "results": [asdict(r) for r in results],
