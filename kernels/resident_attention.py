@@ -28,6 +28,10 @@ Retrieval tokens are addressed through the zone's runs (:func:`retrieval_runs`):
 the zone's token 0 were it in cluster ``j`` (its start minus the tokens before it), so
 retrieval token ``u`` lies at pool row ``offs[j] + u`` for ``j`` the number of ends
 ``<= u``; the Triton kernel builds them per program in registers.
+
+Read in place through a cluster cache (:mod:`kernels.cluster_cache`, the step's ``runs`` from
+its lookup), a retrieved cluster's first ``T`` tokens come from the cache where it hits, and
+an admitted miss's are written there as they are read; the result is the same.
 """
 
 from __future__ import annotations
