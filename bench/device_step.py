@@ -21,7 +21,7 @@ query already on the device:
   where the KV does not fit the device; the index is built over a wave buffer store then),
   and ``in_place_cache``, the same through the layer's cluster cache on the device (the
   wave buffer's device cache budget, as serving sizes it: ``cache_fraction`` of the tokens
-  in blocks of two average clusters), with its token hit ratio over the timed steps;
+  in blocks of 1.25 average clusters), with its token hit ratio over the timed steps;
 - **rank** and **attend**: the eager step's two parts alone
   (:func:`~vllm_retro.index.device_layer.rank_clusters`: cluster scoring and top-k;
   :func:`~vllm_retro.index.device_layer.attend`), where its time goes.
@@ -66,7 +66,7 @@ from vllm_retro.index.device_layer import (  # noqa: E402
     decode_step,
     rank_clusters,
 )
-from vllm_retro.index.resident import CACHE_BLOCK_CLUSTERS  # noqa: E402
+from vllm_retro.index.resident import cache_block_tokens  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -192,7 +192,7 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     hq, hkv, d = args.heads
     n, scale = kv[0].shape[2], d ** -0.5
     in_place = where.startswith("in_place")
-    block = CACHE_BLOCK_CLUSTERS * cfg.cluster_size
+    block = cache_block_tokens(cfg.cluster_size)
     blocks = cache_blocks_for(cfg, n, block) if where == "in_place_cache" else 0
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,
