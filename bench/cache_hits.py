@@ -12,7 +12,7 @@ with a cluster cache and its decode steps replayed through
 :func:`~vllm_retro.index.device_layer.decode_step` (the torch path; the output is checked
 against the per-row :meth:`WaveIndex.decode` on the way). Per ``--cache`` setting
 (``FRACTION:BLOCK_TOKENS``; serving's is ``cache_fraction`` and
-:func:`~vllm_retro.index.resident.cache_block_tokens`, 0.05:20 by default) it prints the
+:func:`~vllm_retro.index.device_layer.cache_block_size`, 0.05:20 by default) it prints the
 token and cluster hit ratios over all steps and over the steps after the first (a cold cache
 fills at the first), per layer and overall.
 

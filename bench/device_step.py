@@ -62,11 +62,11 @@ from vllm_retro.index.device_graph import StepGraphs  # noqa: E402
 from vllm_retro.index.device_layer import (  # noqa: E402
     DeviceLayer,
     attend,
+    cache_block_size,
     cache_blocks_for,
     decode_step,
     rank_clusters,
 )
-from vllm_retro.index.resident import cache_block_tokens  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -192,7 +192,7 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     hq, hkv, d = args.heads
     n, scale = kv[0].shape[2], d ** -0.5
     in_place = where.startswith("in_place")
-    block = cache_block_tokens(cfg.cluster_size)
+    block = cache_block_size(cfg.cluster_size)
     blocks = cache_blocks_for(cfg, n, block) if where == "in_place_cache" else 0
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,

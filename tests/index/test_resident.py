@@ -9,11 +9,10 @@ from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
-from vllm_retro.index.device_layer import cache_blocks_for
+from vllm_retro.index.device_layer import cache_block_size, cache_blocks_for
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.resident import (
     CacheCounts,
-    cache_block_tokens,
     in_place_capable,
     placement,
 )
@@ -101,7 +100,7 @@ def test_cache_blocks_for_the_device_cache_budget():
     assert cache_blocks_for(_cfg(cache_fraction=0.1), 1000, 32) == 4
     assert cache_blocks_for(_cfg(cache_pages=10), 1 << 20, 32) == 3  # 80 tokens
     assert cache_blocks_for(_cfg(cache_fraction=0.0), 1 << 20, 32) == 0
-    assert cache_block_tokens(16) == 20 and cache_block_tokens(1) == 1
+    assert cache_block_size(16) == 20 and cache_block_size(1) == 1
 
 
 def test_resident_path_only_where_it_applies():

@@ -21,6 +21,7 @@ import torch
 from vllm_retro.index.device_graph import StepGraphs
 from vllm_retro.index.device_layer import (
     DeviceLayer,
+    cache_block_size,
     cache_blocks_for,
     readable_in_place,
     round_up,
@@ -30,21 +31,9 @@ from vllm_retro.kernels.cluster_cache import ClusterCache
 
 GROWTH = 1.5
 """A grown layer holds this many times what its batch needs (fewer regrowths)."""
-CACHE_BLOCK_CLUSTERS = 1.25
-"""A block of an in-place layer's cluster cache holds this many average clusters' tokens
-(``cluster_size`` each; 20 at the default 16): most clusters whole, the largest' first
-tokens. Measured on a real model's decode steps (``bench/cache_hits.py``, Qwen2.5-0.5B at
-16K, cache 5% of the KV): token hit ratio 0.46 / 0.64 / 0.75 / 0.77 / 0.76 / 0.67 at blocks
-of 8 / 12 / 16 / 20 / 24 / 32 tokens (small blocks cut clusters, large ones hold fewer)."""
 HEADROOM_BYTES = 2 << 30
 """Device memory left free after a resident layer grows under 'auto' (allocator slack,
 activations of the next steps)."""
-
-
-def cache_block_tokens(cluster_size: int) -> int:
-    """Tokens per block of an in-place layer's cluster cache (:data:`CACHE_BLOCK_CLUSTERS`
-    average clusters)."""
-    return max(1, round(CACHE_BLOCK_CLUSTERS * cluster_size))
 
 
 def resident_capable(index: WaveIndex) -> bool:
@@ -142,7 +131,7 @@ class ResidentDecode:
         in_place = mode == "in_place"
         if in_place and not in_place_capable(indexes, dev):
             return False
-        block = cache_block_tokens(first.config.cluster_size)
+        block = cache_block_size(first.config.cluster_size)
         blocks = cache_blocks_for(first.config, tokens, block)
         if mode == "auto":
             how = placement(
