@@ -1,6 +1,9 @@
 """vllm_retro.buffer.layer_pool and its two pools: one host page pool and one device block
 pool per layer, shared by the layer's stores."""
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +35,33 @@ def test_host_extents_are_reused_first_fit_and_merged():
     host.release(0, 3)
     host.release(8, 2)
     assert host.used_pages == 0 and host.free_extents == [] and host.allocated_pages == 0
+
+
+def test_host_rows_are_one_pools_keys_and_values_while_the_worker_grows_it():
+    """rows() while another thread grows the pool: keys and values always of one generation
+    (reading ``k`` then ``v`` straddled a growth about 7 times a round here, handing an
+    in-place device layer a key pool and a value pool of two sizes)."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(5):
+            host = HostTier(4, 2, torch.float32, BufferStats(), pin=False)
+            done = threading.Event()
+
+            def grow(host=host, done=done):
+                for _ in range(2000):
+                    host.reserve(1)
+                done.set()
+
+            worker = threading.Thread(target=grow)
+            worker.start()
+            while not done.is_set():
+                k, v = host.rows()
+                assert k.shape == v.shape and k.shape[1] == 4
+            worker.join()
+            assert host.generation > 10
+    finally:
+        sys.setswitchinterval(switch)
 
 
 def test_host_growth_keeps_pages_and_their_block_map():

@@ -191,6 +191,14 @@ class HostTier:
     def _allocated(self) -> int:
         return self.used_pages - sum(n for _, n in self.free_extents)
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current pool's keys and values as token rows, [capacity_pages * page_size, D]
+        each, taken together: a growth on the update worker replaces both, and two separate
+        reads of ``k`` and ``v`` could straddle it (pools of two sizes)."""
+        with self._lock:
+            k, v = self.k, self.v
+        return k.view(-1, self.head_dim), v.view(-1, self.head_dim)
+
     def nbytes(self) -> int:
         """Host bytes the pool holds: the requests' pages (a released extent's memory goes
         back to the OS); pinned, every registered byte (locked until :meth:`free`)."""

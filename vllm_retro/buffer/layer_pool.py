@@ -242,8 +242,7 @@ class LayerPool:
         as rows)."""
         d = self.head_dim
         kernels.gather_runs(dst_k, dst_v, self.blocks.k.view(-1, d), self.blocks.v.view(-1, d),
-                            self.host.k.view(-1, d), self.host.v.view(-1, d),
-                            torch.from_numpy(runs), backend=backend)
+                            *self.host.rows(), torch.from_numpy(runs), backend=backend)
 
     def _plan(self, entries: int) -> np.ndarray:
         """The gather plan's array for this step, [>= entries, 3] int64 runs, not cleared:
@@ -299,7 +298,7 @@ class LayerPool:
         if runs.shape[0] == 0:
             return
         d = self.head_dim
-        host_k, host_v = self.host.k.view(-1, d), self.host.v.view(-1, d)
+        host_k, host_v = self.host.rows()
         self.blocks.write_runs(host_k if src_k is None else src_k.reshape(-1, d),
                                host_v if src_v is None else src_v.reshape(-1, d), host_k,
                                host_v, runs, backend)

@@ -503,8 +503,7 @@ class WaveBufferStore:
             raise RuntimeError("this wave buffer store was freed")
         if wait:
             self._sync()
-        d = self.head_dim
-        return (self.host.k.view(-1, d), self.host.v.view(-1, d),
+        return (*self.host.rows(),
                 # a contiguous copy of the records' column (the PQ kernel indexes it
                 # densely); callers keep it until the layout or the index changes
                 torch.from_numpy(np.ascontiguousarray(self.table.page_start)), 0,
