@@ -26,6 +26,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_no_est": {"estimation_budget": 0.0},
     "retro_centroid": {"estimator": "centroid"},
     "retro_auto": {"estimator": "auto"},
+    # issue 40's 4K regression: the first 16 decode steps exact (the background build's
+    # head start before 2026-11-23's build_steps), and k-means run to convergence (its
+    # early stop's default tolerance was 0 before that day)
+    "retro_build16": {"build_steps": 16},
+    "retro_tol0": {"kmeans_tol": 0.0},
     # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
     "pqcache": {"index": "pqcache"},

@@ -213,6 +213,56 @@ def common_words(target: int, seed: int, render: Render, count_tokens: CountToke
                   tuple(common), max_tokens=32, meta={"rare_words": n_rare})
 
 
+RULER_CWE = ("Below is a numbered list of words. In these words, some appear more often than "
+             "others. Memorize the ones that appear most often.\n{context}\nQuestion: What "
+             "are the 10 most common words in the above list?")
+"""RULER's common-words template (``common_words_extraction``), its query left empty."""
+RULER_CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+"""RULER's answer prefix, written after the prompt (the model continues it)."""
+
+
+def _cwe_list(rng: random.Random, pool: list[str], n_words: int, common_repeats: int,
+              uncommon_repeats: int, common: int = 10) -> tuple[str, list[str]]:
+    """RULER's ``get_example``: ``n_words`` words drawn from ``pool``, the first ``common``
+    repeated ``common_repeats`` times and the rest ``uncommon_repeats``, shuffled and written
+    ``1. w 2. w ...``; returns the listing and the common words."""
+    words = rng.sample(pool, n_words)
+    items = words[:common] * common_repeats + words[common:] * uncommon_repeats
+    rng.shuffle(items)
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), words[:common]
+
+
+def ruler_cwe(target: int, seed: int, render: Render, count_tokens: CountTokens) -> Sample:
+    """RULER's common-words extraction as RULER writes it (the task the 4K regression of
+    issue 40 showed on): one solved example (40 words, 10 of them 10x among 3x), then the
+    list (10 words 30x among words 3x, as many as fit) and the question (below 4096 tokens
+    RULER's smaller repeats: 20 words 3x / 1x, then 6x / 1x), the answer prefix
+    after the chat template's assistant turn; scored as RULER does (each of the 10 common
+    words found in the answer)."""
+    rng = _rng("ruler_cwe", seed)
+    pool = list(_word_pool())
+    # RULER's repeats: below 4096 tokens a 20-word example (3x / 1x) and a list of 6x / 1x
+    short = target < 4096
+    example, example_answer = _cwe_list(rng, pool, 20, 3, 1) if short else \
+        _cwe_list(rng, pool, 40, 10, 3)
+    repeats = (6, 1) if short else (30, 3)
+    shot = RULER_CWE.format(context=example) + " " + " ".join(
+        f"{i + 1}. {w}" for i, w in enumerate(example_answer))
+    state = rng.getstate()
+
+    def build(n: int) -> tuple[str, list[str]]:
+        rng.setstate(state)
+        listing, common = _cwe_list(rng, pool, min(len(pool), 10 + n), *repeats)
+        return render(shot + "\n" + RULER_CWE.format(context=listing)) + RULER_CWE_PREFIX, \
+            common
+
+    n, prompt = fit(lambda n: build(n)[0], count_tokens, target, hi=len(pool) - 10)
+    common = build(n)[1]
+    return Sample("ruler_cwe", seed, target, prompt, count_tokens(prompt),
+                  "What are the 10 most common words in the above list?", tuple(common),
+                  max_tokens=120, meta={"uncommon_words": n})
+
+
 def _town(rng: random.Random) -> str:
     syllables = ("bran", "kel", "mor", "vish", "tal", "quin", "dor", "sel", "ath", "rum")
     return "".join(rng.choice(syllables) for _ in range(3)).capitalize()
@@ -251,6 +301,7 @@ TASKS: dict[str, Generator] = {
     "niah_multivalue": niah_multivalue,
     "variable_tracking": variable_tracking,
     "common_words": common_words,
+    "ruler_cwe": ruler_cwe,
     "passage_qa": passage_qa,
 }
 

@@ -107,6 +107,23 @@ def test_common_words_are_the_most_frequent():
     assert s.meta["rare_words"] > 100
 
 
+@pytest.mark.parametrize("target,repeats", [(3000, (6, 1)), (4096, (30, 3))])
+def test_ruler_cwe_is_rulers_common_words_extraction(target, repeats):
+    """A solved example, then the list: its 10 common words each ``repeats[0]`` times, every
+    other word ``repeats[1]``; the answer prefix closes the prompt."""
+    s = generate("ruler_cwe", target, 2, _render, _count)
+    assert s.prompt.endswith("<assistant>\n Answer: The top 10 words that appear most often "
+                             "in the list are:")
+    example, listing = s.prompt.split("What are the 10 most common words in the above list?")[:2]
+    assert re.search(r"list\? 1\. \w+ 2\. \w+ .* 10\. \w+\n", s.prompt)
+    words = re.findall(r"\d+\. (\w+)", listing.split("Memorize the ones that appear most "
+                                                  "often.\n")[1])
+    counts = {w: words.count(w) for w in set(words)}
+    assert len(s.expected) == 10 and {counts[w] for w in s.expected} == {repeats[0]}
+    assert {c for w, c in counts.items() if w not in s.expected} == {repeats[1]}
+    assert s.meta["uncommon_words"] > 50 and s.max_tokens == 120
+
+
 def test_passage_question_asks_a_fact_of_the_passage():
     for seed in range(8):
         s = generate("passage_qa", 1000, seed, _render, _count)
