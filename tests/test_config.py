@@ -1,5 +1,6 @@
 """vllm_retro.config: defaults from the design, validation naming field, value and range."""
 
+import dataclasses
 import os
 
 import pytest
@@ -88,3 +89,53 @@ def test_build_steps_default_depends_on_the_device():
     assert RetroConfig().build_steps_on("cpu") == 0
     assert RetroConfig(build_steps=5).build_steps_on("cpu") == 5
     assert RetroConfig(build_steps=0).build_steps_on("cuda") == 0
+
+
+#: Every default that changes what a decode step selects, estimates or computes, as served.
+#: Issue 40: ``kmeans_tol`` went from 0 to 0.01 inside a commit about the buffer's cache state
+#: (3570cca, 2026-11-23) with an attention-level check only; it is the one change since then
+#: that changed end-to-end answers at 4K in fp32 (bench/README, "The 4K regression hunt").
+#: Changing one of these needs end-to-end answers before and after in one run
+#: (``python -m bench.accuracy --configs <old> <new> ...``) in bench/results, then its entry here.
+ANSWER_DEFAULTS = {
+    "enabled": True, "index": "wave",
+    "cluster_size": 16, "segment_size": 8192, "kmeans_iters": 10, "kmeans_tol": 0.01,
+    "sink_tokens": 4, "local_window": 64, "retrieval_budget": 0.018, "estimation_budget": 0.232,
+    "estimator": "tilted",
+    "update_segment": 1024, "update_clusters": 64, "update_rounds_per_step": 1,
+    "build_steps": None,
+    "pq_subspaces": 2, "pq_bits": 6, "pq_token_ratio": 0.2, "pq_block_tokens": 128,
+    "saap_file": None, "saap_probes": 16,
+    "graph_top_k": 100, "graph_search_ef": 128, "graph_degree": 16, "graph_knn": 100,
+    "graph_train_queries": 4096, "graph_block_tokens": 128,
+    "quest_page_size": 16, "quest_token_budget": 1024, "streaming_tokens": 1024,
+}
+#: Defaults that change where and how fast tokens are read, never which or what is computed
+#: (the serving path equals the per-row reference whatever they are: tests/vllm).
+PLACEMENT_DEFAULTS = {
+    "page_size": 8, "cache_fraction": 0.05, "cache_pages": None, "cache_policy": "lru",
+    "async_updates": True, "table_threads": None, "host_memory_gb": None,
+    "kernel_backend": "auto", "device_resident": "auto",
+}
+
+
+def test_every_default_is_classified():
+    """A new field is placed on one side: changes answers (pinned below) or only placement."""
+    names = {f.name for f in dataclasses.fields(RetroConfig)}
+    assert set(ANSWER_DEFAULTS).isdisjoint(PLACEMENT_DEFAULTS)
+    assert names == set(ANSWER_DEFAULTS) | set(PLACEMENT_DEFAULTS), (
+        f"unclassified: {sorted(names - set(ANSWER_DEFAULTS) - set(PLACEMENT_DEFAULTS))}; "
+        f"gone: {sorted(set(ANSWER_DEFAULTS) | set(PLACEMENT_DEFAULTS) - names)}")
+
+
+@pytest.mark.parametrize("name", sorted({**ANSWER_DEFAULTS, **PLACEMENT_DEFAULTS}))
+def test_defaults_change_only_with_their_measurement(name):
+    """A default changes visibly: an answer-changing one with its end-to-end A/B (see
+    :data:`ANSWER_DEFAULTS`), a placement one with its benchmark."""
+    pinned = {**ANSWER_DEFAULTS, **PLACEMENT_DEFAULTS}[name]
+    got = getattr(RetroConfig(), name)
+    assert got == pinned, (
+        f"RetroConfig.{name} default is {got!r}, pinned {pinned!r}: "
+        + ("an answer-changing default needs end-to-end answers before/after in one run "
+           "(python -m bench.accuracy --configs ...) in bench/results, then its pin here"
+           if name in ANSWER_DEFAULTS else "record the benchmark that chose it, then the pin"))
