@@ -31,6 +31,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # early stop's default tolerance was 0 before that day)
     "retro_build16": {"build_steps": 16},
     "retro_tol0": {"kmeans_tol": 0.0},
+    # every cluster outside the retrieval zone estimated (none dropped from the softmax)
+    "retro_est_all": {"estimation_budget": 0.982},
     # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
     "pqcache": {"index": "pqcache"},
