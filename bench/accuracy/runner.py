@@ -33,6 +33,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_tol0": {"kmeans_tol": 0.0},
     # every cluster outside the retrieval zone estimated (none dropped from the softmax)
     "retro_est_all": {"estimation_budget": 0.982},
+    # 16 clusters (~256 tokens) retrieved at 4K: a floor on exact tokens at short contexts
+    "retro_r16": {"retrieval_budget": 0.0625},
     # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
     "pqcache": {"index": "pqcache"},
