@@ -114,7 +114,7 @@ def test_ruler_cwe_is_rulers_common_words_extraction(target, repeats):
     s = generate("ruler_cwe", target, 2, _render, _count)
     assert s.prompt.endswith("<assistant>\n Answer: The top 10 words that appear most often "
                              "in the list are:")
-    example, listing = s.prompt.split("What are the 10 most common words in the above list?")[:2]
+    listing = s.prompt.split("What are the 10 most common words in the above list?")[1]
     assert re.search(r"list\? 1\. \w+ 2\. \w+ .* 10\. \w+\n", s.prompt)
     words = re.findall(r"\d+\. (\w+)", listing.split("Memorize the ones that appear most "
                                                   "often.\n")[1])
