@@ -24,6 +24,7 @@ def test_shortest_indexed_context_is_the_steady_zone_and_an_update_block():
     ("local_window", 0, "an integer in [1, 65536]"),
     ("retrieval_budget", 0.0, "a number in (0.0, 1.0]"),
     ("retrieval_budget", float("nan"), "a number in (0.0, 1.0]"),
+    ("min_retrieval_clusters", -1, "an integer in [0, 1048576]"),
     ("estimation_budget", -0.1, "a number in [0.0, 1.0]"),
     ("estimation_budget", 0.99, "[0, 0.982] so that retrieval_budget"),
     ("update_segment", 8, "an integer in [16, 1048576]"),
@@ -66,10 +67,15 @@ def test_budget_counts():
     c = RetroConfig()
     assert (c.num_retrieval(0), c.num_estimation(0)) == (0, 0)
     assert (c.num_retrieval(1), c.num_estimation(1)) == (1, 0)
-    assert (c.num_retrieval(500), c.num_estimation(500)) == (9, 116)
+    assert (c.num_retrieval(500), c.num_estimation(500)) == (16, 116)
+    assert RetroConfig(min_retrieval_clusters=0).num_retrieval(500) == 9
+    # the floor binds below min_retrieval_clusters / retrieval_budget clusters (~14K tokens)
+    assert (c.num_retrieval(888), c.num_retrieval(889)) == (16, 17)
+    assert (c.num_retrieval(10), c.num_estimation(10)) == (10, 0)
     full = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
     assert (full.num_retrieval(37), full.num_estimation(37)) == (37, 0)
-    assert RetroConfig(retrieval_budget=0.5, estimation_budget=0.5).num_estimation(3) == 1
+    half = RetroConfig(retrieval_budget=0.5, estimation_budget=0.5, min_retrieval_clusters=0)
+    assert half.num_estimation(3) == 1
 
 
 def test_table_threads_default_depends_on_the_device():
@@ -96,6 +102,7 @@ ANSWER_DEFAULTS = {
     "enabled": True, "index": "wave",
     "cluster_size": 16, "segment_size": 8192, "kmeans_iters": 10, "kmeans_tol": 0.01,
     "sink_tokens": 4, "local_window": 64, "retrieval_budget": 0.018, "estimation_budget": 0.232,
+    "min_retrieval_clusters": 16,
     "estimator": "tilted",
     "update_segment": 1024, "update_clusters": 64, "update_rounds_per_step": 1,
     "build_steps": None,

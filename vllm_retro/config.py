@@ -98,6 +98,12 @@ class RetroConfig:
     """Steady zone: the most recent tokens, always attended exactly."""
     retrieval_budget: float = 0.018
     """Fraction of clusters (top by centroid score) whose tokens are attended exactly."""
+    min_retrieval_clusters: int = 16
+    """Floor on the retrieval zone, in clusters (~256 tokens at ``cluster_size`` 16): at
+    short contexts ``retrieval_budget`` alone leaves too few exact tokens (5 clusters, ~80
+    tokens at 4K) and the model loops on aggregation tasks (bench/README, "The 4K
+    regression hunt"). Binds below ``min_retrieval_clusters / retrieval_budget`` clusters
+    (~14K tokens at the defaults), so long contexts read exactly what they did. 0: none."""
     estimation_budget: float = 0.232
     """Fraction of clusters (the next ones by score) estimated from centroid and value sum."""
     estimator: str = "tilted"
@@ -247,6 +253,7 @@ class RetroConfig:
         _check_int("sink_tokens", self.sink_tokens, 0, 1 << 16)
         _check_int("local_window", self.local_window, 1, 1 << 16)
         _check_float("retrieval_budget", self.retrieval_budget, 0.0, 1.0, lo_open=True)
+        _check_int("min_retrieval_clusters", self.min_retrieval_clusters, 0, 1 << 20)
         _check_float("estimation_budget", self.estimation_budget, 0.0, 1.0)
         if self.retrieval_budget + self.estimation_budget > 1.0 + 1e-9:
             _fail(
@@ -319,10 +326,13 @@ class RetroConfig:
         return self.sink_tokens + self.local_window + self.update_segment
 
     def num_retrieval(self, num_clusters: int) -> int:
-        """Clusters in the retrieval zone for ``num_clusters`` clusters (at least one)."""
+        """Clusters in the retrieval zone for ``num_clusters`` clusters: the top
+        ``retrieval_budget`` of them, at least ``min_retrieval_clusters`` and one, at most
+        all."""
         if num_clusters <= 0:
             return 0
-        return min(num_clusters, max(1, math.ceil(self.retrieval_budget * num_clusters - 1e-9)))
+        by_budget = math.ceil(self.retrieval_budget * num_clusters - 1e-9)
+        return min(num_clusters, max(1, self.min_retrieval_clusters, by_budget))
 
     def num_estimation(self, num_clusters: int) -> int:
         """Clusters in the estimation zone for ``num_clusters`` clusters."""

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from vllm_retro.config import RetroConfig
+
 from bench.accuracy.__main__ import QUICK_MARGIN, gate, parse_args
 from bench.accuracy.runner import CONFIGS, settings
 from bench.accuracy.tasks import TASKS
@@ -40,8 +42,11 @@ def test_several_contexts_need_a_ctx_placeholder():
 
 def test_config_knobs():
     assert CONFIGS["full"] is None and CONFIGS["retro"] == {}
-    assert CONFIGS["retro_half"] == {"retrieval_budget": 0.009}
-    assert CONFIGS["retro_double"] == {"retrieval_budget": 0.036}
+    half, double = RetroConfig(**CONFIGS["retro_half"]), RetroConfig(**CONFIGS["retro_double"])
+    for clusters in (256, 512, 4096, 8192):  # 4K to 128K tokens
+        r = RetroConfig().num_retrieval(clusters)
+        assert half.num_retrieval(clusters) in (r // 2, r // 2 + 1)
+        assert double.num_retrieval(clusters) in (2 * r - 1, 2 * r)
     assert CONFIGS["retro_no_est"] == {"estimation_budget": 0.0}
     assert CONFIGS["retro_centroid"] == {"estimator": "centroid"}
 
