@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from vllm_retro.config import RetroConfig
-
 from bench.accuracy.__main__ import QUICK_MARGIN, gate, parse_args
 from bench.accuracy.runner import CONFIGS, settings
 from bench.accuracy.tasks import TASKS
+from vllm_retro.config import RetroConfig
 
 
 def test_defaults_run_everything_at_4k_and_8k():
