@@ -233,6 +233,13 @@ def fits(n: int, batch: int, device: torch.device, copies: float = 2.5, hkv: int
     return True, ""
 
 
+def wave_config(args: argparse.Namespace) -> RetroConfig:
+    """The wave index's settings of the run: defaults, ``--kmeans-iters``, the wave buffer's
+    path (not device-resident) and the ``--retro`` JSON's fields."""
+    return RetroConfig(kmeans_iters=args.kmeans_iters, device_resident="off",
+                       **json.loads(args.retro))
+
+
 def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
     """Time full vs retro decode steps for one (context, batch)."""
     dtype = torch.bfloat16
@@ -241,7 +248,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     full, full_name, full_bytes = full_attention_kernel(keys, values, device)
     # the wave buffer's path (host tier + device cache): the device-resident step has its
     # own benchmark, bench/device_step.py
-    cfg = RetroConfig(kmeans_iters=args.kmeans_iters, device_resident="off")
+    cfg = wave_config(args)
     mgr = WaveBufferManager(cfg)
     build_s = time.perf_counter()
     indexes = [
@@ -536,6 +543,9 @@ def main() -> None:
                          "'pqcache' adds PQCache's serving path and build, and a host copy; "
                          "'saap' SAAP (a random router of the default size: its cost), "
                          "'graph' RetrievalAttention's graph index, the same)")
+    ap.add_argument("--retro", default="{}",
+                    help="JSON of RetroConfig fields for every index of the run, e.g. "
+                         "'{\"min_retrieval_clusters\": 0}' for an A/B of a default")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -544,7 +554,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_description(),
         "threads": args.threads, "shape": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D},
         "dtype": "bfloat16",
-        "config": RetroConfig(kmeans_iters=args.kmeans_iters, device_resident="off").to_dict(),
+        "config": wave_config(args).to_dict(),
         "steps": args.steps, "cases": [], "skipped": [],
     }
     out = args.out or ROOT / "bench" / "results" / f"decode_step_{device.type}.json"

@@ -19,8 +19,10 @@ def _recording(path, same_query: bool):
 
 def test_a_repeated_query_hits_every_cluster_after_the_first_step(tmp_path):
     _recording(tmp_path / "rec.pt", same_query=True)
+    # the retrieval zone by its fraction (2 of ~93 clusters) fits the 20% cache; the
+    # 16-cluster floor of short contexts would not, and would miss every step
     res = cache_hits.main(["--data", str(tmp_path / "rec.pt"), "--cache", "0.2:32",
-                           "--config", '{"segment_size": 512}',
+                           "--config", '{"segment_size": 512, "min_retrieval_clusters": 0}',
                            "--out", str(tmp_path / "out.json")])
     s = res["settings"]["0.2:32"]
     assert s["cluster_hit_ratio_warm"] == 1.0 and 0 < s["token_hit_ratio_warm"] <= 1.0
