@@ -69,7 +69,9 @@ def test_budget_counts():
     assert (c.num_retrieval(1), c.num_estimation(1)) == (1, 0)
     assert (c.num_retrieval(500), c.num_estimation(500)) == (16, 116)
     assert RetroConfig(min_retrieval_clusters=0).num_retrieval(500) == 9
-    # the floor binds below min_retrieval_clusters / retrieval_budget clusters (~14K tokens)
+    # the floor binds up to min_retrieval_clusters / retrieval_budget clusters (~13K tokens)
+    assert (c.num_retrieval(833), c.num_retrieval(834)) == (16, 16)
+    assert RetroConfig(min_retrieval_clusters=0).num_retrieval(833) == 15
     assert (c.num_retrieval(888), c.num_retrieval(889)) == (16, 17)
     assert (c.num_retrieval(10), c.num_estimation(10)) == (10, 0)
     full = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
@@ -102,7 +104,7 @@ ANSWER_DEFAULTS = {
     "enabled": True, "index": "wave",
     "cluster_size": 16, "segment_size": 8192, "kmeans_iters": 10, "kmeans_tol": 0.01,
     "sink_tokens": 4, "local_window": 64, "retrieval_budget": 0.018, "estimation_budget": 0.232,
-    "min_retrieval_clusters": 16,
+    "min_retrieval_clusters": 16,  # 0 -> 16: bench/results/accuracy_*_retrieval_floor.json
     "estimator": "tilted",
     "update_segment": 1024, "update_clusters": 64, "update_rounds_per_step": 1,
     "build_steps": None,

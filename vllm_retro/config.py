@@ -102,8 +102,9 @@ class RetroConfig:
     """Floor on the retrieval zone, in clusters (~256 tokens at ``cluster_size`` 16): at
     short contexts ``retrieval_budget`` alone leaves too few exact tokens (5 clusters, ~80
     tokens at 4K) and the model loops on aggregation tasks (bench/README, "The 4K
-    regression hunt"). Binds below ``min_retrieval_clusters / retrieval_budget`` clusters
-    (~14K tokens at the defaults), so long contexts read exactly what they did. 0: none."""
+    regression hunt", "A floor on the retrieval zone": at 4K it gives full attention's
+    score). Binds up to ``min_retrieval_clusters / retrieval_budget`` clusters (~13K tokens
+    at the defaults), so longer contexts read exactly what they did. 0: none."""
     estimation_budget: float = 0.232
     """Fraction of clusters (the next ones by score) estimated from centroid and value sum."""
     estimator: str = "tilted"
