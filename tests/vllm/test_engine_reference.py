@@ -39,8 +39,12 @@ def test_each_layer_step_equals_the_per_row_reference(tiny_model_dir, monkeypatc
         return res
 
     monkeypatch.setattr(route, "decode_batch", checked)
+    # The retrieval zone by its fraction, without the short-context floor: at the floor (16
+    # clusters) one of the 414 steps meets two clusters of exactly equal score at the
+    # estimation zone's edge (score gap 0.0), which the fused kernel and torch.topk break
+    # differently (error 0.04). A tie-break both share is open on issue 40.
     with engine(tiny_model_dir, dtype=dtype,
-                retro={**TINY_RETRO, "build_steps": 0}) as llm:
+                retro={**TINY_RETRO, "build_steps": 0, "min_retrieval_clusters": 0}) as llm:
         out = generate_tokens(llm, [300, 1500, 3000], [70, 70, 70])
         c = get_runtime().counters
     assert [len(o) for o in out] == [70, 70, 70]
