@@ -172,7 +172,7 @@ def graphed(fn, example: torch.Tensor):
             fn(static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn(static)
 
     def call(x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,10 @@ class StepGraphs:
                 decode_step(self.layer, static_plan, static_q, scale)
         torch.cuda.current_stream(query.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread-local: the wave buffer's worker and the index builder run CUDA calls of their
+        # own (pinned allocations, event queries, copies) while a step is captured; under the
+        # default global mode any of them invalidated the capture (seen on an H200)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = decode_step(self.layer, static_plan, static_q, scale)
         self.captures += 1
         return _Captured(graph, static_q, static_plan.ints, out)
