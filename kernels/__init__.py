@@ -42,6 +42,7 @@ from vllm_retro.kernels.scoring import (
     cluster_scores_triton,
     pool_scores_ref,
     pool_scores_triton,
+    top_clusters,
 )
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
@@ -60,6 +61,7 @@ __all__ = [
     "resident_attention",
     "resolve_backend",
     "scatter_sum",
+    "top_clusters",
     "tripartite_decode",
 ]
 

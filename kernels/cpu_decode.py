@@ -15,7 +15,8 @@ pairs in parallel (ATen's OpenMP pool) with one online softmax per query head in
 
 :func:`decode_rows_ref` is the plain-torch reference of the same function, built from the
 per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_ref`,
-``torch.topk``, :func:`~vllm_retro.kernels.tripartite_attention.tripartite_decode_ref`).
+:func:`~vllm_retro.kernels.scoring.top_clusters` with the kernel's tie-break,
+:func:`~vllm_retro.kernels.tripartite_attention.tripartite_decode_ref`).
 
 The extension is compiled by the README's setup command (``python -m
 vllm_retro.kernels.cpu_decode``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded from there;
@@ -51,7 +52,7 @@ from typing import Any
 
 import torch
 
-from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref
+from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref, top_clusters
 from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
 
 logger = logging.getLogger(__name__)
@@ -620,7 +621,7 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
         elif k:
             score = cluster_scores_ref if r.centroids.shape[2] == d else page_bound_scores_ref
             scores = score(q, r.centroids, r.sizes, scale)
-            top = torch.topk(scores, k, dim=1, sorted=True).indices
+            top = top_clusters(scores, k)
         else:
             top = torch.zeros(h, 0, dtype=torch.int64)
         ret, est = top[:, :nr], top[:, nr:]

@@ -30,6 +30,27 @@ def group_scores_from_logits(logits: torch.Tensor, valid: torch.Tensor) -> torch
     return torch.logsumexp(logp, dim=1).masked_fill(~valid, float("-inf"))
 
 
+def top_clusters(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best columns of each row of ``scores`` [R, C] (fp32), ranked by (score
+    descending, column ascending): [R, k] int64, best first. The tie-break is the fused CPU
+    kernel's (``retro_cpu.cpp``: its radix select admits tied clusters in id order), so every
+    route and every reference chooses the same clusters when two scores are exactly equal
+    (``torch.topk`` breaks ties as its implementation happens to). NaN ranks above +inf, as
+    in ``torch.topk`` and the CPU kernel's order keys. Sync-free: one ``topk`` over int64 keys
+    that order as (score, -column) and are all distinct."""
+    if scores.dtype != torch.float32:
+        raise ValueError(f"top_clusters: scores dtype {scores.dtype}; accepted: torch.float32")
+    c = scores.shape[1]
+    if not 0 <= k <= c:
+        raise ValueError(f"top_clusters: k={k}; accepted: 0..{c} (the columns)")
+    bits = scores.contiguous().view(torch.int32)
+    # the floats' order as signed integers: negative floats' magnitude bits flipped
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    col = torch.arange(c, device=scores.device, dtype=torch.int64)
+    keys = (ordered << 32) | (0xFFFFFFFF - col)
+    return torch.topk(keys, k, dim=1, sorted=True).indices
+
+
 def cluster_scores_ref(
     query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -10,6 +10,7 @@ from vllm_retro.kernels.scoring import (
     cluster_scores_triton,
     pool_scores_ref,
     pool_scores_triton,
+    top_clusters,
 )
 from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
@@ -121,3 +122,23 @@ def test_pool_scores_nan_query_row_stays_in_its_row(rng, triton_device):
     for fn, d in ((pool_scores_ref, "cpu"), (pool_scores_triton, dev)):
         out = fn(q.to(d), cen.to(d), sizes.to(d), plan.to(d), 80, 0.125).cpu()
         torch.testing.assert_close(out[[0, 2, 3]], clean[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+
+
+def test_top_clusters_ranks_ties_by_column_like_the_cpu_kernel(rng):
+    # exact ties (columns copied), NaN, +-inf and both signs: the ranking is (score desc,
+    # column asc), NaN first, as a stable descending sort gives it
+    scores = torch.randn(6, 300, generator=rng)
+    scores[:, ::7] = scores[:, 3:4]
+    scores[1, 10] = float("nan")
+    scores[2, :5] = float("inf")
+    scores[3, -20:] = float("-inf")
+    scores[4] = -scores[4].abs()
+    for k in (0, 1, 40, 300):
+        got = top_clusters(scores, k)
+        want = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(got, want), k
+    assert top_clusters(torch.tensor([[-0.5, 2.0, -0.5, 2.0]]), 3).tolist() == [[1, 3, 0]]
+    with pytest.raises(ValueError, match="k=5; accepted: 0..4"):
+        top_clusters(torch.zeros(1, 4), 5)
+    with pytest.raises(ValueError, match="dtype"):
+        top_clusters(torch.zeros(1, 4, dtype=torch.float64), 2)

@@ -444,7 +444,9 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     b, for the whole batch, with no host synchronisation (see the module docstring):
     :func:`rank_clusters`, then :func:`attend`. Returns ``out`` ([B, Hq, D], query dtype;
     allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster
-    choice is the same up to exact ties of scores)."""
+    choice is the same up to exact ties of scores: one ``torch.topk`` over the fp32 scores
+    here, not :func:`~vllm_retro.kernels.scoring.top_clusters`, whose id tie-break would add
+    its key arithmetic's launches to every step)."""
     q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
     res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale), scale)
     if out is None:

@@ -32,7 +32,8 @@ What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (
 shapes, given a padded T_max bucket); not step 3, whose shapes follow the host-side lookup.
 
 The result is the per-row :meth:`WaveIndex.decode` (fp32 1e-5, 16-bit within rounding; the
-cluster choice is the same up to exact ties of scores).
+cluster choice is the same, exact ties of scores included: both rank with
+:func:`~vllm_retro.kernels.scoring.top_clusters`).
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         scores = kernels.cluster_scores(q, meta.scoring, meta.sizes, scale, backend=backend)
         # a row's empty clusters rank above its padding, so no zone reaches the padding
         scores = scores.masked_fill(meta.empty, torch.finfo(scores.dtype).min)
-        top = torch.topk(scores, meta.top_k, dim=1, sorted=True).indices
+        top = kernels.top_clusters(scores, meta.top_k)
     else:
         top = torch.zeros(b * h, 0, dtype=torch.int64, device=dev)
     mark("select")

@@ -505,7 +505,7 @@ class WaveIndex:
         q = query.reshape(h, -1, self.head_dim)
         scores = kernels.cluster_scores(q, self._scoring_centroids(), self.sizes, scale,
                                         backend=self.backend)
-        top = torch.topk(scores, r + e, dim=1, sorted=True).indices
+        top = kernels.top_clusters(scores, r + e)
         return Selection(top[:, :r], top[:, r:])
 
     def decode(self, query: torch.Tensor, scale: float | None = None,
