@@ -90,8 +90,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=["copy"],
                     help="the layer's tokens copied to the device, read in place from the "
                          "host tier, or both (default: copy)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="CUDA: also each kernel's device time in the step (torch.profiler) "
+                         "and the step's top-k variants on its own scores")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     return ap.parse_args(argv)
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """Each CUDA kernel ``fn`` launches, by name: its mean device time per call of ``fn``
+    in microseconds (torch.profiler over ``calls`` calls, CUPTI's kernel records; copies and
+    memsets included under their names), largest first. ``{"error": ...}`` when the profiler
+    cannot run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        times = {e.key: e.self_device_time_total / calls for e in prof.key_averages()
+                 if e.self_device_time_total > 0}
+    except Exception as exc:  # noqa: BLE001 - recorded: the timings above still stand
+        return {"error": repr(exc)}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def topk_variants(layer: DeviceLayer, plan, rows: torch.Tensor, scale: float
+                  ) -> dict[str, float]:
+    """The step's ranking alternatives on its own scores, each one's summed kernel time
+    (microseconds per call): ``torch.topk`` sorted (the step's) and unsorted, and
+    :func:`~vllm_retro.kernels.scoring.top_clusters` (the CPU routes' tie-break by id)."""
+    from vllm_retro import kernels
+
+    scores = kernels.pool_scores(rows, layer.centroids, layer.sizes, plan.ints, plan.clusters,
+                                 scale, backend=layer.config.kernel_backend)
+    k = min(plan.retrieval + plan.estimation, plan.clusters)
+    variants = {"topk_sorted": lambda: torch.topk(scores, k, dim=1, sorted=True),
+                "topk_unsorted": lambda: torch.topk(scores, k, dim=1, sorted=False),
+                "top_clusters": lambda: kernels.top_clusters(scores, k),
+                "sort_stable": lambda: torch.sort(scores, dim=1, descending=True, stable=True)}
+    out: dict[str, float] = {"k": k, "columns": plan.clusters}
+    for name, fn in variants.items():
+        times = kernel_times(fn)
+        out[name] = times.get("error") or round(sum(times.values()), 2)
+    return out
 
 
 class Timer:
@@ -262,6 +307,14 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
         rows = q.reshape(b * hkv, -1, d)
         top = timer("rank", lambda rows=rows: rank_clusters(layer, plan, rows, scale))
         timer("attend", lambda rows=rows, top=top: attend(layer, plan, rows, top, scale))
+    if args.kernels and device.type == "cuda":
+        rows = q.reshape(b * hkv, -1, d)
+        checks["kernels_us"] = kernel_times(lambda: decode_step(layer, plan, q, scale))
+        checks["topk_us"] = topk_variants(layer, plan, rows, scale)
+        print("    kernels (us): " + ", ".join(
+            f"{k[:48]} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in checks["kernels_us"].items()), flush=True)
+        print(f"    top-k (us): {checks['topk_us']}", flush=True)
     cached, read = (a - b for a, b in zip(layer.cache_tokens(), before, strict=True))
     checks["cache_blocks"] = blocks
     checks["cache_hit_ratio"] = cached / (cached + read) if blocks and cached + read else None
