@@ -49,6 +49,7 @@ from vllm_retro.kernels.tripartite_attention import (
     tripartite_decode_torch,
     tripartite_decode_triton,
 )
+from vllm_retro.kernels.zone_select import select_zones_torch, select_zones_triton
 
 __all__ = [
     "ClusterCache",
@@ -61,6 +62,7 @@ __all__ = [
     "resident_attention",
     "resolve_backend",
     "scatter_sum",
+    "select_zones",
     "top_clusters",
     "tripartite_decode",
 ]
@@ -124,6 +126,16 @@ def pool_scores(query: Tensor, centroids: Tensor, sizes: Tensor, plan: Tensor, w
     if resolve_backend(backend, query.device) == "triton":
         return pool_scores_triton(*args)
     return pool_scores_ref(*args)
+
+
+def select_zones(scores: Tensor, plan: Tensor, r_max: int, e_max: int,
+                 backend: str = "auto") -> Tensor:
+    """Dispatching :func:`kernels.zone_select.select_zones_torch`: each row's retrieval and
+    estimation zones from its scores [R, W] (ties by cluster id), [R, min(r_max + e_max, W)]
+    int64."""
+    if resolve_backend(backend, scores.device) == "triton":
+        return select_zones_triton(scores, plan, r_max, e_max)
+    return select_zones_torch(scores, plan, r_max, e_max)
 
 
 def resident_attention(query: Tensor, pools: LayerPools, plan: Tensor, top: Tensor,

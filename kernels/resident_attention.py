@@ -1,8 +1,8 @@
 """Tripartite decode attention read in place from a layer's pools (device-resident KV).
 
 The attention half of the device decode step (:mod:`vllm_retro.index.device_layer`): for
-each row ``r`` (one (request, KV head)) with its ranking ``top[r]`` of cluster ids, the
-exact tokens are
+each row ``r`` (one (request, KV head)) with its zones ``top[r]`` of cluster ids (the
+retrieval zone, then the estimation zone: :mod:`kernels.zone_select`), the exact tokens are
 
 - its steady zone: ``n_sinks`` sinks, then ``n_steady - n_sinks`` window tokens in a ring
   (window token ``i`` at ring row ``(ring_start + i) % ring``), rows of the layer's steady
@@ -118,7 +118,7 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
     """The reference (torch operations): the packed execution buffer ([R, width, D]: the
     steady zone, then the retrieval zone's tokens; ``width`` >= every row's exact tokens)
     gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D]; plan
-    [len(PLAN_FIELDS), B] int64; top [R, K] int64 cluster ids, best first (retrieval zone,
+    [len(PLAN_FIELDS), B] int64; top [R, K] int64 cluster ids (the retrieval zone,
     then estimation zone; ``r_max`` and ``e_max`` bound the rows' zone sizes); ``tilted``:
     the tilted estimator (its query terms from the pools' residual model), else the
     paper's. Returns [R, G, D] in the query's dtype."""

@@ -25,8 +25,9 @@ batch's integers as one [8, B] int64 tensor, copied to the device without waitin
 :func:`decode_step` runs the same sequence of operations whatever the data:
 
 1. the rows' clusters scored in place in the meta pool (:func:`vllm_retro.kernels.pool_scores`:
-   two Triton launches over (rows x cluster blocks) on CUDA), one top-k of
-   ``r_max + e_max`` (static: the largest zones of the loaded indexes);
+   two Triton launches over (rows x cluster blocks) on CUDA), then each row's zones from
+   its scores (:func:`vllm_retro.kernels.select_zones`: one launch, a radix select, no
+   sort; ``r_max + e_max`` wide, static: the largest zones of the loaded indexes);
 2. tripartite attention read in place (:func:`vllm_retro.kernels.resident_attention`: two
    Triton launches): the steady zone from the steady pool's ring, the retrieval zone's
    tokens from the cluster pool through the selected clusters' starts and sizes (a
@@ -413,12 +414,15 @@ class DeviceLayer:
 def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float
                   ) -> torch.Tensor:
     """Step 1 of :func:`decode_step`: the rows' first ``plan.clusters`` meta columns scored in
-    place and ranked. q [R, G, D] (row r: request r // H, KV head r % H). Returns the
-    ranking [R, K] int64 cluster ids, best first (K = retrieval + estimation bounds)."""
-    c, r_max, e_max = plan.clusters, plan.retrieval, plan.estimation
-    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, c, scale,
-                                 backend=layer.config.kernel_backend)  # [R, C]
-    return torch.topk(scores, min(r_max + e_max, c), dim=1, sorted=True).indices
+    place, then each row's zones chosen from its scores. q [R, G, D] (row r: request r // H,
+    KV head r % H). Returns the zones [R, K] int64 cluster ids (K = retrieval + estimation
+    bounds): row r's retrieval zone in ``[:n_ret]``, then its estimation zone, each in
+    ascending id (:func:`vllm_retro.kernels.select_zones`: ties by cluster id, as on CPU)."""
+    backend = layer.config.kernel_backend
+    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, plan.clusters,
+                                 scale, backend=backend)  # [R, C]
+    return kernels.select_zones(scores, plan.ints, plan.retrieval, plan.estimation,
+                                backend=backend)
 
 
 def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tensor,
@@ -443,10 +447,8 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     """Tripartite decode of ``query[b]`` ([B, Hq, D]) over the index in the plan's batch row
     b, for the whole batch, with no host synchronisation (see the module docstring):
     :func:`rank_clusters`, then :func:`attend`. Returns ``out`` ([B, Hq, D], query dtype;
-    allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the cluster
-    choice is the same up to exact ties of scores: one ``torch.topk`` over the fp32 scores
-    here, not :func:`~vllm_retro.kernels.scoring.top_clusters`, whose id tie-break would add
-    its key arithmetic's launches to every step)."""
+    allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the same
+    clusters, exact ties of scores included)."""
     q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
     res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale), scale)
     if out is None:
