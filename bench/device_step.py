@@ -120,15 +120,20 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float]:
 
 def topk_variants(layer: DeviceLayer, plan, rows: torch.Tensor, scale: float
                   ) -> dict[str, float]:
-    """The step's ranking alternatives on its own scores, each one's summed kernel time
-    (microseconds per call): ``torch.topk`` sorted (the step's) and unsorted, and
-    :func:`~vllm_retro.kernels.scoring.top_clusters` (the CPU routes' tie-break by id)."""
+    """The step's zone selection and its alternatives on the step's own scores, each one's
+    summed kernel time (microseconds per call): :func:`~vllm_retro.kernels.select_zones`
+    (the step's), ``torch.topk`` sorted (the step's until 2026-11-28) and unsorted,
+    :func:`~vllm_retro.kernels.scoring.top_clusters` (one topk over int64 keys: the tie-break
+    by id in torch ops) and a stable sort."""
     from vllm_retro import kernels
 
     scores = kernels.pool_scores(rows, layer.centroids, layer.sizes, plan.ints, plan.clusters,
                                  scale, backend=layer.config.kernel_backend)
     k = min(plan.retrieval + plan.estimation, plan.clusters)
-    variants = {"topk_sorted": lambda: torch.topk(scores, k, dim=1, sorted=True),
+    variants = {"select_zones": lambda: kernels.select_zones(
+                    scores, plan.ints, plan.retrieval, plan.estimation,
+                    backend=layer.config.kernel_backend),
+                "topk_sorted": lambda: torch.topk(scores, k, dim=1, sorted=True),
                 "topk_unsorted": lambda: torch.topk(scores, k, dim=1, sorted=False),
                 "top_clusters": lambda: kernels.top_clusters(scores, k),
                 "sort_stable": lambda: torch.sort(scores, dim=1, descending=True, stable=True)}

@@ -11,7 +11,7 @@ stage in its own process under a time limit, and writes into OUTDIR:
 - the benchmarks' JSON: ``device_step_cuda.json`` (:mod:`bench.device_step`: one layer step,
   its tokens copied to the device or read in place from the pinned host tier, dense SDPA vs
   the device step eager and from a CUDA graph, ``set_sync_debug_mode("error")``, graph =
-  eager) and ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older
+  eager, each kernel's device time and the zone selection against ``torch.topk``) and ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older
   host-tier path, 2 layers, 32K x batch 1 and 8).
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the device
@@ -77,7 +77,7 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
     return [
         ("device_step", [py, "bench/device_step.py", "--contexts", "32768", "131072",
                          "--batches", "1", "8", "--placements", "copy", "in_place",
-                         "in_place_cache",
+                         "in_place_cache", "--kernels",
                          "--out", str(out / "device_step_cuda.json")], 150),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",

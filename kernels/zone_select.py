@@ -136,7 +136,7 @@ def select_zones_triton(scores: torch.Tensor, plan: torch.Tensor, r_max: int, e_
     out = torch.empty(r, k, dtype=torch.int64, device=scores.device)
     if r == 0 or k == 0:
         return out
-    block_w = block_size(w)
+    block_w = max(256, block_size(w))  # at least the histogram's bins
     scores = scores.contiguous()
     _select_zones_kernel[(r,)](
         scores, plan, out, plan.shape[1], w, r // plan.shape[1], k,
