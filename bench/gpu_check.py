@@ -11,8 +11,9 @@ stage in its own process under a time limit, and writes into OUTDIR:
 - the benchmarks' JSON: ``device_step_cuda.json`` (:mod:`bench.device_step`: one layer step,
   its tokens copied to the device or read in place from the pinned host tier, dense SDPA vs
   the device step eager and from a CUDA graph, ``set_sync_debug_mode("error")``, graph =
-  eager, each kernel's device time and the zone selection against ``torch.topk``) and ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older
-  host-tier path, 2 layers, 32K x batch 1 and 8).
+  eager, each kernel's device time and the zone selection against ``torch.topk``) and
+  ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older host-tier
+  path, 2 layers, 32K x batch 1 and 8).
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the device
 step, the pinning lifecycle), one process per test file, side by side; then, the GPU to
