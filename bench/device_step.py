@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "host tier, or both (default: copy)")
     ap.add_argument("--kernels", action="store_true",
                     help="CUDA: also each kernel's device time in the step (torch.profiler) "
-                         "and the step's top-k variants on its own scores")
+                         "and the zone selection against its alternatives on the step's own scores")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     return ap.parse_args(argv)
 

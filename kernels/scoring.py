@@ -43,12 +43,17 @@ def top_clusters(scores: torch.Tensor, k: int) -> torch.Tensor:
     c = scores.shape[1]
     if not 0 <= k <= c:
         raise ValueError(f"top_clusters: k={k}; accepted: 0..{c} (the columns)")
+    return torch.topk(ranking_keys(scores), k, dim=1, sorted=True).indices
+
+
+def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Distinct int64 keys [R, C] of fp32 ``scores`` [R, C] that order as (score, -column):
+    the float's bits made order-preserving (negative floats' magnitude bits flipped) in the
+    high half, the column reversed in the low half."""
     bits = scores.contiguous().view(torch.int32)
-    # the floats' order as signed integers: negative floats' magnitude bits flipped
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    col = torch.arange(c, device=scores.device, dtype=torch.int64)
-    keys = (ordered << 32) | (0xFFFFFFFF - col)
-    return torch.topk(keys, k, dim=1, sorted=True).indices
+    col = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    return (ordered << 32) | (0xFFFFFFFF - col)
 
 
 def cluster_scores_ref(

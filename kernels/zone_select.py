@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.kernels._common import block_size, tl, triton
+from vllm_retro.kernels.scoring import ranking_keys
 from vllm_retro.kernels.step_plan import plan_rows
 
 
@@ -53,11 +54,9 @@ def select_zones_torch(scores: torch.Tensor, plan: torch.Tensor, r_max: int, e_m
     k = _check(scores, plan, r_max, e_max)
     r, w = scores.shape
     rows = plan_rows(plan, r // plan.shape[1])
-    bits = scores.contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     col = torch.arange(w, device=scores.device, dtype=torch.int64)
-    keys = (ordered << 32) | (0xFFFFFFFF - col)
-    keys = keys.masked_fill(col[None, :] >= rows.clusters[:, None], torch.iinfo(torch.int64).min)
+    keys = ranking_keys(scores).masked_fill(col[None, :] >= rows.clusters[:, None],
+                                            torch.iinfo(torch.int64).min)
     ranked = torch.topk(keys, k, dim=1, sorted=True).indices  # best first
     slot = torch.arange(k, device=scores.device, dtype=torch.int64)[None, :]
     zone = (slot >= rows.n_ret[:, None]).long() + (slot >= (rows.n_ret + rows.n_est)[:, None])
