@@ -74,7 +74,7 @@ def run(context: int, batch: int, steps: int, seed: int = 0) -> dict:
         exec_k = torch.zeros(batch * HKV, t_cap, D, dtype=torch.bfloat16)
         exec_v = torch.zeros_like(exec_k)
         pool.gather_batch(stores, ids, [0] * batch, exec_k, exec_v)
-        taken = [st._take_step() for st in stores]
+        taken = [st.take_step() for st in stores]
         runs = np.concatenate([_admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
                                for _, _, row0, plan in taken])
         for variant in ("runs", "per_token") if step % 2 else ("per_token", "runs"):

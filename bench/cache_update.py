@@ -9,7 +9,7 @@ average, the default 5% device cache, LRU); each step reads the retrieval zone's
 store looks them up (into a layer's gather plan, as runs of consecutive rows), after a
 sweep through 64 MB that leaves its tables as cold as serving finds them (every layer's and
 request's tables are touched once per step), and updates its cache
-(``WaveBufferStore._lookup_into`` / ``_update``, each timed alone). Both must take the same
+(``WaveBufferStore.lookup_into`` / ``update``, each timed alone). Both must take the same
 decisions (the pages evicted are compared). On CUDA both run for every (request, layer) of
 every step (the lookup on the decode thread, before the gather; the update on the worker
 thread), so their time x layers x requests must stay well below a decode step's.
@@ -80,10 +80,10 @@ def run(context: int, steps: int, seed: int = 0, sweep_mb: int = 64) -> dict:
             t_cap = int(store.table.size[np.arange(HKV)[:, None], ids].sum(axis=1).max())
             sweep.sum()
             t0 = time.perf_counter()
-            lk = store._lookup_into(ids, plans[name], 0, 0, 0, t_cap)
+            lk = store.lookup_into(ids, plans[name], 0, 0, 0, t_cap)
             t1 = time.perf_counter()
             runs[name].append((len(lk.runs), int(lk.counts[:2].sum())))
-            store._update(ids, lk, 0)
+            store.update(ids, lk, 0)
             t2 = time.perf_counter()
             times[name]["lookup"].append(t1 - t0)
             times[name]["update"].append(t2 - t1)

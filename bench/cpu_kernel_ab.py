@@ -49,7 +49,10 @@ from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index import WaveIndex  # noqa: E402
 from vllm_retro.index.batched import packed_row  # noqa: E402
-from vllm_retro.kernels import cpu_decode  # noqa: E402
+from vllm_retro.kernels import (
+    cpu_decode,  # noqa: E402
+    cpu_ext,  # noqa: E402
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,13 +65,13 @@ def build_revision(rev: str) -> object:
                          capture_output=True, text=True).stdout.strip()
     src = pathlib.Path(tempfile.mkdtemp(prefix=f"retro-kernel-{sha}-"))
     paths = []
-    for p in cpu_decode._SOURCES:
+    for p in cpu_ext._SOURCES:
         rel = p.relative_to(ROOT)
         text = subprocess.run(["git", "show", f"{sha}:{rel}"], cwd=ROOT, check=True,
                               capture_output=True).stdout
         (src / p.name).write_bytes(text)
         paths.append(str(src / p.name))
-    flags = list(cpu_decode._flags())
+    flags = list(cpu_ext._flags())
     key = hashlib.sha256(b"".join(pathlib.Path(p).read_bytes() for p in paths)
                          + " ".join(flags).encode()).hexdigest()[:12]
     build = pathlib.Path(tempfile.gettempdir()) / f"retro-kernel-build-{key}"
@@ -97,7 +100,7 @@ def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Name
     outs: dict[str, torch.Tensor] = {}
 
     def retro(name: str, q: torch.Tensor, phases: dict | None = None) -> torch.Tensor:
-        cpu_decode._module = kernels[name]
+        cpu_ext._module = kernels[name]
         packed = [packed_row(i, tilted) for i in indexes]
         windows = [(i.ring_start, i.win_len) for i in indexes]
         return cpu_decode.decode_packed(q, packed, scale, tilted, windows=windows,
@@ -129,8 +132,8 @@ def run_case(n: int, batch: int, kernels: dict[str, object], args: argparse.Name
             phases[name] = {k.replace("kernel ", ""): v / args.phase_steps * 1e3
                             for k, v in split.items()}
     finally:
-        cpu_decode._module = None
-        cpu_decode.load()
+        cpu_ext._module = None
+        cpu_ext.load()
     step_bytes = []  # what a step reads, from the per-row path's exact-row counts
     for _ in range(3):
         q = walk.step().to(torch.bfloat16)
@@ -169,12 +172,12 @@ def main() -> None:
                     default=ROOT / "bench" / "results" / "cpu_kernel_ab.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_decode.load() is None:
-        raise SystemExit(f"the fused CPU kernel cannot be built: {cpu_decode.load_error()}")
+    if cpu_ext.load() is None:
+        raise SystemExit(f"the fused CPU kernel cannot be built: {cpu_ext.load_error()}")
     # the revision by its commit in the output: a name like HEAD means another commit later
     args.rev = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
-    kernels = {args.rev: build_revision(args.rev), "tree": cpu_decode.load()}
+    kernels = {args.rev: build_revision(args.rev), "tree": cpu_ext.load()}
     args.read_bw = read_bandwidth(torch.device("cpu"))
     print(f"{cpu_description()}; read bandwidth {args.read_bw / 1e9:.1f} GB/s", flush=True)
     rows = []

@@ -43,7 +43,7 @@ TESTS = {"tests/kernels": None,
 """Test paths and the ``-k`` selection of each (None: all). In the index files only the tests
 that touch the GPU run here: the rest run on CPU tensors (``make test`` covers them) and on the
 H100 host took 10-100x their time here (test_padded never touches the GPU, so it is left out)."""
-CPU_EXTENSION_TESTS = ["tests/kernels/test_cpu_build.py", "tests/kernels/test_cpu_decode.py"]
+CPU_EXTENSION_TESTS = ["tests/kernels/test_cpu_ext.py", "tests/kernels/test_cpu_decode.py"]
 """The C++ CPU extension's tests: a stage of their own, last (a crash there, as on an H100
 host's CPU once, must not hide the CUDA results)."""
 NOT_HERE = ["tests/kernels/test_cuda_compile.py"]

@@ -19,9 +19,9 @@ plans. Only the tables matter here, so the keys have head_dim 16 (the host pool 
 read).
 
 **Cache updates** (the worker's job for the layer step, joined at the layer's next step):
-each request's ``WaveBufferStore._update`` in turn, each delivering its plan to the
-request's future (the job as it was: ``layer_pool._run_updates``) against one
-``LayerPool._update_batch`` (``buffer_update_batch``: each request's stamps and evictions,
+each request's ``WaveBufferStore.update`` in turn, each delivering its plan to the
+request's future (the job as it was: ``worker.deliver``) against one
+``LayerPool.update_batch`` (``buffer_update_batch``: each request's stamps and evictions,
 then its admissions, in parallel; the layer's free stack in request order). Two identical
 layers take the same steps, one per variant, each update right after its layer's lookups
 (as the worker runs it); both must leave the same tables and plans.
@@ -49,8 +49,8 @@ from concurrent.futures import Future  # noqa: E402
 
 from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
-from vllm_retro.buffer.layer_pool import _run_updates  # noqa: E402
 from vllm_retro.buffer.mapping import ClusterMappingTable  # noqa: E402
+from vllm_retro.buffer.worker import deliver  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 
 HKV, D = 8, 16
@@ -97,9 +97,9 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
     for _ in range(20):  # caches as a decode finds them: hits and misses
         _step_ids(ids, c, rng)
         for st, i in zip(stores, ids, strict=True):
-            st._update(i, st._lookup(i), 0)
+            st.update(i, st.lookup(i), 0)
     for st in stores:
-        st._sync()
+        st.sync()
     # every layer's tables: copies of this one's (separate memory, so as cold as serving's)
     tables = []
     for _ in range(layers):
@@ -177,19 +177,19 @@ def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 
             stores = layers[variant][1]
             plan = np.zeros((batch * HKV * t_cap, 3), dtype=np.int64)
             for st in stores:
-                st._sync()
+                st.sync()
             lks = ClusterMappingTable.lookup_batch_into(
                 mod, [st.table for st in stores], ids, stores[0].host.page_block, plan,
                 [0] * batch, t_cap, threads)
             t0 = time.perf_counter()
             if variant == "per_request":  # the job as it was: each update into its future
                 futures = [Future() for _ in stores]
-                _run_updates([(partial(st._update, i, lk, 0), f) for st, i, lk, f
+                deliver([(partial(st.update, i, lk, 0), f) for st, i, lk, f
                               in zip(stores, ids, lks, futures, strict=True)])
                 out = [f.result() for f in futures]
             else:
                 futures = [Future() for _ in stores]
-                stores[0].pool._update_batch(stores, ids, lks, [0] * batch, futures,
+                stores[0].pool.update_batch(stores, ids, lks, [0] * batch, futures,
                                              threads=threads)
                 out = [f.result() for f in futures]
             times[variant].append(time.perf_counter() - t0)

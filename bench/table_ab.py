@@ -2,7 +2,7 @@
 store's lookup and cache update per step, each build on the same tables, retrievals and
 cache state (the state is restored between the two updates, whose results must be equal).
 For before/after measurements of a change to ``buffer_cpu.cpp``: build the old commit's
-extension (``cpu_decode.load()`` in a worktree of it: it lands in the same cache), then
+extension (``cpu_ext.load()`` in a worktree of it: it lands in the same cache), then
 
     .venv/bin/python bench/table_ab.py --old <hash> --new <hash> --contexts 32768 131072
 
@@ -81,16 +81,16 @@ def run(context: int, steps: int, builds: dict, seed: int = 0) -> dict:
                                       replace=False)
         t_cap = int(st.table.size[np.arange(HKV)[:, None], ids].sum(axis=1).max())
         order = list(builds) if step % 2 else list(builds)[::-1]
-        before, clock, after = _state(st), st._clock, {}
+        before, clock, after = _state(st), st.clock, {}
         for b in order:
             _restore(st, before)
-            st._clock = clock
+            st.clock = clock
             st.compiled = builds[b]
             sweep.sum()
             t0 = time.perf_counter()
-            lk = st._lookup_into(ids, plan, 0, 0, 0, t_cap)
+            lk = st.lookup_into(ids, plan, 0, 0, 0, t_cap)
             t1 = time.perf_counter()
-            out = st._update(ids, lk, 0)
+            out = st.update(ids, lk, 0)
             t2 = time.perf_counter()
             times[b]["lookup"].append(t1 - t0)
             times[b]["update"].append(t2 - t1)

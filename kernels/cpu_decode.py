@@ -18,56 +18,21 @@ per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_r
 :func:`~vllm_retro.kernels.scoring.top_clusters` with the kernel's tie-break,
 :func:`~vllm_retro.kernels.tripartite_attention.tripartite_decode_ref`).
 
-The extension is compiled by the README's setup command (``python -m
-vllm_retro.kernels.cpu_decode``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded from there;
-:func:`load` compiles it on first use when missing, and returns None (with the reason in
-:func:`load_error`) when it cannot be built, so callers fall back to the per-row path. A
-failed build is remembered in its build directory (:data:`FAILED_MARKER`, the compiler's
-output): later loads with the same build key, in any process, do not build again until the
-marker is deleted. The build directory is keyed by everything the build command contains
-(sources and their paths, flags, torch's and Python's include paths), so checkouts and
-environments sharing one cache never rebuild over each other's builds; a build is
-serialised across processes by an advisory file lock that dies with its holder, so a build
-killed midway (which leaves torch's own ``lock`` file behind) cannot make every later load
-wait forever.
+The extension is built and loaded by :mod:`vllm_retro.kernels.cpu_ext`; without it
+(:func:`~vllm_retro.kernels.cpu_ext.load` returns None) callers fall back to the
+per-row path.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
-import hashlib
-import logging
-import os
-import pathlib
-import platform
-import re
-import shutil
-import subprocess
-import sysconfig
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from vllm_retro.kernels.cpu_ext import available, load, load_error
 from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref, top_clusters
 from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
-
-logger = logging.getLogger(__name__)
-
-_CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "retro_cpu.cpp", _CSRC / "kmeans_cpu.cpp", _CSRC / "graph_cpu.cpp",
-            _CSRC / "buffer_cpu.cpp")
-_HEADERS = (_CSRC / "retro_check.h",)
-"""Included by the sources: part of the build key, not compiled on their own."""
-_lock = threading.Lock()
-_module: Any = None
-_error: str | None = None
-
-FAILED_MARKER = "build-failed.txt"
-"""A build directory's record of its failed build (the build command's output)."""
 
 
 @dataclass(frozen=True)
@@ -115,205 +80,6 @@ class DecodeRow:
     """Ring row of the window's first token: the window is rows ``(win_first + i) % w``."""
     n_win: int | None = None
     """Window rows (of the ring, from :attr:`win_first` on); None: all ``w``."""
-
-
-@functools.cache  # the build key and the build both need them: /proc/cpuinfo read once
-def _flags() -> tuple[str, ...]:
-    flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        try:
-            cpu = pathlib.Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpu = ""
-        if " avx2 " in cpu and " fma " in cpu:
-            flags += ["-mavx2", "-mfma", "-mf16c"]
-    return tuple(flags)
-
-
-@functools.cache
-def _ldflags() -> tuple[str, ...]:
-    """The link flags: OpenMP, and the C++ runtime this process has loaded (torch's), named
-    by its path. A link that cannot find ``libstdc++.so`` falls back to the static archive
-    without a word; on the H100 host the extension then carried its own copy of the C++
-    runtime beside torch's, and every check that formats a number into its message
-    segfaulted (here such a copy truncates the message at the first number). Naming the
-    shared library makes it a dependency of the extension whatever the compiler driver
-    finds (:func:`linked_libraries` shows it)."""
-    flags = ["-fopenmp"]
-    try:
-        maps = pathlib.Path("/proc/self/maps").read_text()
-    except OSError:
-        maps = ""
-    loaded = re.search(r"(/\S*/libstdc\+\+\.so[.\d]*)$", maps, re.M)
-    if loaded and os.path.isfile(loaded.group(1)):
-        flags.append(loaded.group(1))
-    return tuple(flags)
-
-
-def _build_dir() -> tuple[pathlib.Path, str]:
-    """The build directory and its key: a hash of every input of the build command (ninja
-    rebuilds everything when the command changes, e.g. another checkout's source paths or
-    another environment's include paths, so those must not share a directory)."""
-    from torch.utils import cpp_extension
-
-    # vllm-retro's cache root (vllm_retro.models.default_cache_dir; kernels import nothing
-    # above them)
-    root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
-    inputs = [*map(str, _SOURCES), *_flags(), *_ldflags(), torch.__version__,
-              *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-                         + "\0".join(inputs).encode()).hexdigest()[:16]
-    return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
-
-
-class _BuildFailed(RuntimeError):
-    """The build with this key failed, now or before (``marker``, its output, exists)."""
-
-    def __init__(self, marker: pathlib.Path, now: bool) -> None:
-        super().__init__(_first_error(marker.read_text()))
-        self.marker = marker
-        self.now = now
-
-
-def _first_error(output: str) -> str:
-    """The line of a failed build's ``output`` that says why: the compiler's first error
-    (ninja's last line says only that it stopped)."""
-    lines = output.strip().splitlines() or [""]
-    return next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
-
-
-def _compile(directory: pathlib.Path, key: str) -> Any:
-    """Build (unless built) and import the extension in ``directory``, holding the directory's
-    build lock (an ``flock``, released by the kernel when its holder dies). Raises
-    :class:`_BuildFailed` when the build command fails (writing :data:`FAILED_MARKER`) or
-    failed before."""
-    from torch.utils import cpp_extension
-
-    name = f"vllm_retro_cpu_{key}"
-    with open(directory / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds here
-        # torch's own lock file: whoever creates it holds the flock above, so one found here
-        # was left by a build that was killed (and would make torch wait for it forever)
-        stale = directory / "lock"
-        if stale.exists():
-            logger.warning("vllm-retro: removing %s, left by a kernel build that was killed",
-                           stale)
-            stale.unlink()
-        failed = directory / FAILED_MARKER
-        if failed.exists():
-            raise _BuildFailed(failed, now=False)
-        if not (directory / f"{name}.so").exists():
-            logger.info("vllm-retro: compiling the fused CPU kernels into %s (once per "
-                        "checkout and environment, a minute or two)", directory)
-        try:
-            return cpp_extension.load(
-                name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_flags()),
-                extra_ldflags=list(_ldflags()), build_directory=str(directory), verbose=False)
-        except RuntimeError as exc:
-            # only a failed build command is remembered (the same sources, flags and headers
-            # fail the same way again); a missing ninja or a failed import is not
-            if not isinstance(exc.__cause__, subprocess.CalledProcessError):
-                raise
-            failed.write_text(str(exc))
-            raise _BuildFailed(failed, now=True) from exc
-
-
-def _prune_orphans(extensions: pathlib.Path, keep: pathlib.Path) -> list[pathlib.Path]:
-    """Remove the build directories under ``extensions`` (other than ``keep``) whose sources
-    no longer exist (a deleted checkout's: its key names their paths, so nothing can use it
-    again), skipping any whose build lock is held; returns those removed."""
-    removed = []
-    for other in extensions.glob("retro_cpu-*"):
-        ninja = other / "build.ninja"
-        if other == keep or not ninja.is_file():
-            continue
-        sources = re.findall(r"^build \S+\.o: compile (\S+)$", ninja.read_text(), re.M)
-        if not sources or any(os.path.exists(src) for src in sources):
-            continue
-        with open(other / "build.flock", "w") as held:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # being built or pruned right now
-            shutil.rmtree(other, ignore_errors=True)
-        removed.append(other)
-    return removed
-
-
-def load() -> Any:
-    """The compiled extension module (built on first use), or None if it cannot be built."""
-    global _module, _error
-    if _module is not None or _error is not None:
-        return _module
-    with _lock:
-        if _module is not None or _error is not None:
-            return _module
-        try:
-            directory, key = _build_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            _module = _compile(directory, key)
-            try:  # every clone (CI's included) builds once; a deleted one's build goes
-                _prune_orphans(directory.parent, directory)
-            except OSError as exc:
-                logger.debug("vllm-retro: pruning old kernel builds: %s", exc)
-        except _BuildFailed as exc:
-            _error = f"{exc}; remembered in {exc.marker}: delete it to retry the build"
-            logger.warning("vllm-retro: the fused CPU kernels %s (%s); decoding falls back to "
-                           "the per-row path and index builds to the torch k-means",
-                           "could not be built" if exc.now else "failed to build before",
-                           _error)
-        except Exception as exc:  # compiler missing, headers missing, ...
-            _error = f"{type(exc).__name__}: {_first_error(str(exc))}"
-            logger.warning("vllm-retro: the fused CPU kernels could not be built (%s); "
-                           "decoding falls back to the per-row path and index builds to "
-                           "the torch k-means", _error)
-        return _module
-
-
-def linked_libraries(path: str | os.PathLike) -> list[str] | None:
-    """The shared libraries the ELF file ``path`` depends on (its ``DT_NEEDED`` names, as
-    ``readelf -d`` lists them), or None when ``readelf`` cannot tell."""
-    try:
-        out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out.stdout)
-
-
-def load_error() -> str | None:
-    """Why :func:`load` returned None (None when it has not failed)."""
-    return _error
-
-
-def available() -> bool:
-    """True when the extension is (or can be) loaded."""
-    return load() is not None
-
-
-SCORING_ISAS = ("avx512bf16", "avx2")
-
-
-def scoring_isa() -> str | None:
-    """The instruction set the fused kernel scores bf16 clusters with on this CPU:
-    ``"avx512bf16"`` (``vdpbf16ps``, picked at run time where the CPU has it), ``"avx2"`` or
-    ``"scalar"``; None without the extension."""
-    mod = load()
-    return None if mod is None else str(mod.scoring_isa())
-
-
-def set_scoring_isa(isa: str) -> str:
-    """Cap the bf16 scoring path at ``isa`` (one of :data:`SCORING_ISAS`, best first; the
-    CPU may offer less), for tests and benchmarks comparing the paths in one process;
-    returns the path now in use. Serving never calls it (the best path is the default)."""
-    if isa not in SCORING_ISAS:
-        raise ValueError(f"scoring isa {isa!r} is not one of {', '.join(SCORING_ISAS)}")
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"the fused CPU kernel is unavailable: {load_error()}")
-    return str(mod.set_scoring_isa(isa))
 
 
 def fused_path(backend: str, device: torch.device) -> bool:
@@ -451,7 +217,7 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow] | PackedBatch, scal
     threads' time in each (summed over rows and heads), under ``"kernel " + phase``."""
     mod = load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {load_error()}")
     batch = rows if isinstance(rows, PackedBatch) else pack_batch(rows)
     b, hq, _ = query.shape
     if len(batch.rows) != b:
@@ -497,7 +263,7 @@ def steady_write(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor
     outside the pool (nothing written then)."""
     mod = load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU kernels are unavailable: {_error}")
+        raise RuntimeError(f"the fused CPU kernels are unavailable: {load_error()}")
     mod.steady_write(pool_k, pool_v, slots, rows, keys, values)
 
 
@@ -545,7 +311,7 @@ def pq_decode(query: torch.Tensor, rows: list[PQRow], scale: float,
     each head's chosen token indices, ascending, when ``selection_width`` > 0)."""
     mod = load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_error}")
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {load_error()}")
     if out is None:
         out = torch.empty_like(query)
     b, hq, _ = query.shape
@@ -658,22 +424,3 @@ def decode_rows_ref(query: torch.Tensor, rows: list[DecodeRow], scale: float, ti
         lses.append(lse.reshape(-1))
         sels.append(top)
     return torch.stack(outs), torch.stack(lses), sels
-
-
-def main() -> int:
-    """Build (or find) the extension; print where it is. Used by the setup script."""
-    if os.environ.get("VLLM_RETRO_SKIP_CPU_EXT"):
-        print("== fused CPU decode and k-means kernels: skipped (VLLM_RETRO_SKIP_CPU_EXT)")
-        return 0
-    directory, _ = _build_dir()
-    mod = load()
-    if mod is None:
-        print(f"== fused CPU decode, k-means and graph kernels: NOT built ({_error}); "
-              "decoding will use the slower per-row path, index builds the torch k-means")
-        return 1
-    print(f"== fused CPU decode, k-means and graph kernels: ready in {directory}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

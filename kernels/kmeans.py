@@ -88,11 +88,11 @@ def kmeans_assign_cpu(
     rounding: each similarity is one fp32 multiply-add chain, so a choice can differ from the
     reference only where two clusters tie to ~1e-6. Raises RuntimeError when the extension
     is unavailable (see :func:`available_cpu`)."""
-    from vllm_retro.kernels import cpu_decode
+    from vllm_retro.kernels import cpu_ext
 
-    mod = cpu_decode.load()
+    mod = cpu_ext.load()
     if mod is None:
-        raise RuntimeError(f"the CPU k-means kernel is unavailable: {cpu_decode.load_error()}")
+        raise RuntimeError(f"the CPU k-means kernel is unavailable: {cpu_ext.load_error()}")
     s, n, _ = x.shape
     out = torch.empty(s, n, dtype=torch.int64)
     mod.kmeans_assign(x.float().contiguous(), centroids.float().contiguous(),
@@ -103,9 +103,9 @@ def kmeans_assign_cpu(
 
 def available_cpu() -> bool:
     """True when :func:`kmeans_assign_cpu` can run (the C++ extension is built or buildable)."""
-    from vllm_retro.kernels import cpu_decode
+    from vllm_retro.kernels import cpu_ext
 
-    return cpu_decode.available()
+    return cpu_ext.available()
 
 
 def scatter_sum_torch(

@@ -44,7 +44,7 @@ fi
 # without a compiler decoding still works, through the slower per-row path). A failed build
 # does not stop the set-up, but says so; `make test` then fails on the tests it skips
 # (tests/required_parts.py).
-if ! .venv/bin/python -m vllm_retro.kernels.cpu_decode; then
+if ! .venv/bin/python -m vllm_retro.kernels.cpu_ext; then
   echo "setup: WARNING: the C++ kernels did not build (output above); vllm-retro will run," \
        "slower, without them" >&2
 fi

@@ -1,6 +1,6 @@
 """The wave buffer's compiled table work (``buffer_lookup`` / ``buffer_update`` in
 kernels/csrc/buffer_cpu.cpp) against the numpy reference (ClusterMappingTable.lookup,
-WaveBufferStore._update): lookups, tables, block pools and admission plans bit for bit."""
+WaveBufferStore.update): lookups, tables, block pools and admission plans bit for bit."""
 
 import re
 from concurrent.futures import Future
@@ -14,7 +14,7 @@ from tests.buffer.test_store import _ids, _stores
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.buffer.mapping import ClusterMappingTable
 from vllm_retro.config import RetroConfig
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_ext
 
 TABLE = ("page_start", "n_pages", "size", "cached", "last_access", "reads")
 
@@ -23,8 +23,8 @@ def _state(buf) -> dict:
     """Copies of everything a cache update may change."""
     out = {f: getattr(buf.table, f).copy() for f in TABLE}
     out.update(capacity=buf.capacity.copy(), page_block=buf.host.page_block.copy(),
-               free=np.array(buf.blocks.free_blocks), clock=buf._clock,
-               stats=buf.manager.stats.snapshot())
+               free=np.array(buf.blocks.free_blocks), clock=buf.clock,
+               stats=buf.stats.snapshot())
     return out
 
 
@@ -35,7 +35,7 @@ def _restore(buf, state: dict) -> None:
     n = state["free"].size
     buf.blocks.free_stack[:n] = state["free"]
     buf.blocks.n_free[0] = n
-    buf._clock = state["clock"]
+    buf.clock = state["clock"]
 
 
 def _assert_same(before: dict, a: dict, b: dict, msg: str) -> None:
@@ -70,7 +70,7 @@ def _runs_by_definition(kind: np.ndarray, src: np.ndarray, row0: int, col0: int,
 
 def test_the_extension_builds():
     """The compiled path is what serving uses: it must build here (CI), not fall back."""
-    assert cpu_decode.load() is not None, cpu_decode._error
+    assert cpu_ext.load() is not None, cpu_ext._error
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -90,7 +90,7 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
     for step in range(60):
         ids = _ids(c, int(torch.randint(1, 16, (1,), generator=rng)), h, rng).numpy()
         ns = int(torch.randint(0, 5, (1,), generator=rng))
-        buf._sync()
+        buf.sync()
         ref = buf.table.lookup(ids, buf.host.page_block)
         w = ref.kind.shape[1]
         t_cap = ns + w + int(torch.randint(0, 4, (1,), generator=rng))
@@ -112,11 +112,11 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
         if ref.cached.any() and (~ref.cached).any():
             mixed += 1
         before = _state(buf)
-        plan = buf._update(ids, got, ns)
+        plan = buf.update(ids, got, ns)
         compiled = _state(buf)
         _restore(buf, before)
         buf.compiled = None
-        want = buf._update(ids, ref, ns)
+        want = buf.update(ids, ref, ns)
         buf.compiled = mod
         _assert_same(before, compiled, _state(buf), f"step {step}")
         for p, q in zip(plan, want, strict=True):
@@ -137,7 +137,7 @@ def _layer_stores(cfg, n, h, rng):
     mgr = WaveBufferManager(cfg)
     stores = [_store(mgr, f"r{i}", "L0", rng, m=150 + 90 * i) for i in range(n)]
     for st in stores:
-        st._sync()
+        st.sync()
         assert st.table.size.shape[0] == h
     return mgr, stores
 
@@ -177,7 +177,7 @@ def test_one_lookup_call_for_a_layer_equals_each_stores_own(threads, rng):
                 assert np.array_equal(getattr(lk, f), getattr(want, f)), f"{step}: {f}"
             mixed += bool(lk.cached.any() and (~lk.cached).any())
         for st, i, lk in zip(sts, ids, got, strict=True):  # let the caches move
-            st._update(i, lk, 0)
+            st.update(i, lk, 0)
     assert mixed > 0
     mgr.close()
 
@@ -222,7 +222,7 @@ def _layer_state(stores) -> list[np.ndarray]:
     n = int(pool.blocks.n_free[0])
     out = [pool.host.page_block.copy(), pool.blocks.free_stack[:n].copy()]
     for st in stores:
-        out += [st.table.records.copy(), st.table.cached.copy(), np.array(st._clock)]
+        out += [st.table.records.copy(), st.table.cached.copy(), np.array(st.clock)]
     return out
 
 
@@ -255,12 +255,12 @@ def test_one_update_call_for_a_layer_equals_the_stores_updates_in_order(threads,
         want = []
         for j, (i, x, c) in enumerate(zip(pick, ids, col0, strict=True)):  # one by one
             lk = a[i].table.lookup_into(mod, x, a[i].host.page_block, plan, 0, j * 2, c, t_cap)
-            want.append(a[i]._update(x, lk, c))
+            want.append(a[i].update(x, lk, c))
         sts = [b[i] for i in pick]
         lks = ClusterMappingTable.lookup_batch_into(
             mod, [st.table for st in sts], ids, sts[0].host.page_block, plan, col0, t_cap)
         futures = [Future() for _ in sts]
-        b[0].pool._update_batch(sts, ids, lks, col0, futures, threads=threads)
+        b[0].pool.update_batch(sts, ids, lks, col0, futures, threads=threads)
         for j, (fut, w) in enumerate(zip(futures, want, strict=True)):
             for p, q in zip(fut.result(), w, strict=True):
                 assert np.array_equal(p, q), f"step {step}, store {j}: plan"
@@ -296,7 +296,7 @@ def test_a_store_failing_in_the_layers_update_call_fails_alone():
     free = int(pool.blocks.n_free[0])
     sts[0].capacity[:] += pool.blocks.num_blocks
     futures = [Future() for _ in sts]
-    pool._update_batch(sts, ids, lks, [0] * 3, futures, threads=2)
+    pool.update_batch(sts, ids, lks, [0] * 3, futures, threads=2)
     with pytest.raises(RuntimeError, match="blocks asked, .* free .budgets overcommitted"):
         futures[0].result()
     taken = sum(f.result()[2].size for f in futures[1:])  # one entry per admitted page
@@ -307,7 +307,7 @@ def test_a_store_failing_in_the_layers_update_call_fails_alone():
 def test_bad_ids_and_an_overcommitted_pool_are_clear_errors(rng):
     h, m, c = 2, 300, 30
     mgr, buf, _, _ = _stores(RetroConfig(page_size=4, cache_pages=8), h, m, c, 16, rng)
-    buf._sync()
+    buf.sync()
     bad = np.array([[0, 30], [1, 2]])
     plan = np.zeros((400, 3), dtype=np.int64)
     with pytest.raises(ValueError, match="cluster id 30 is out of range; accepted: 0 to 29"):
@@ -322,12 +322,12 @@ def test_bad_ids_and_an_overcommitted_pool_are_clear_errors(rng):
         buf.compiled = compiled
         with pytest.raises(RuntimeError, match=f"the execution buffer has {need + 1} slots, "
                                                f"the step's tokens need {need + 2}"):
-            buf._lookup_into(ids, plan, 0, 0, 2, need + 1)
+            buf.lookup_into(ids, plan, 0, 0, 2, need + 1)
         with pytest.raises(RuntimeError, match="the gather plan has room for 1 runs"):
-            buf._lookup_into(ids, plan[:1], 0, 0, 0, need)
+            buf.lookup_into(ids, plan[:1], 0, 0, 0, need)
     buf.compiled = mod
     buf.blocks.n_free[0] = 0  # as if another store had taken every block past its budget
     for compiled in (buf.compiled, None):
         buf.compiled = compiled
         with pytest.raises(RuntimeError, match="blocks asked, 0 free .budgets overcommitted"):
-            buf._update(ids, lk, 0)
+            buf.update(ids, lk, 0)

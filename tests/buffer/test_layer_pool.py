@@ -173,12 +173,12 @@ def test_stores_of_a_layer_share_its_pools_and_free_into_them():
             st.gather(torch.stack([torch.randperm(30, generator=g)[:8] for _ in range(2)]), [])
             st.step_done()
     a.check_invariants()
-    held_b = b._mapped_blocks().copy()
+    held_b = b.mapped_blocks().copy()
     pages_a = a.nbytes() // a.host.page_nbytes()
     blocks_before = a.blocks.num_blocks
     mgr.free_request("a")
     # b's cached blocks and pages are untouched; a's are free for the next request
-    assert np.array_equal(b._mapped_blocks(), held_b)
+    assert np.array_equal(b.mapped_blocks(), held_b)
     assert a.host.allocated_pages == b.nbytes() // b.host.page_nbytes()
     c = _store(mgr, "c", "L0", g, m=200)
     assert c.pool is b.pool and c.blocks.num_blocks == blocks_before  # reused, not grown

@@ -40,7 +40,7 @@ def _run(async_updates: bool, steps: int, seed: int):
     tables = []
     for st in stores:
         st.check_invariants()
-        tables.append((st.table.cached.copy(), st._mapped_blocks(),
+        tables.append((st.table.cached.copy(), st.mapped_blocks(),
                        list(st.blocks.free_blocks)))
     stats = mgr.stats.snapshot()
     mgr.close()

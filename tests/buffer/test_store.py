@@ -235,7 +235,7 @@ def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at,
 
     h, m, c, d = 3, 900, 60, 32
     mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=40), h, m, c, d, rng)
-    real = WaveBufferStore._update
+    real = WaveBufferStore.update
     calls = {"n": 0}
 
     def update(self, *a):
@@ -245,7 +245,7 @@ def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at,
             raise RuntimeError("injected: update worker")
         return plan
 
-    monkeypatch.setattr(WaveBufferStore, "_update", update)
+    monkeypatch.setattr(WaveBufferStore, "update", update)
     sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
     for step in range(12):
         ids = _ids(c, 8, h, rng)

@@ -118,3 +118,43 @@ def test_packed_view_follows_the_index(wave_buffer):
         assert index.fused_view is not view
         assert index.fused_view[1].kv[0].data_ptr() == store.host.k.data_ptr()
         mgr.close()
+
+
+def _index_classes() -> list[type]:
+    """Every wave index policy class defined in the package (subclasses, recursively)."""
+    import vllm_retro.index.baselines  # noqa: F401  (the modules defining the subclasses)
+    import vllm_retro.index.graph_index  # noqa: F401
+    import vllm_retro.index.pages  # noqa: F401
+    import vllm_retro.index.pq_index  # noqa: F401
+    import vllm_retro.index.saap  # noqa: F401
+    from vllm_retro.index.wave_index import WaveIndex
+
+    out, todo = [], [WaveIndex]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def test_each_policys_capabilities_match_what_it_overrides():
+    """The batched decode and the update schedule read capabilities, not classes: each
+    class's flags must say what its methods do (a subclass overriding ``_cluster`` clusters
+    in one go; one overriding ``_add_block`` lands blocks itself; only the wave index itself
+    selects zones, the rule the padded and resident decodes implement)."""
+    from vllm_retro.index.wave_index import WaveIndex
+
+    classes = _index_classes()
+    names = {c.__name__ for c in classes}
+    assert {"WaveIndex", "QuestIndex", "StreamingIndex", "PQIndex", "SaapIndex",
+            "GraphIndex", "OracleIndex"} <= names
+    for cls in classes:
+        assert cls.clusters_in_rounds == (cls._cluster is WaveIndex._cluster), cls
+        assert cls.lands_in_store == (cls._add_block is WaveIndex._add_block), cls
+        # a policy choosing its own way (or a base of such policies) never claims the rule
+        assert cls.selects_zones == (cls is WaveIndex), cls
+        # the fused kernel scores only the centroids and Quest's page bounds
+        assert cls.kernel_scores == (cls.__name__ in ("WaveIndex", "QuestIndex")), cls
+        assert (cls.select_batch is not None) == (
+            cls.__name__ in ("SaapIndex", "QuestIndex", "StreamingIndex", "PageIndex")), cls
+        assert (cls.decode_own is not None) == (cls.__name__ in ("PQIndex", "GraphIndex")), cls

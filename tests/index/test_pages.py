@@ -126,9 +126,9 @@ def test_batched_decode_equals_each_request_decoding_alone(kind, path, dtype):
     path over one layer pool) give each request's own output, across update blocks, rows of
     different lengths and a dense one."""
     from vllm_retro.index.batched import fused_supported
-    from vllm_retro.kernels import cpu_decode
+    from vllm_retro.kernels import cpu_ext
 
-    if path == "fused" and not cpu_decode.available():
+    if path == "fused" and not cpu_ext.available():
         pytest.skip("the fused CPU kernel is not built")
     cfg = CFG.replace(kernel_backend="auto" if path == "fused" else "torch")
     cls = QuestIndex if kind == "quest" else StreamingIndex

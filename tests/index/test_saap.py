@@ -357,9 +357,9 @@ def test_batched_decode_equals_each_request_decoding_alone(path):
     :func:`decode_given` over one layer pool) give each request's own output, across
     update blocks, with rows of different lengths and a dense one; their stores stay
     consistent and every byte is freed."""
-    from vllm_retro.kernels import cpu_decode
+    from vllm_retro.kernels import cpu_ext
 
-    if path == "fused" and not cpu_decode.available():
+    if path == "fused" and not cpu_ext.available():
         pytest.skip("the fused CPU kernel is not built")
     cfg = CFG.replace(kernel_backend="auto" if path == "fused" else "torch")
     m = model(7)

@@ -6,24 +6,24 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_decode, cpu_ext
 from vllm_retro.kernels.cpu_decode import DecodeRow, decode_rows, decode_rows_ref
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _built():
-    assert cpu_decode.load() is not None, f"extension not built: {cpu_decode.load_error()}"
+    assert cpu_ext.load() is not None, f"extension not built: {cpu_ext.load_error()}"
 
 
-@pytest.fixture(params=cpu_decode.SCORING_ISAS)
+@pytest.fixture(params=cpu_ext.SCORING_ISAS)
 def scoring_isa(request):
     """Each bf16 scoring path this CPU offers, in turn (the best is restored after)."""
     try:
-        if cpu_decode.set_scoring_isa(request.param) != request.param:
+        if cpu_ext.set_scoring_isa(request.param) != request.param:
             pytest.skip(f"this CPU has no {request.param} scoring path")
         yield request.param
     finally:
-        cpu_decode.set_scoring_isa(cpu_decode.SCORING_ISAS[0])
+        cpu_ext.set_scoring_isa(cpu_ext.SCORING_ISAS[0])
 
 
 def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
@@ -69,7 +69,7 @@ def _row(h, d, c, n_sink, n_win, dtype, rng, paged, rank=4, empty_frac=0.2):
 @pytest.mark.parametrize("tilted", [True, False])
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256), (7, 64), (3, 40)])
 def test_matches_reference_on_mixed_rows(dtype, tol, tilted, group, d, scoring_isa):
-    if dtype == torch.float32 and scoring_isa != cpu_decode.SCORING_ISAS[0]:
+    if dtype == torch.float32 and scoring_isa != cpu_ext.SCORING_ISAS[0]:
         pytest.skip("fp32 rows have one scoring path")
     rng = torch.Generator().manual_seed(group * 1000 + d + tilted)
     h = 2
@@ -251,7 +251,7 @@ def test_page_bounds_are_scored_by_quests_bound(dtype, tol, group, d, scoring_is
     from the paper), reads the top r exactly and estimates nothing, as the reference does."""
     import dataclasses
 
-    if dtype == torch.float32 and scoring_isa != cpu_decode.SCORING_ISAS[0]:
+    if dtype == torch.float32 and scoring_isa != cpu_ext.SCORING_ISAS[0]:
         pytest.skip("fp32 rows have one scoring path")
     rng = torch.Generator().manual_seed(group * 10 + d)
     h = 2
@@ -434,7 +434,7 @@ def test_tilted_correction_matches_the_reference_on_a_grid():
     a = torch.cat([torch.logspace(-4, 0.9, 300), torch.tensor([0.0, -1.0, 0.25, 0.2499])])
     v = torch.cat([torch.logspace(-8, 4, 400), torch.tensor([0.0])])
     vv, aa = torch.meshgrid(v, a, indexing="ij")
-    got = cpu_decode.load().log_tilt_grid(vv.contiguous(), aa.contiguous())
+    got = cpu_ext.load().log_tilt_grid(vv.contiguous(), aa.contiguous())
     ref = log_tilt_ref(vv, aa)
     assert got.isfinite().all() and (got >= 0).all()
     big, small = aa >= 0.5, (aa > 0) & (aa < 0.5)
@@ -453,10 +453,10 @@ def test_bf16_scoring_uses_the_best_path_the_cpu_has():
         pytest.skip("no /proc/cpuinfo")
     flags = next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines()
                   if ln.startswith("flags")), [])
-    isa = cpu_decode.scoring_isa()
+    isa = cpu_ext.scoring_isa()
     if "avx512_bf16" in flags and "avx512bw" in flags:
         assert isa == "avx512bf16"
     else:
         assert isa in ("avx2", "scalar")
     with pytest.raises(ValueError, match="'sse' is not one of avx512bf16, avx2"):
-        cpu_decode.set_scoring_isa("sse")
+        cpu_ext.set_scoring_isa("sse")

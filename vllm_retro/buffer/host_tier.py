@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.growth import grown
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -332,7 +333,7 @@ class HostTier:
         if cap == 0 and self.reserve_pages:
             size = max(need, self.reserve_pages)
         else:
-            size = max(need, (3 * cap) // 2)
+            size = grown(need, cap)
             if self.reserve_pages:
                 logger.warning("retro: a layer's host pool outgrew its reservation of %d "
                                "pages; growing it to %d pages (copying %d)", cap, size,

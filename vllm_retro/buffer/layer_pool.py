@@ -50,7 +50,9 @@ from vllm_retro.buffer.block_cache import DeviceBlockPool
 from vllm_retro.buffer.host_tier import HostTier
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup
 from vllm_retro.buffer.stats import BufferStats
+from vllm_retro.buffer.worker import UpdateWorker, deliver
 from vllm_retro.config import CACHE_POLICIES
+from vllm_retro.growth import grown
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.store import Plan, WaveBufferStore
@@ -65,25 +67,18 @@ def _admission_runs(plan: Plan, src: np.ndarray, host: bool = False) -> np.ndarr
                                                                           copy=False)
 
 
-def _run_updates(updates: list[tuple[Callable[[], object], Future]]) -> None:
-    """Run each ``(update, future)``'s cache update in order, setting its future to the
-    plan (or the exception)."""
-    for update, fut in updates:
-        try:
-            fut.set_result(update())
-        except BaseException as exc:  # delivered to the store's join, as a job's would be
-            fut.set_exception(exc)
-
-
 class LayerPool:
     """The host and device pools of one layer (one head layout, dtype and device)."""
 
     def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, stats: BufferStats,
-                 on_empty: Callable[[LayerPool], None] | None = None, reserve_bytes: int = 0):
+                 on_empty: Callable[[LayerPool], None] | None = None, reserve_bytes: int = 0,
+                 worker: UpdateWorker | None = None):
         """``reserve_bytes``: host address space the layer's page pool is mapped with at
         its first claim (committed as pages are written; 0: the pool grows as it fills),
-        see :mod:`vllm_retro.buffer.host_tier`."""
+        see :mod:`vllm_retro.buffer.host_tier`. ``worker``: the thread the stores' layout
+        and cache-update jobs run on (None: a synchronous one of the pool's own: every job
+        runs at submission)."""
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -96,6 +91,8 @@ class LayerPool:
                              fence=partial(torch.cuda.synchronize, self.device) if cuda
                              else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
+        self.stats = stats
+        self.worker = worker or UpdateWorker(stats, enabled=False)
         self.stores: set[WaveBufferStore] = set()
         self._on_empty = on_empty
         self._lock = threading.Lock()
@@ -150,7 +147,7 @@ class LayerPool:
         batched = None
         if offsets is None and all(st.compiled is not None for st in stores):
             for st in stores:
-                st._ready()
+                st.ready()
             batched = ClusterMappingTable.lookup_batch_into(
                 stores[0].compiled, [st.table for st in stores], cluster_ids,
                 self.host.page_block, plan, n_steady, t_cap,
@@ -159,42 +156,41 @@ class LayerPool:
             for j, (st, ids, ns) in enumerate(zip(stores, cluster_ids, n_steady, strict=True)):
                 if batched is not None:
                     lk = batched[j]
-                    st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
-                    update = None  # every store's is made by one call: _update_batch
+                    fut = st.begin_step(ids, lk, ns, exec_k, exec_v, j * h)
+                    update = None  # every store's is made by one call: update_batch
                 elif offsets is None:
-                    lk = st._lookup_into(ids, plan, at, j * h, ns, t_cap)
-                    st._begin_step(ids, lk, ns, exec_k, exec_v, j * h)
-                    update = partial(st._update, ids, lk, ns)
+                    lk = st.lookup_into(ids, plan, at, j * h, ns, t_cap)
+                    fut = st.begin_step(ids, lk, ns, exec_k, exec_v, j * h)
+                    update = partial(st.update, ids, lk, ns)
                 else:
-                    lk = st._lookup_tokens(ids, offsets[j]).write_into(plan, at, j * h, ns,
+                    lk = st.lookup_tokens(ids, offsets[j]).write_into(plan, at, j * h, ns,
                                                                       t_cap)
-                    st._begin_step(ids, lk, ns, None, None, 0)
-                    update = partial(st._update_tokens, ids, lk)
+                    fut = st.begin_step(ids, lk, ns, None, None, 0)
+                    update = partial(st.update_tokens, ids, lk)
                 at += len(lk.runs)
-                st._pending = Future()
-                updates.append((update, st._pending))
+                updates.append((update, fut))
         except BaseException:
             # no gather happens: the steps begun must not admit rows that were never filled
             for st in stores[:len(updates)]:
-                st._step = st._pending = None
+                st.abandon_step()
             raise
         # one worker job for the layer's step: every store's update, each delivered to that
         # store's own future (a store waits only for its part)
         if batched is not None:
-            job = partial(self._update_batch, stores, cluster_ids, batched, n_steady,
+            job = partial(self.update_batch, stores, cluster_ids, batched, n_steady,
                           [fut for _, fut in updates])
         else:
-            job = partial(_run_updates, updates)
-        stores[0].manager.worker.submit(job)
+            job = partial(deliver, updates)
+        self.worker.submit(job)
         self.gather(plan[:at], exec_k, exec_v, stores[0].config.kernel_backend)
 
-    def _update_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
+    def update_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
                       lookups: Sequence[Lookup], n_steady: Sequence[int],
                       futures: Sequence[Future], threads: int | None = None) -> None:
         """The cache updates of a layer step's stores (worker thread): one compiled call
         (``buffer_update_batch``: the stores' own table work on ``table_threads`` threads,
         the pool's free stack in store order), with the result of each store's
-        :meth:`WaveBufferStore._update` in store order. Each store's plan, or its error,
+        :meth:`WaveBufferStore.update` in store order. Each store's plan, or its error,
         goes to its own future; the block pool's lock is held throughout. ``threads``: None
         for ``RetroConfig.table_threads_on`` the pool's device."""
         first = stores[0]
@@ -205,7 +201,7 @@ class LayerPool:
                         [torch.from_numpy(np.ascontiguousarray(i)) for i in cluster_ids],
                         [torch.from_numpy(np.ascontiguousarray(lk.cached)) for lk in lookups],
                         [torch.from_numpy(np.ascontiguousarray(lk.begins)) for lk in lookups],
-                        list(n_steady), [st._clock for st in stores],
+                        list(n_steady), [st.clock for st in stores],
                         [torch.from_numpy(st.table.records) for st in stores],
                         [torch.from_numpy(st.table.cached) for st in stores],
                         [torch.from_numpy(st.capacity) for st in stores],
@@ -231,7 +227,7 @@ class LayerPool:
             if kind:
                 fut.set_exception((ValueError if kind == 1 else RuntimeError)(errors[j]))
                 continue
-            st._clock += ids.shape[1]
+            st.clock += ids.shape[1]
             fut.set_result((heads[j].numpy(), slots[j].numpy(), rows[j].numpy(),
                             counts[j].numpy()))
 
@@ -250,7 +246,7 @@ class LayerPool:
         (grown by >= 1.5x), since a fresh array costs a page fault per 4 KiB every step;
         only the entries written are ever touched."""
         if len(self._plan_runs) < entries:
-            size = max(entries, 3 * len(self._plan_runs) // 2)
+            size = grown(entries, len(self._plan_runs))
             self._plan_runs = np.empty((size, 3), dtype=np.int64)
         return self._plan_runs
 
@@ -259,26 +255,26 @@ class LayerPool:
         :meth:`WaveBufferStore.step_done`): their admissions, copied out of the execution
         buffer they were gathered into, with one gather call for the layer (one run per
         admitted page)."""
-        steps = [s for s in (st._take_step() for st in stores) if s is not None]
+        steps = [s for s in (st.take_step() for st in stores) if s is not None]
         if not steps:
             return
         backend = stores[0].config.kernel_backend
         for s in [s for s in steps if s[0] is None]:  # token reads: from the host tier
-            self._admit(*s, backend=backend)
+            self.admit(*s, backend=backend)
         steps = [s for s in steps if s[0] is not None]
         if not steps:
             return
         exec_k, exec_v = steps[0][0], steps[0][1]
         if any(s[0] is not exec_k for s in steps):  # not one buffer: one copy each
             for s in steps:
-                self._admit(*s, backend=backend)
+                self.admit(*s, backend=backend)
             return
         t_cap = exec_k.shape[1]
         runs = np.concatenate([_admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
                                for _, _, row0, plan in steps])
         self._copy_in(exec_k, exec_v, runs, backend)
 
-    def _admit(self, exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int,
+    def admit(self, exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int,
                plan: Plan, backend: str) -> None:
         """Copy one step's admissions (``plan``, see :data:`~vllm_retro.buffer.store.Plan`:
         execution-buffer places of the store's rows from ``row0``, or with ``exec_k`` None
@@ -312,8 +308,8 @@ class LayerPool:
         Every store's pending work is joined first. For tests and debugging."""
         stores = list(self.stores)
         for st in stores:
-            st._sync()
-        mapped = [b for st in stores for b in st._mapped_blocks().tolist()]
+            st.sync()
+        mapped = [b for st in stores for b in st.mapped_blocks().tolist()]
         free = list(self.blocks.free_blocks)
         assert len(set(mapped)) == len(mapped), "a block mapped twice"
         assert len(set(free)) == len(free), "a block free twice"

@@ -20,6 +20,7 @@ from vllm_retro.buffer.stats import BufferStats
 from vllm_retro.buffer.store import WaveBufferStore
 from vllm_retro.buffer.worker import UpdateWorker
 from vllm_retro.config import RetroConfig
+from vllm_retro.growth import grown
 
 
 class WaveBufferManager:
@@ -55,8 +56,9 @@ class WaveBufferManager:
                 pool = self._pools[key] = LayerPool(
                     num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
                     on_empty=lambda p, key=key: self._drop_pool(key, p),
-                    reserve_bytes=0 if layer is None else self.pool_reserve_bytes)
-            st = WaveBufferStore(self, pool, self.config, request_id)
+                    reserve_bytes=0 if layer is None else self.pool_reserve_bytes,
+                    worker=self.worker)
+            st = WaveBufferStore(pool, self.config, self.exec_buffer, request_id)
             self._stores.setdefault(request_id, []).append(st)
         return st
 
@@ -102,7 +104,7 @@ class WaveBufferManager:
         k, v = self._exec.get(key, (None, None))
         if k is None or k.numel() < need:
             old = 0 if k is None else 2 * k.numel() * k.element_size()
-            size = max(need, 0 if k is None else (3 * k.numel()) // 2)
+            size = grown(need, 0 if k is None else k.numel())
             k = torch.zeros(size, dtype=dtype, device=device)
             v = torch.zeros(size, dtype=dtype, device=device)
             self._exec[key] = (k, v)

@@ -50,6 +50,12 @@ class BufferStats:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
+    def record_submit(self) -> None:
+        """One update was queued (and the queue's high-water mark is kept)."""
+        with self._lock:
+            self.updates_submitted += 1
+            self.queue_depth_max = max(self.queue_depth_max, self.queue_depth)
+
     def record_update(self, latency_s: float) -> None:
         """One update finished after ``latency_s`` seconds in the queue and running."""
         with self._lock:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,15 +38,15 @@ from vllm_retro import faults
 from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, victims
+from vllm_retro.buffer.worker import deliver
 from vllm_retro.config import CACHE_POLICIES, RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts, fill_steady
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_ext
 from vllm_retro.kernels.gather import HIT, MISS
 
 if TYPE_CHECKING:
     from vllm_retro.buffer.layer_pool import LayerPool
-    from vllm_retro.buffer.manager import WaveBufferManager
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +71,19 @@ class WaveBufferStore:
     """One request's layer in its layer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`:
     its mapping table, per-head block budgets and host extents."""
 
-    def __init__(self, manager: WaveBufferManager, pool: LayerPool, config: RetroConfig,
+    def __init__(self, pool: LayerPool, config: RetroConfig,
+                 exec_buffer: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  request_id: str | None = None):
-        self.manager = manager
+        """``exec_buffer``: ``(num_heads, tokens, head_dim, dtype, device) -> (K, V)`` views
+        of the execution buffer the per-row path (:meth:`gather`) assembles into
+        (:meth:`~vllm_retro.buffer.manager.WaveBufferManager.exec_buffer`)."""
         self.request_id = request_id
         """The request whose layer this is (names it in errors and logs)."""
         self.pool = pool
         self.config = config
+        self.exec_buffer = exec_buffer
+        self.worker = pool.worker
+        self.stats = pool.stats
         self.num_heads = pool.num_heads
         self.head_dim = pool.head_dim
         self.dtype = pool.dtype
@@ -97,11 +105,12 @@ class WaveBufferStore:
         """(execution buffer K, V, first row) of the step whose update is not joined yet."""
         self._settled = False
         """Whether the index build's layout is done (:meth:`settle` ran once)."""
-        self._clock = 0
-        """Reads recorded so far: the recency stamp of the next read."""
+        self.clock = 0
+        """Reads recorded so far: the recency stamp of the next read (advanced by each cache
+        update, on the worker)."""
         self._freed = False
         self._host_pages = np.zeros(self.num_heads, dtype=np.int64)
-        self.compiled = cpu_decode.load()
+        self.compiled = cpu_ext.load()
         """The compiled extension whose ``buffer_lookup`` / ``buffer_update`` do the decode
         step's table work (None: numpy, the reference, as when it cannot be built)."""
         pool.attach(self)
@@ -141,9 +150,9 @@ class WaveBufferStore:
         order = clusters.order.cpu().numpy()
         sizes = clusters.sizes.cpu().numpy().astype(np.int64)
         n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]
-        self._sync()  # no update of this store may read the budgets while they grow
+        self.sync()  # no update of this store may read the budgets while they grow
         self._grow_cache(n_pages.sum(axis=1))
-        worker = self.manager.worker
+        worker = self.worker
         self._pending = worker.submit(
             lambda: self._ingest(staged, positions.cpu().numpy(), order, sizes, n_pages))
         # Room for the next update block, made now on the worker: the step that lands that
@@ -160,11 +169,11 @@ class WaveBufferStore:
         """Wait for the room growth queued after the last layout. One that failed only
         costs time: the next layout grows the pool itself (:meth:`HostTier.reserve`)."""
         try:
-            self.manager.worker.wait(self._growing)
+            self.worker.wait(self._growing)
         except Exception as exc:
             logger.error("retro: growing the host pool for request %s failed (%s); its next "
                          "update block grows it", self.request_id, exc)
-            self.manager.stats.add(update_failures=1)
+            self.stats.add(update_failures=1)
         finally:
             self._growing = None
 
@@ -214,22 +223,22 @@ class WaveBufferStore:
             self.capacity[h] += grow
 
     # ------------------------------------------------------------------ decode
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Wait for this store's pending worker job; a decode step's update the caller has
         not joined yet is joined first (its admission plan must not be dropped)."""
         if self._step is not None:
             self.step_done()
-        self.manager.worker.wait(self._pending)
+        self.worker.wait(self._pending)
         self._pending = None
 
     def gather(self, cluster_ids: torch.Tensor, steady: SteadyParts
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :meth:`ClusterStore.gather` (into the manager's shared execution buffer)."""
         ids = cluster_ids.detach().to("cpu", torch.int64).numpy()
-        lk = self._lookup(ids)
+        lk = self.lookup(ids)
         n_steady = sum(int(sk.shape[1]) for sk, _ in steady)
         t = n_steady + int(lk.totals.max()) if self.num_heads else 0
-        exec_k, exec_v = self.manager.exec_buffer(self.num_heads, t, self.head_dim,
+        exec_k, exec_v = self.exec_buffer(self.num_heads, t, self.head_dim,
                                                   self.dtype, self.device)
         self._fill(ids, lk, fill_steady(steady, exec_k, exec_v), exec_k, exec_v)
         pos = np.where(lk.host_row >= 0,
@@ -242,28 +251,28 @@ class WaveBufferStore:
                     dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
         """See :meth:`ClusterStore.gather_into`: the lookup runs on the host copy of the ids,
         the fill as in :meth:`gather`, and the cache update is submitted the same way."""
-        self._fill(cluster_ids, self._lookup(cluster_ids), n_steady, dst_k, dst_v)
+        self._fill(cluster_ids, self.lookup(cluster_ids), n_steady, dst_k, dst_v)
 
-    def _ready(self) -> None:
+    def ready(self) -> None:
         """Before a lookup: the store is live and its previous update is done."""
         if self._freed:
             raise RuntimeError("this wave buffer store was freed")
-        self._sync()
+        self.sync()
 
-    def _lookup(self, ids: np.ndarray) -> Lookup:
+    def lookup(self, ids: np.ndarray) -> Lookup:
         """Wait for this store's previous update, then look ``ids`` ([H, R]) up."""
-        self._ready()
+        self.ready()
         return self.table.lookup(ids, self.host.page_block)
 
-    def _lookup_into(self, ids: np.ndarray, plan: np.ndarray, at: int, row0: int, col0: int,
+    def lookup_into(self, ids: np.ndarray, plan: np.ndarray, at: int, row0: int, col0: int,
                      t_cap: int) -> Lookup:
-        """:meth:`_lookup`, writing the tokens' places into a layer's gather plan (``plan``
+        """:meth:`lookup`, writing the tokens' places into a layer's gather plan (``plan``
         [N, 3] int64 runs from entry ``at``; this store's head h goes to execution-buffer
         row ``row0 + h`` of ``t_cap`` slots from slot ``col0``; see
         :meth:`ClusterMappingTable.lookup_into`), compiled when :attr:`compiled` is set."""
         if self.compiled is None:
-            return self._lookup(ids).write_into(plan, at, row0, col0, t_cap)
-        self._ready()
+            return self.lookup(ids).write_into(plan, at, row0, col0, t_cap)
+        self.ready()
         return self.table.lookup_into(self.compiled, ids, self.host.page_block, plan, at,
                                       row0, col0, t_cap)
 
@@ -285,17 +294,26 @@ class WaveBufferStore:
                 exec_v: torch.Tensor, row0: int) -> None:
         """Count the step's reads and submit its cache update; its admissions will be copied
         out of ``exec_k``/``exec_v`` ([rows, T_cap, D], this store's heads from ``row0``)."""
-        self._begin_step(ids, lk, n_steady, exec_k, exec_v, row0)
-        self._pending = self.manager.worker.submit(lambda: self._update(ids, lk, n_steady))
+        fut = self.begin_step(ids, lk, n_steady, exec_k, exec_v, row0)
+        self.worker.submit(partial(deliver, [(partial(self.update, ids, lk, n_steady), fut)]))
 
-    def _begin_step(self, ids: np.ndarray, lk: Lookup, n_steady: int,
-                    exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int) -> None:
+    def begin_step(self, ids: np.ndarray, lk: Lookup, n_steady: int,
+                   exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int
+                   ) -> Future:
         """Count the step's reads and note where its admissions will come from (the
-        execution buffer; None: the host tier, for token reads); the caller submits the
-        update (:meth:`_update` or :meth:`_update_tokens`) and sets :attr:`_pending` to its
-        future."""
+        execution buffer, this store's heads from row ``row0``; None: the host tier, for
+        token reads). Returns the future the caller delivers the step's cache update to
+        (the plan :meth:`update` or :meth:`update_tokens` returns, or its error), joined by
+        :meth:`step_done` / :meth:`take_step`."""
         self._count(ids, lk, n_steady)
         self._step = (exec_k, exec_v, row0)
+        self._pending = Future()
+        return self._pending
+
+    def abandon_step(self) -> None:
+        """Forget a step begun (:meth:`begin_step`) whose gather never ran: its admissions
+        must not be copied from rows that were never filled."""
+        self._step = self._pending = None
 
     def _count(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> None:
         """Count the step's reads (cluster reads by the lookup's counts; single-token reads,
@@ -310,12 +328,12 @@ class WaveBufferStore:
         else:  # token reads: their update counts the clusters
             hit_tok = int((lk.kind == HIT).sum())
             miss_tok = int((lk.kind == MISS).sum())
-        self.manager.stats.add(
+        self.stats.add(
             hit_tokens=hit_tok, miss_tokens=miss_tok, bytes_h2d=miss_tok * row_bytes,
             bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes, **clusters,
         )
 
-    def _update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
+    def update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
         """The cache update of one step (worker thread): record the reads, evict by the
         policy's order, admit the misses that fit, and plan their copies into the cache.
         Compiled when :attr:`compiled` is set (:meth:`_update_compiled`), else numpy over
@@ -327,8 +345,8 @@ class WaveBufferStore:
         h_n, r = ids.shape
         rows = np.arange(h_n)[:, None]
         # a stamp per read, in read order (as reading them one by one would)
-        t.last_access[rows, ids] = self._clock + 1 + np.arange(r)[None, :]
-        self._clock += r
+        t.last_access[rows, ids] = self.clock + 1 + np.arange(r)[None, :]
+        self.clock += r
         t.reads[rows, ids] += lk.cached  # misses start at 1 when admitted
         protected = np.zeros(t.cached.shape, dtype=bool)
         protected[rows, ids] = True
@@ -338,7 +356,7 @@ class WaveBufferStore:
         return (heads[which], n_steady + lk.begins[heads, pos][which] + first, rows, count)
 
     def _update_compiled(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
-        """:meth:`_update` by the compiled ``buffer_update`` (the same tables, block pool
+        """:meth:`update` by the compiled ``buffer_update`` (the same tables, block pool
         and plan), without the GIL; the block pool's lock is held throughout, since it takes
         and gives blocks on the pool's free stack in place."""
         t = self.table
@@ -347,11 +365,11 @@ class WaveBufferStore:
         with self.blocks.lock:
             heads, slots, rows, counts, admitted, evicted = self.compiled.buffer_update(
                 *[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], n_steady,
-                self._clock, *[torch.from_numpy(a) for a in tables], self.page_size,
+                self.clock, *[torch.from_numpy(a) for a in tables], self.page_size,
                 torch.from_numpy(self.blocks.free_stack), torch.from_numpy(self.blocks.n_free),
                 CACHE_POLICIES.index(self.config.cache_policy))
-        self._clock += ids.shape[1]
-        self.manager.stats.add(pages_admitted=admitted, pages_evicted=evicted)
+        self.clock += ids.shape[1]
+        self.stats.add(pages_admitted=admitted, pages_evicted=evicted)
         return heads.numpy(), slots.numpy(), rows.numpy(), counts.numpy()
 
     def _admit(self, cand: np.ndarray, want: np.ndarray, protected: np.ndarray
@@ -395,7 +413,7 @@ class WaveBufferStore:
             self.host.page_block[runs(t.page_start[heads, cand], need)] = blocks
             t.cached[heads, cand] = True
             t.reads[heads, cand] = 1
-        self.manager.stats.add(pages_admitted=total, pages_evicted=evicted)
+        self.stats.add(pages_admitted=total, pages_evicted=evicted)
         return heads, pos, cand, blocks
 
     # ------------------------------------------------------------------ token reads
@@ -413,24 +431,24 @@ class WaveBufferStore:
         ([H, k] int64 numpy; clusters in token order). Hits come from the device cache,
         misses from the host tier; the cache update (whole clusters, from the host tier) is
         submitted to the worker and joined by :meth:`step_done`."""
-        lk = self._lookup_tokens(cluster_ids, offsets)
+        lk = self.lookup_tokens(cluster_ids, offsets)
         self._gather(lk.plan(0, n_steady, dst_k.shape[1]), dst_k, dst_v)
-        self._begin_step(cluster_ids, lk, n_steady, None, None, 0)
-        self._pending = self.manager.worker.submit(
-            lambda: self._update_tokens(cluster_ids, lk))
+        fut = self.begin_step(cluster_ids, lk, n_steady, None, None, 0)
+        self.worker.submit(partial(deliver, [(partial(self.update_tokens, cluster_ids, lk),
+                                              fut)]))
 
-    def _lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray) -> Lookup:
+    def lookup_tokens(self, cluster_ids: np.ndarray, offsets: np.ndarray) -> Lookup:
         """Wait for this store's previous update, then look the tokens up."""
-        self._ready()
+        self.ready()
         return self.table.lookup_tokens(cluster_ids, offsets, self.host.page_block)
 
-    def _update_tokens(self, cluster_ids: np.ndarray, lk: Lookup) -> Plan:
+    def update_tokens(self, cluster_ids: np.ndarray, lk: Lookup) -> Plan:
         """The cache update of a token-read step (worker thread). Per head, the clusters
         read are stamped, those holding more of the step's tokens as more recent, and
         cached ones count a read; then up to :attr:`ADMIT_BLOCKS` missed clusters, most
         tokens first, are admitted. Plan: (empty, host-pool rows, device-pool rows): whole
         clusters are copied from the host tier, since only some of their tokens were read.
-        Every head at once, as :meth:`_update`."""
+        Every head at once, as :meth:`update`."""
         faults.check("update_worker", self.request_id)
         t, page = self.table, self.page_size
         h_n, k = cluster_ids.shape
@@ -443,8 +461,8 @@ class WaveBufferStore:
         count = np.diff(np.append(starts, s.size))  # tokens read from each
         # stamps: head after head, fewest tokens first (ties: lower id first)
         order = np.lexsort((read, count, head))
-        t.last_access[head[order], read[order]] = self._clock + 1 + np.arange(read.size)
-        self._clock += read.size
+        t.last_access[head[order], read[order]] = self.clock + 1 + np.arange(read.size)
+        self.clock += read.size
         cached = t.cached[head, read]
         t.reads[head, read] += cached
         # each head's missed clusters, most tokens first, at most ADMIT_BLOCKS
@@ -461,7 +479,7 @@ class WaveBufferStore:
         want[mh, rank] = True
         protected = np.zeros(t.cached.shape, dtype=bool)
         protected[head, read] = True
-        self.manager.stats.add(cluster_hits=int(cached.sum()),
+        self.stats.add(cluster_hits=int(cached.sum()),
                                cluster_misses=int((~cached).sum()))
         heads, _, cand, blocks = self._admit(cand, want, protected)
         which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
@@ -486,7 +504,7 @@ class WaveBufferStore:
     def settle(self) -> None:
         """Wait until the worker has laid out every block appended so far and made room for
         the next one."""
-        self._sync()
+        self.sync()
         self._join_growth()
         self._settled = True
 
@@ -502,7 +520,7 @@ class WaveBufferStore:
         if self._freed:
             raise RuntimeError("this wave buffer store was freed")
         if wait:
-            self._sync()
+            self.sync()
         return (*self.host.rows(),
                 # a contiguous copy of the records' column (the PQ kernel indexes it
                 # densely); callers keep it until the layout or the index changes
@@ -517,11 +535,11 @@ class WaveBufferStore:
 
     def step_done(self) -> None:
         """See :meth:`ClusterStore.step_done`: apply the admissions from the execution buffer."""
-        step = self._take_step()
+        step = self.take_step()
         if step is not None:
-            self.pool._admit(*step, backend=self.config.kernel_backend)
+            self.pool.admit(*step, backend=self.config.kernel_backend)
 
-    def _take_step(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, Plan] | None:
+    def take_step(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, Plan] | None:
         """Join the last step's update: (execution buffer K, V (None: token reads, copied
         from the host tier), this store's first row in it, the admission copies' plan);
         None when no step is pending."""
@@ -530,7 +548,7 @@ class WaveBufferStore:
         exec_k, exec_v, row0 = self._step
         self._step = None
         try:
-            plan = self.manager.worker.wait(self._pending)
+            plan = self.worker.wait(self._pending)
         except Exception as exc:  # the cache is only a cache: drop it, the reads go on
             self._pending = None
             self._drop_cache(exc)
@@ -554,9 +572,9 @@ class WaveBufferStore:
             self.blocks.give(np.concatenate(freed))
         self.table.cached[:] = False
         self.table.reads[:] = 0
-        self.manager.stats.add(update_failures=1)
+        self.stats.add(update_failures=1)
 
-    def _mapped_blocks(self) -> np.ndarray:
+    def mapped_blocks(self) -> np.ndarray:
         """The device blocks this store's cached clusters hold ([n] int64)."""
         t = self.table
         h, c = np.nonzero(t.cached)
@@ -568,7 +586,7 @@ class WaveBufferStore:
         clusters have a read count, and the blocks held (its cached clusters' pages) fit in the
         budget; then the pool's own check (free and mapped blocks partition it). Waits for
         pending updates first. For tests and debugging."""
-        self._sync()
+        self.sync()
         t = self.table
         for h in range(self.num_heads):
             held = 0
@@ -602,7 +620,7 @@ class WaveBufferStore:
         # here outside the inference mode their tensors were made in)
         self._step = None
         try:
-            self._sync()
+            self.sync()
             self._join_growth()
         except Exception as exc:  # a failed layout or growth: reported where it was met
             logger.warning("retro: freeing the store of request %s after its failed host-tier "
@@ -612,7 +630,7 @@ class WaveBufferStore:
             self._freed = True
             self._step = None
             self._staged = None
-            self.blocks.give(self._mapped_blocks())
+            self.blocks.give(self.mapped_blocks())
             self.blocks.unreserve(int(self.capacity.sum()))
             for first, pages in self._extents:
                 self.host.release(first, pages)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm_retro.buffer.stats import BufferStats
+
+
+def deliver(jobs: Sequence[tuple[Callable[[], Any], Future]]) -> None:
+    """Run each ``(job, future)`` in order, setting its future to the job's result (or its
+    exception): one worker job doing several stores' updates, each store waiting only for
+    its own future."""
+    for job, fut in jobs:
+        try:
+            fut.set_result(job())
+        except BaseException as exc:  # delivered to the store's join, as a job's would be
+            fut.set_exception(exc)
 
 
 class UpdateWorker:
@@ -22,9 +33,7 @@ class UpdateWorker:
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Queue ``fn``; the returned future holds its result (or exception)."""
         t0 = time.perf_counter()
-        self.stats.add(updates_submitted=1)
-        with self.stats._lock:
-            self.stats.queue_depth_max = max(self.stats.queue_depth_max, self.stats.queue_depth)
+        self.stats.record_submit()
 
         def run() -> Any:
             try:

@@ -72,6 +72,10 @@ class TokenIndex(WaveIndex):
     wave index's; a subclass ranks the indexed tokens in :meth:`token_scores` and the top
     ``token_budget`` of them are read exactly."""
 
+    clusters_in_rounds = False
+    selects_zones = False
+    kernel_scores = False
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store)

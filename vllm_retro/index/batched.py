@@ -23,16 +23,12 @@ from typing import Any
 import torch
 
 from vllm_retro import faults
-from vllm_retro.index.graph_index import GraphIndex, decode_graph
 from vllm_retro.index.padded import (
     MetaViewCache,
     decode_given,
     decode_padded,
     padded_supported,
 )
-from vllm_retro.index.pages import QuestIndex, StreamingIndex, page_selection
-from vllm_retro.index.pq_index import PQIndex, decode_pq
-from vllm_retro.index.saap import SaapIndex, saap_selection
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode
@@ -43,38 +39,24 @@ _ROW_ADDRESSED: dict[type, bool] = {}
 slow, and it is asked for every row of every layer at every step)."""
 
 
-GIVEN_SELECTION = {
-    SaapIndex: lambda indexes, query, scale: saap_selection(indexes, query),
-    QuestIndex: page_selection,
-    StreamingIndex: page_selection,
-}
-"""Policies that choose whole clusters for all rows of a layer step before they are read
-(``(indexes, query [B, Hq, D], scale) -> (ids [B, H, W] padded with -1, counts)``)."""
-
-
-FUSED_SCORING = (WaveIndex, QuestIndex)
-"""Policies whose clusters the fused CPU kernel scores and selects itself
-(:meth:`WaveIndex.fused_scoring`): the wave index's centroids, Quest's page bounds."""
-
-
 def fused_supported(index: WaveIndex, query: torch.Tensor) -> bool:
     """True when ``index`` can decode ``query`` through the fused CPU kernel, scoring
-    included: a plain :class:`WaveIndex` or a :class:`QuestIndex` (:data:`FUSED_SCORING`)
-    whose rows the kernel can read (:func:`fused_batch` of that one index)."""
-    return fused_batch([index], query, FUSED_SCORING)
+    included (:attr:`WaveIndex.kernel_scores`: the wave index's centroids, Quest's page
+    bounds) from rows the kernel can read (:func:`fused_batch` of that one index)."""
+    return fused_batch([index], query, scoring=True)
 
 
-def fused_batch(indexes: list[WaveIndex], query: torch.Tensor,
-                kinds: tuple[type, ...] | None = None) -> bool:
+def fused_batch(indexes: list[WaveIndex], query: torch.Tensor, scoring: bool = False
+                ) -> bool:
     """True when the fused CPU kernel can read every index's rows (one layer's batch) for
     ``query``: on the CPU with the 'auto' kernel backend and the kernel built (asked once
     for the batch: this runs in every layer's forward), a store that exposes its rows
-    (:class:`RowAddressedStore`), the query in the index's dtype; and, when ``kinds`` is
-    given, every index one of them."""
+    (:class:`RowAddressedStore`), the query in the index's dtype; and, with ``scoring``,
+    every index's clusters scored by the kernel (:attr:`WaveIndex.kernel_scores`)."""
     if not fused_path("auto", query.device):
         return False
     dtype = query.dtype
-    return all((kinds is None or type(i) in kinds) and _rows_readable(i, dtype)
+    return all((not scoring or i.kernel_scores) and _rows_readable(i, dtype)
                for i in indexes)
 
 
@@ -181,12 +163,12 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     all rows through one padded sequence of kernel calls
     (:func:`vllm_retro.index.padded.decode_padded`; ``cache``, held per layer by the caller,
     keeps its meta view across steps) when every index is a plain wave index, else row by
-    row through :meth:`WaveIndex.decode` (baselines). PQCache indexes
-    (:class:`~vllm_retro.index.pq_index.PQIndex`) decode through their own batched path,
-    :func:`~vllm_retro.index.pq_index.decode_pq`; SAAP indexes through one classifier pass
-    (:func:`~vllm_retro.index.saap.saap_selection`), then the fused kernel with the chosen
-    clusters given, or :func:`~vllm_retro.index.padded.decode_given`; graph indexes on the
-    CPU through one fused kernel call (:func:`~vllm_retro.index.graph_index.decode_graph`).
+    row through :meth:`WaveIndex.decode` (baselines). Policies with a decode of their own
+    (:attr:`WaveIndex.decode_own`: PQCache's :func:`~vllm_retro.index.pq_index.decode_pq`,
+    RetrievalAttention's one fused kernel call on the CPU) take it first; policies that
+    choose whole clusters for the batch (:attr:`WaveIndex.select_batch`: SAAP's classifier
+    pass, Quest's and StreamingLLM's pages) read them through the fused kernel with the
+    clusters given, or :func:`~vllm_retro.index.padded.decode_given`.
 
     Before all of these, a layer's plain wave indexes decode from device-resident KV when
     ``config.device_resident`` says so (:class:`~vllm_retro.index.resident.ResidentDecode`,
@@ -201,15 +183,15 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         return out
     if faults.ENABLED:
         faults.check_any("kernel_row", (getattr(i.store, "request_id", None) for i in indexes))
-    if all(type(i) is PQIndex for i in indexes):
-        decode_pq(indexes, query, scale, out, cache)
+    first = indexes[0]
+    same = all(type(i) is type(first) for i in indexes)  # one policy
+    if same and first.decode_own is not None and first.decode_own(indexes, query, scale, out,
+                                                                   cache):
         return out
-    kind = type(indexes[0])
-    same = all(type(i) is kind for i in indexes)
     if cache is not None and cache.resident.applies(indexes, query):
         return cache.resident.decode(indexes, query, scale, out)
-    if same and out.dtype == query.dtype and fused_batch(indexes, query, FUSED_SCORING):
-        tilted = kind is WaveIndex and indexes[0].config.tilted_estimation
+    if same and out.dtype == query.dtype and fused_batch(indexes, query, scoring=True):
+        tilted = first.selects_zones and first.config.tilted_estimation
         rows = [packed_row(i, tilted) for i in indexes]
         if cache is None:
             batch = cpu_decode.pack_batch(rows)
@@ -218,10 +200,10 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         cpu_decode.decode_packed(query, batch, scale, tilted, out=out,
                                  windows=[(i.ring_start, i.win_len) for i in indexes])
         return out
-    if same and kind in GIVEN_SELECTION:
+    if same and first.select_batch is not None:
         # clusters chosen by the policy for all rows (SAAP's trained router, StreamingLLM's
         # recent pages, Quest's page bounds off the CPU), then read and attended in one call
-        ids, counts = GIVEN_SELECTION[kind](indexes, query, scale)
+        ids, counts = first.select_batch(indexes, query, scale)
         if out.dtype == query.dtype and fused_batch(indexes, query):
             cpu_decode.decode_packed(
                 query, [packed_row(i, False) for i in indexes], scale, False, out=out,
@@ -229,9 +211,6 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
                 given=[ids[j, :, :n] for j, n in enumerate(counts)])
         else:
             decode_given(indexes, query, scale, out, ids, counts, cache)
-        return out
-    if all(type(i) is GraphIndex and i.fused(query) for i in indexes):
-        decode_graph(indexes, query, scale, out)  # search, choose, attend: one kernel call
         return out
     if all(padded_supported(i) for i in indexes):
         return decode_padded(indexes, query, scale, out, cache)

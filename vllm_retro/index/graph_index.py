@@ -83,6 +83,16 @@ class GraphIndex(TokenIndex):
     prefill's post-RoPE queries ([Hq, T, D], e.g. its last chunk's; None: keys as queries),
     then :meth:`decode` and :meth:`append` as a :class:`WaveIndex`."""
 
+    @staticmethod
+    def decode_own(indexes: list[GraphIndex], query: torch.Tensor, scale: float,
+                   out: torch.Tensor, cache: object) -> bool:
+        """See :attr:`WaveIndex.decode_own`: search, choose and attend in one fused kernel
+        call (:func:`decode_graph`) when every row can (:meth:`fused`: on the CPU)."""
+        if not all(i.fused(query) for i in indexes):
+            return False
+        decode_graph(indexes, query, scale, out)
+        return True
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
                  queries: torch.Tensor | None = None, per_query_head: bool = False):

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from vllm_retro import kernels
+from vllm_retro.growth import grown
 from vllm_retro.index.resident import ResidentDecode
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import shared_batch_group
@@ -128,7 +129,7 @@ class MetaViewCache:
         held = self._exec
         if held is None or held[0].numel() < need or held[0].dtype != dtype \
                 or held[0].device != device:
-            size = need if held is None else max(need, 3 * held[0].numel() // 2)
+            size = grown(need, 0 if held is None else held[0].numel())
             held = self._exec = (torch.zeros(size, dtype=dtype, device=device),
                                  torch.zeros(size, dtype=dtype, device=device))
         shape = (rows, tokens, head_dim)
@@ -234,8 +235,8 @@ def padded_meta(indexes: list[WaveIndex], key: tuple[tuple[int, int], ...] | Non
 
 def padded_supported(index: WaveIndex) -> bool:
     """True when ``index`` can decode through :func:`decode_padded`: a plain
-    :class:`WaveIndex` (baselines select differently)."""
-    return type(index) is WaveIndex
+    :class:`WaveIndex` (:attr:`WaveIndex.selects_zones`; baselines select differently)."""
+    return index.selects_zones
 
 
 def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,

@@ -44,6 +44,16 @@ class PageIndex(WaveIndex):
     """Pages of ``quest_page_size`` positions as the store's clusters; a subclass ranks them
     (:meth:`page_scores`) and the top :attr:`num_pages` are read exactly."""
 
+    clusters_in_rounds = False
+    selects_zones = False
+    kernel_scores = False
+
+    @staticmethod
+    def select_batch(indexes: list[PageIndex], query: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """See :attr:`WaveIndex.select_batch`: :func:`page_selection`."""
+        return page_selection(indexes, query, scale)
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
@@ -97,6 +107,9 @@ class PageIndex(WaveIndex):
 class QuestIndex(PageIndex):
     """Quest: pages ranked by the upper bound of ``q . k`` from their keys' per-dimension
     min and max; see the module docstring."""
+
+    kernel_scores = True
+    lands_in_store = False
 
     @staticmethod
     def default_budget(config: RetroConfig) -> int:

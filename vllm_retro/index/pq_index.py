@@ -92,6 +92,13 @@ class PQIndex(TokenIndex):
     appended to like :class:`WaveIndex`; decode through :func:`decode_pq` (or
     :meth:`decode` for one request)."""
 
+    @staticmethod
+    def decode_own(indexes: list[PQIndex], query: torch.Tensor, scale: float,
+                   out: torch.Tensor, cache: MetaViewCache | None) -> bool:
+        """See :attr:`WaveIndex.decode_own`: :func:`decode_pq`, for every batch."""
+        decode_pq(indexes, query, scale, out, cache)
+        return True
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
                  subspaces: int | None = None, bits: int | None = None,

@@ -39,7 +39,7 @@ activations of the next steps)."""
 def resident_capable(index: WaveIndex) -> bool:
     """True when ``index`` can decode from a :class:`DeviceLayer`: a plain wave index whose
     store addresses its clusters as rows."""
-    return type(index) is WaveIndex and hasattr(index.store, "cluster_rows")
+    return index.selects_zones and hasattr(index.store, "cluster_rows")
 
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
@@ -163,8 +163,9 @@ class ResidentDecode:
         plan = self.layer.plan(slots, indexes)
         out.copy_(self.graphs(plan, query, scale))
         if self.layer.cache is not None:
-            self.counts.stats = self.counts.stats or getattr(
-                getattr(indexes[0].store, "manager", None), "stats", None)
+            # the wave buffer's counters (the server's device cache metrics); a dense
+            # store has none
+            self.counts.stats = self.counts.stats or getattr(indexes[0].store, "stats", None)
             self.counts.report(self.layer.cache)
         return out
 

@@ -89,6 +89,16 @@ class SaapIndex(WaveIndex):
     ``layer``: the decoder layer index, or a vLLM attention layer name holding it.
     """
 
+    clusters_in_rounds = False
+    selects_zones = False
+    kernel_scores = False
+
+    @staticmethod
+    def select_batch(indexes: list[SaapIndex], query: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """See :attr:`WaveIndex.select_batch`: :func:`saap_selection`."""
+        return saap_selection(indexes, query)
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
                  model: SaapModel | None = None, layer: int | str = 0):

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
+from vllm_retro.growth import grown
 from vllm_retro.index.store import fill_steady
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_decode, cpu_ext
 
 
 def ring_size(local_window: int, update_segment: int) -> int:
@@ -99,7 +100,7 @@ class SteadyPool:
         with self._lock:
             if slots <= self.num_slots:
                 return
-            cap = max(slots, (3 * self.num_slots) // 2 + 1)
+            cap = grown(slots, self.num_slots)
             k, v = self._empty(cap), self._empty(cap)
             k[:self.num_slots] = self.k
             v[:self.num_slots] = self.v
@@ -134,7 +135,7 @@ class SteadyPool:
         elsewhere one ``index_put`` per tensor. slots, rows: [B] int64 on the pool's device;
         keys, values: [B, H, D]."""
         if (self.device.type == "cpu" and keys.dtype == self.dtype
-                and values.dtype == self.dtype and cpu_decode.available()):
+                and values.dtype == self.dtype and cpu_ext.available()):
             cpu_decode.steady_write(self.k, self.v, slots, rows, keys, values)
             return
         self.k.index_put_((slots, rows), keys.to(self.dtype))

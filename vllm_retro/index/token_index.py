@@ -45,6 +45,11 @@ class TokenIndex(WaveIndex):
     """A wave index read token by token (see the module docstring); subclasses choose the
     tokens. ``block_tokens``: positions per block of the store."""
 
+    clusters_in_rounds = False
+    selects_zones = False
+    kernel_scores = False
+    lands_in_store = False
+
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None,
                  block_tokens: int):

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
+from vllm_retro.growth import grown
 from vllm_retro.index.clustering import Clusters, cluster_block_steps, run_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 from vllm_retro.index.estimator_choice import JUDGE_QUERIES, choose_tilted_heads
@@ -82,7 +83,7 @@ class GrowingRows:
         """Add ``rows`` ([H, c, ...]) after the filled ones; returns the filled view."""
         n, c = self.n, rows.shape[1]
         if n + c > self.buf.shape[1]:
-            cap = max(n + c + headroom, (3 * self.buf.shape[1]) // 2)
+            cap = grown(n + c + headroom, self.buf.shape[1])
             buf = self.buf.new_empty((self.buf.shape[0], cap, *self.buf.shape[2:]))
             buf[:, :n] = self.buf[:, :n]
             self.buf = buf
@@ -119,7 +120,31 @@ class WaveIndex:
 
     Build with :meth:`build` from the prefill's post-RoPE keys and values; then call
     :meth:`decode` for each new query and :meth:`append` for each new token.
+
+    A policy (subclass) says what it does differently by the capabilities below, set in the
+    class that changes the behaviour; the batched decode and the update schedule read them,
+    never the class.
     """
+
+    clusters_in_rounds: ClassVar[bool] = True
+    """An update block is clustered a k-means round per step (:meth:`_cluster_steps`);
+    False: in one go by the policy's own :meth:`_cluster`."""
+    lands_in_store: ClassVar[bool] = True
+    """An update block goes to the store's asynchronous layout and joins the index one call
+    later (:meth:`_advance_update`); False: the policy's own :meth:`_add_block` adds it at
+    once."""
+    selects_zones: ClassVar[bool] = True
+    """Clusters are chosen by centroid scores into the retrieval and estimation zones
+    (:meth:`select`): the rule the padded and device-resident decodes implement."""
+    kernel_scores: ClassVar[bool] = True
+    """The fused CPU kernel scores and selects this policy's clusters itself
+    (:meth:`fused_scoring`)."""
+    select_batch: ClassVar[Callable[..., tuple[torch.Tensor, list[int]]] | None] = None
+    """The policy chooses whole clusters for all rows of a layer step before they are read:
+    ``(indexes, query [B, Hq, D], scale) -> (ids [B, H, W] padded with -1, counts)``."""
+    decode_own: ClassVar[Callable[..., bool] | None] = None
+    """The policy's own decode of a layer's rows: ``(indexes, query [B, Hq, D], scale, out,
+    cache) -> bool`` (False: it does not apply to this batch; the shared routes run)."""
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
@@ -373,7 +398,7 @@ class WaveIndex:
                       ) -> Generator[None, None, Clusters]:
         """Cluster one update block a round at a time (see :meth:`append`); subclasses that
         cluster differently (baselines' ``_cluster``) do it in one go."""
-        if type(self)._cluster is not WaveIndex._cluster:
+        if not self.clusters_in_rounds:
             return self._cluster(keys, values, update=True)
         return (yield from self._cluster_steps(keys, values, update=True))
 
@@ -410,7 +435,7 @@ class WaveIndex:
         bk, bv = self._pending_block  # copies: the store keeps them
         self._pending_block = None
         self.store.stage(bk, bv)
-        if type(self)._add_block is not WaveIndex._add_block:  # baselines: in one go
+        if not self.lands_in_store:  # baselines: in one go
             self._add_block(bk, bv, self.window_start, done)
             return self._drop_block()
         positions = torch.arange(self.window_start, self.window_start + seg, device=bk.device)

@@ -26,7 +26,7 @@ from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import load_saap
 from vllm_retro.index.steady import SlotTable, SteadyPool
 from vllm_retro.index.wave_index import WaveIndex
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_ext
 from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
@@ -139,7 +139,7 @@ class RetroRuntime:
         if config is not None and self._device_type == "cpu":
             # the fused kernels, built now when missing: a build at the first index would
             # hold that engine step (and every request in it) for a minute or two
-            cpu_decode.load()
+            cpu_ext.load()
 
     @property
     def manager(self) -> WaveBufferManager:

@@ -1,4 +1,4 @@
-"""kernels.cpu_decode's build: one build directory per build command, a build killed
+"""kernels.cpu_ext's build: one build directory per build command, a build killed
 midway does not hold later loads (in other processes) forever, a failed build is not retried
 for the same build key, and every source compiles as C++17."""
 
@@ -13,30 +13,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_ext
 
 
 def test_a_checkout_at_another_path_builds_in_its_own_directory(tmp_path, monkeypatch) -> None:
     """The same sources at another path (another clone sharing the cache) get another
     directory: ninja would otherwise rebuild everything each time the two alternate."""
-    here, _ = cpu_decode._build_dir()
-    copies = tuple(Path(shutil.copy(p, tmp_path / p.name)) for p in cpu_decode._SOURCES)
-    monkeypatch.setattr(cpu_decode, "_SOURCES", copies)
-    there, _ = cpu_decode._build_dir()
+    here, _ = cpu_ext._build_dir()
+    copies = tuple(Path(shutil.copy(p, tmp_path / p.name)) for p in cpu_ext._SOURCES)
+    monkeypatch.setattr(cpu_ext, "_SOURCES", copies)
+    there, _ = cpu_ext._build_dir()
     assert there.parent == here.parent and there != here
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path) -> None:
     """torch's ``lock`` file left in the build directory (its builder was killed) is removed
     by the next load, which then finds the extension (before, it waited forever)."""
-    if cpu_decode.load() is None:
-        pytest.skip(f"extension not built: {cpu_decode.load_error()}")
-    built, key = cpu_decode._build_dir()
+    if cpu_ext.load() is None:
+        pytest.skip(f"extension not built: {cpu_ext.load_error()}")
+    built, key = cpu_ext._build_dir()
     root = tmp_path / "cache"
     copy = root / "extensions" / built.name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
     (copy / "lock").touch()
-    code = ("from vllm_retro.kernels import cpu_decode as c\n"
+    code = ("from vllm_retro.kernels import cpu_ext as c\n"
             "print(c.load() is not None, c.load_error())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "VLLM_RETRO_CACHE": str(root)})
@@ -61,14 +61,14 @@ def test_builds_of_deleted_checkouts_are_pruned(tmp_path) -> None:
         return d
 
     gone = build_dir("retro_cpu-gone", str(tmp_path / "deleted-clone" / "retro_cpu.cpp"))
-    live = build_dir("retro_cpu-live", str(cpu_decode._SOURCES[0]))
+    live = build_dir("retro_cpu-live", str(cpu_ext._SOURCES[0]))
     busy = build_dir("retro_cpu-busy", str(tmp_path / "other-deleted" / "retro_cpu.cpp"))
     bare = tmp_path / "retro_cpu-bare"
     bare.mkdir()
     keep = build_dir("retro_cpu-mine", str(tmp_path / "also-deleted" / "retro_cpu.cpp"))
     with open(busy / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        removed = cpu_decode._prune_orphans(tmp_path, keep)
+        removed = cpu_ext._prune_orphans(tmp_path, keep)
     assert removed == [gone] and not gone.exists()
     assert live.exists() and busy.exists() and bare.exists() and keep.exists()
 
@@ -88,16 +88,16 @@ def test_every_source_compiles_as_cxx17() -> None:
         pytest.skip("no C++ compiler on PATH")
     from torch.utils import cpp_extension
 
-    _, key = cpu_decode._build_dir()
+    _, key = cpu_ext._build_dir()
     includes = [*cpp_extension.include_paths(),
                 sysconfig.get_path("include", scheme="posix_prefix")]
     # the build's own -O3 kept: __OPTIMIZE__ changes which code the intrinsics headers hold
     flags = [f"-DTORCH_EXTENSION_NAME=vllm_retro_cpu_{key}", "-DTORCH_API_INCLUDE_EXTENSION_H",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(flag for path in includes for flag in ("-isystem", path)),
-             "-fPIC", "-std=c++17", "-pedantic-errors", "-fsyntax-only", *cpu_decode._flags()]
-    sources = sorted(cpu_decode._CSRC.glob("*.cpp"))
-    assert set(cpu_decode._SOURCES) <= set(sources)
+             "-fPIC", "-std=c++17", "-pedantic-errors", "-fsyntax-only", *cpu_ext._flags()]
+    sources = sorted(cpu_ext._CSRC.glob("*.cpp"))
+    assert set(cpu_ext._SOURCES) <= set(sources)
     # all at once: parsing torch's headers takes most of each compile's time
     procs = {src: subprocess.Popen([cxx, *flags, str(src)], stderr=subprocess.PIPE, text=True)
              for src in sources}
@@ -121,15 +121,15 @@ def test_a_failed_build_is_remembered_per_build_key(tmp_path, monkeypatch, caplo
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "deliberately broken"\n')
     monkeypatch.setenv("VLLM_RETRO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_decode, "_SOURCES", (broken,))
-    monkeypatch.setattr(cpu_decode, "_module", None)
-    monkeypatch.setattr(cpu_decode, "_error", None)
-    marker = cpu_decode._build_dir()[0] / cpu_decode.FAILED_MARKER
+    monkeypatch.setattr(cpu_ext, "_SOURCES", (broken,))
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "_error", None)
+    marker = cpu_ext._build_dir()[0] / cpu_ext.FAILED_MARKER
 
-    assert cpu_decode.load() is None
+    assert cpu_ext.load() is None
     assert "deliberately broken" in marker.read_text()
-    assert "deliberately broken" in cpu_decode.load_error()
-    assert str(marker) in cpu_decode.load_error()
+    assert "deliberately broken" in cpu_ext.load_error()
+    assert str(marker) in cpu_ext.load_error()
 
     builds = []
 
@@ -138,19 +138,19 @@ def test_a_failed_build_is_remembered_per_build_key(tmp_path, monkeypatch, caplo
         return object()
 
     monkeypatch.setattr(cpp_extension, "load", build)
-    monkeypatch.setattr(cpu_decode, "_error", None)
+    monkeypatch.setattr(cpu_ext, "_error", None)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=cpu_decode.logger.name):
-        assert cpu_decode.load() is None
+    with caplog.at_level(logging.WARNING, logger=cpu_ext.logger.name):
+        assert cpu_ext.load() is None
     assert builds == []
-    error = cpu_decode.load_error()
+    error = cpu_ext.load_error()
     assert "deliberately broken" in error and f"{marker}: delete it to retry" in error
-    warned = [r.getMessage() for r in caplog.records if r.name == cpu_decode.logger.name]
+    warned = [r.getMessage() for r in caplog.records if r.name == cpu_ext.logger.name]
     assert len(warned) == 1 and "\n" not in warned[0] and error in warned[0], warned
 
     marker.unlink()
-    monkeypatch.setattr(cpu_decode, "_error", None)
-    assert cpu_decode.load() is not None and len(builds) == 1
+    monkeypatch.setattr(cpu_ext, "_error", None)
+    assert cpu_ext.load() is not None and len(builds) == 1
 
 
 _NUMBER_IN_AN_ERROR = """
@@ -200,7 +200,7 @@ def test_the_cpp_runtime_stays_torchs_where_the_link_would_take_the_static_one(t
     whole = "probe: value 5 (accepted 0..4)"
 
     def cpp_runtime_linked(so: str) -> bool | None:
-        needed = cpu_decode.linked_libraries(so)
+        needed = cpu_ext.linked_libraries(so)
         return None if needed is None else any(n.startswith("libstdc++.so") for n in needed)
 
     # the control: how the message fares (cut here, a crash there) depends on the platform;
@@ -209,7 +209,7 @@ def test_the_cpp_runtime_stays_torchs_where_the_link_would_take_the_static_one(t
     built = [ln for ln in static.stdout.splitlines() if ln.endswith(".so")]
     assert built and cpp_runtime_linked(built[0]) in (False, None), static.stdout
 
-    ours = _build_and_fail(tmp_path, "our_link", [*cpu_decode._ldflags(), "-static-libstdc++"])
+    ours = _build_and_fail(tmp_path, "our_link", [*cpu_ext._ldflags(), "-static-libstdc++"])
     assert ours.returncode == 0, ours.stderr[-3000:]
     so, message = ours.stdout.strip().splitlines()[-2:]
     assert message == whole
@@ -219,10 +219,10 @@ def test_the_cpp_runtime_stays_torchs_where_the_link_would_take_the_static_one(t
 def test_the_extension_depends_on_the_shared_cpp_runtime():
     """The built extension names ``libstdc++.so`` among its dependencies (no copy of its
     own: see the test above), and a check's message keeps its numbers."""
-    mod = cpu_decode.load()
+    mod = cpu_ext.load()
     if mod is None:
-        pytest.skip(f"extension not built: {cpu_decode.load_error()}")
-    needed = cpu_decode.linked_libraries(mod.__file__)
+        pytest.skip(f"extension not built: {cpu_ext.load_error()}")
+    needed = cpu_ext.linked_libraries(mod.__file__)
     if needed is None:
         pytest.skip("readelf cannot list the extension's dependencies")
     assert any(lib.startswith("libstdc++.so") for lib in needed), needed
