@@ -42,11 +42,14 @@ def worker(args: argparse.Namespace) -> dict:
     from bench.append_step import build_layers
     from vllm_retro.index.batched import append_batch, decode_batch
     from vllm_retro.index.padded import MetaViewCache
-    from vllm_retro.kernels import cpu_ext
+    try:
+        from vllm_retro.kernels import cpu_ext as loader
+    except ImportError:  # revisions before the loader had a module of its own
+        from vllm_retro.kernels import cpu_decode as loader
 
-    mod = cpu_ext.load()
+    mod = loader.load()
     if mod is None:
-        raise SystemExit(f"the fused CPU kernel is unavailable: {cpu_ext.load_error()}")
+        raise SystemExit(f"the fused CPU kernel is unavailable: {loader.load_error()}")
     kernel_s = [0.0]
 
     class Timed:  # the extension with its decode call timed
@@ -61,7 +64,7 @@ def worker(args: argparse.Namespace) -> dict:
                 kernel_s[0] += time.perf_counter() - t
 
     timed = Timed()
-    cpu_ext.load = lambda: timed
+    loader.load = lambda: timed
     h, group, d, dtype = args.kv_heads, args.group, args.head_dim, torch.bfloat16
     torch.manual_seed(0)
     out = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_retro.kernels.cpu_ext import available, load, load_error
+from vllm_retro.kernels import cpu_ext
 from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref, top_clusters
 from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
 
@@ -88,7 +88,7 @@ def fused_path(backend: str, device: torch.device) -> bool:
     from vllm_retro.kernels import resolve_backend  # the package imports this module
 
     return (device.type == "cpu" and backend == "auto"
-            and resolve_backend("auto", device) == "torch" and available())
+            and resolve_backend("auto", device) == "torch" and cpu_ext.available())
 
 
 @dataclass(slots=True)
@@ -215,9 +215,9 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow] | PackedBatch, scal
     no scoring and no estimation zone (the rows' meta index needs only sizes). ``phases``, when
     given, accumulates the kernel's wall seconds split by :data:`PHASES` in proportion to the
     threads' time in each (summed over rows and heads), under ``"kernel " + phase``."""
-    mod = load()
+    mod = cpu_ext.load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {load_error()}")
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {cpu_ext.load_error()}")
     batch = rows if isinstance(rows, PackedBatch) else pack_batch(rows)
     b, hq, _ = query.shape
     if len(batch.rows) != b:
@@ -261,9 +261,9 @@ def steady_write(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor
     pool_k, pool_v: [S, R, H, D] contiguous; keys, values: [B, H, D] in the pools' dtype,
     last dim contiguous; slots, rows: [B] int64. Raises RuntimeError naming an index
     outside the pool (nothing written then)."""
-    mod = load()
+    mod = cpu_ext.load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU kernels are unavailable: {load_error()}")
+        raise RuntimeError(f"the fused CPU kernels are unavailable: {cpu_ext.load_error()}")
     mod.steady_write(pool_k, pool_v, slots, rows, keys, values)
 
 
@@ -309,9 +309,9 @@ def pq_decode(query: torch.Tensor, rows: list[PQRow], scale: float,
     index asc), exact attention over the steady zone and those tokens read in place.
     Returns (out [B, Hq, D] query dtype, lse [B, Hq] fp32, selection [B, H, width] int64:
     each head's chosen token indices, ascending, when ``selection_width`` > 0)."""
-    mod = load()
+    mod = cpu_ext.load()
     if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {load_error()}")
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {cpu_ext.load_error()}")
     if out is None:
         out = torch.empty_like(query)
     b, hq, _ = query.shape
