@@ -95,7 +95,7 @@ def record(path: str, samples: int, tokens: int, max_tokens: int) -> None:
                                        md.runtime.config)}
         res = serving(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        for col in md.plan.columns():
+        for col in md.plan.columns:
             members = range(len(md.plan.decodes)) if col.members is None else col.members
             rows = (range(col.part.start, col.part.stop) if col.part is not None
                     else col.tokens.tolist())

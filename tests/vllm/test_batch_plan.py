@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_retro.vllm.batch_plan import BatchPlan, RetroDecode, plan_batch  # noqa: E402
+from vllm_retro.vllm.batch_plan import RetroDecode, decode_columns, plan_batch  # noqa: E402
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep  # noqa: E402
 from vllm_retro.vllm.runtime import RetroRuntime  # noqa: E402
 
@@ -35,24 +37,27 @@ def test_rows_route_by_the_slot_of_their_last_token():
     (build,) = plan.builds
     assert build.request_id == "c" and build.num_tokens == 105
     assert torch.equal(build.block_ids, block_table[0])
+    # the columns are worked out with the plan, which the layers then only read
+    (col,) = plan.columns
+    assert col.members is None and col.part == slice(9, 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.decodes = []
 
 
-def test_decode_columns_are_worked_out_once_per_step():
+def test_decode_columns():
     """Column k holds the k-th token of every decode with more than k tokens: all decodes
     (no member list) as a slice when their rows are consecutive (one token each), else
-    their rows as a tensor; the list is the same object for every layer of the step."""
-    one = BatchPlan(decodes=[RetroDecode("a", 0, 1), RetroDecode("b", 1, 1)])
-    (col,) = one.columns()
+    their rows as a tensor."""
+    (col,) = decode_columns([RetroDecode("a", 0, 1), RetroDecode("b", 1, 1)])
     assert col.k == 0 and col.members is None and col.part == slice(0, 2)
-    assert col.tokens is None and one.columns() is one.columns()
-    spec = BatchPlan(decodes=[RetroDecode("a", 0, 3), RetroDecode("b", 3, 1),
-                              RetroDecode("c", 4, 2)])
-    cols = spec.columns()
+    assert col.tokens is None
+    cols = decode_columns([RetroDecode("a", 0, 3), RetroDecode("b", 3, 1),
+                           RetroDecode("c", 4, 2)])
     assert [c.k for c in cols] == [0, 1, 2]
     assert cols[0].members is None and cols[0].tokens.tolist() == [0, 3, 4]
     assert cols[1].members == [0, 2] and cols[1].tokens.tolist() == [1, 5]
     assert cols[2].members == [0] and cols[2].part == slice(2, 3)
-    assert BatchPlan().columns() == []
+    assert decode_columns([]) == []
 
 
 def test_a_row_outside_the_plan_is_a_clear_error():

@@ -53,35 +53,38 @@ class DecodeColumn:
     """Else their batch rows ([n] int64, CPU)."""
 
 
-@dataclass
+def decode_columns(decodes: list[RetroDecode]) -> list[DecodeColumn]:
+    """The token columns of ``decodes``: column k holds the k-th token of every decode with
+    more than k tokens."""
+    cols = []
+    for k in range(max((d.count for d in decodes), default=0)):
+        members = [j for j, d in enumerate(decodes) if d.count > k]
+        tokens = [decodes[j].first + k for j in members]
+        first = tokens[0]
+        consecutive = tokens == list(range(first, first + len(tokens)))
+        cols.append(DecodeColumn(
+            k, None if len(members) == len(decodes) else members,
+            slice(first, first + len(tokens)) if consecutive else None,
+            None if consecutive else torch.tensor(tokens)))
+    return cols
+
+
+@dataclass(frozen=True)
 class BatchPlan:
-    """Rows of one batch by path."""
+    """Rows of one batch by path, built once per step by the metadata builder
+    (:func:`plan_batch`) and read by every layer."""
 
     dense_rows: list[int] = field(default_factory=list)
     builds: list[IndexBuild] = field(default_factory=list)
     decodes: list[RetroDecode] = field(default_factory=list)
+    columns: list[DecodeColumn] = field(default_factory=list)
+    """The decodes' token columns (:func:`decode_columns`; one without speculative
+    tokens)."""
     append_rows: dict[int, Any] = field(default_factory=dict)
     """Per decode token position k, where the first layer's forward wrote the step's new
     K/V in its steady pool (:func:`vllm_retro.index.batched.append_batch`): the same slots
-    and rows in every layer, so later layers reuse the index tensors."""
-    _columns: list[DecodeColumn] | None = None
-
-    def columns(self) -> list[DecodeColumn]:
-        """The decodes' token columns, worked out by the step's first layer and kept for
-        the others (the same in every layer)."""
-        if self._columns is None:
-            cols = []
-            for k in range(max((d.count for d in self.decodes), default=0)):
-                members = [j for j, d in enumerate(self.decodes) if d.count > k]
-                tokens = [self.decodes[j].first + k for j in members]
-                first = tokens[0]
-                consecutive = tokens == list(range(first, first + len(tokens)))
-                cols.append(DecodeColumn(
-                    k, None if len(members) == len(self.decodes) else members,
-                    slice(first, first + len(tokens)) if consecutive else None,
-                    None if consecutive else torch.tensor(tokens)))
-            self._columns = cols
-        return self._columns
+    and rows in every layer, so later layers reuse the index tensors (the one entry the
+    layers fill: the rows are known once the first layer's indexes have them)."""
 
 
 def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
@@ -93,7 +96,9 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
     switch its indexes are taken over from the builder here (:meth:`RetroRuntime.switch`),
     before any layer runs: when its build failed, its rows stay dense from then on.
     """
-    plan = BatchPlan()
+    dense_rows: list[int] = []
+    builds: list[IndexBuild] = []
+    decodes: list[RetroDecode] = []
     qsl = query_start_loc_cpu[: num_reqs + 1].tolist()
     lasts = torch.tensor([max(e - 1, 0) for e in qsl[1:]], dtype=torch.long)
     slots = slot_mapping.index_select(0, lasts.to(slot_mapping.device)).tolist()
@@ -114,13 +119,12 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.indexed and not dense and (not row.catch_up or runtime.switch(rid)):
             catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
                 else None
-            plan.decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
+            decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
             continue
         # dense: not indexed, or demoted (its paged KV is still allocated), or failed (its
         # rows compute nothing useful until the scheduler ends it with an error)
-        plan.dense_rows.append(r)
+        dense_rows.append(r)
         if row.build_index and not dense:
             total = row.start + row.num_tokens
-            plan.builds.append(IndexBuild(rid, block_table[r].clone(), total,
-                                          (qsl[r], qsl[r + 1])))
-    return plan
+            builds.append(IndexBuild(rid, block_table[r].clone(), total, (qsl[r], qsl[r + 1])))
+    return BatchPlan(dense_rows, builds, decodes, decode_columns(decodes))

@@ -73,10 +73,14 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = retro_config(vllm_config)
+        self.runtime = None
+        """Worker side: the worker's retro state, taken once here (vLLM builds the
+        connector; the process has one runtime)."""
         if role == KVConnectorRole.WORKER:
             from vllm_retro.vllm.runtime import get_runtime
 
-            get_runtime().attach(vllm_config, self.config)
+            self.runtime = get_runtime()
+            self.runtime.attach(vllm_config, self.config)
         self._requests: dict[str, Request] = {}
         self._building: dict[str, int] = {}
         """Requests whose build started, with the tokens it covers."""
@@ -250,17 +254,15 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ worker side
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Runs before the batch is prepared: free released requests, publish the plan."""
-        from vllm_retro.vllm.runtime import get_runtime
-
         assert isinstance(kv_connector_metadata, RetroStepMetadata)
-        get_runtime().begin_step(kv_connector_metadata)
+        assert self.runtime is not None, "worker-side connector method on the scheduler side"
+        self.runtime.begin_step(kv_connector_metadata)
 
     def build_connector_worker_meta(self) -> RetroWorkerReport | None:
         """After each step: the requests this worker demoted to dense decoding since the
         last step (see :meth:`update_connector_output`)."""
-        from vllm_retro.vllm.runtime import get_runtime
-
-        demoted = get_runtime().take_demoted()
+        assert self.runtime is not None, "worker-side connector method on the scheduler side"
+        demoted = self.runtime.take_demoted()
         return RetroWorkerReport(demoted) if demoted else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -270,11 +272,9 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         yet is reported again the next step). Nothing with several KV-cache groups, where
         vLLM cannot map blocks back to requests: a failed request then runs to its end with
         meaningless output (logged when it failed)."""
-        from vllm_retro.vllm.runtime import get_runtime
-
-        if not self._single_group or not self._block_size:
+        if not self._single_group or not self._block_size or self.runtime is None:
             return set()
-        return get_runtime().failed_blocks(self._block_size)
+        return self.runtime.failed_blocks(self._block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to load."""
@@ -305,9 +305,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                 GAUGES: {"0": {"host_budget_bytes": self.budget.limit_bytes,
                                "host_reserved_bytes": self.budget.reserved_bytes}},
             })
-        from vllm_retro.vllm.runtime import get_runtime
-
-        return get_runtime().take_stats(_worker_rank())
+        assert self.runtime is not None, "worker-side connector method on the scheduler side"
+        return self.runtime.take_stats(_worker_rank())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -98,13 +98,16 @@ class RouteBuilderMixin:
     def __init__(self, kv_cache_spec: AttentionSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.retro = isinstance(kv_cache_spec, RetroAttentionSpec)
+        self.runtime = get_runtime()
+        """The worker's retro state, taken once here (vLLM builds the builder; the process
+        has one runtime): each step's metadata hands it on to the layers' ``forward``."""
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
         """The wrapped builder's metadata for non-retro groups; :class:`RetroMetadata` for
         retro ones."""
         cm = common_attn_metadata
-        rt = get_runtime()
+        rt = self.runtime
         qlens = cm.query_start_loc_cpu[1:cm.num_reqs + 1] - cm.query_start_loc_cpu[:cm.num_reqs]
         c = rt.counters
         c.peak_decode_rows = max(c.peak_decode_rows, int((qlens == 1).sum()))
@@ -250,7 +253,7 @@ class RouteImplMixin:
                                             first=index.num_tokens)
                 if index.append(keys, values):
                     rt.counters.index_updates += 1
-        for col in plan.columns():
+        for col in plan.columns:
             members = list(range(len(decodes)) if col.members is None else col.members)
             if any(indexes[j] is None for j in members):
                 self._decode_apart(rt, col, decodes, indexes, query, key, value, out)
