@@ -91,8 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the layer's tokens copied to the device, read in place from the "
                          "host tier, or both (default: copy)")
     ap.add_argument("--kernels", action="store_true",
-                    help="CUDA: also each kernel's device time in the step (torch.profiler) "
-                         "and the zone selection against its alternatives on the step's own scores")
+                    help="CUDA: also each kernel's device time in the step (torch.profiler), "
+                         "the zone selection against its alternatives on the step's own scores "
+                         "and the attention launch by each retrieval map")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     return ap.parse_args(argv)
 
@@ -141,6 +142,45 @@ def topk_variants(layer: DeviceLayer, plan, rows: torch.Tensor, scale: float
     for name, fn in variants.items():
         times = kernel_times(fn)
         out[name] = times.get("error") or round(sum(times.values()), 2)
+    return out
+
+
+def attention_variants(layer: DeviceLayer, plan, rows: torch.Tensor, top: torch.Tensor,
+                       scale: float) -> dict[str, float]:
+    """The step's attention launch by each way of finding a retrieval token's cluster
+    (:data:`~vllm_retro.kernels.resident_attention.RETRIEVAL_MAPS`): summed kernel time
+    (microseconds per call), and the largest difference of its output from the default's."""
+    from vllm_retro.kernels.resident_attention import (
+        RETRIEVAL_MAP,
+        RETRIEVAL_MAPS,
+        resident_attention_triton,
+    )
+
+    runs, saved = None, {}
+    if layer.cache is not None:
+        from vllm_retro import kernels
+
+        runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
+                                    backend=layer.config.kernel_backend)
+        # a call writes the step's admissions into the cache: each starts from this state
+        saved = {k: v.clone() for k, v in vars(layer.cache).items()
+                 if isinstance(v, torch.Tensor)}
+
+    def call(how: str) -> torch.Tensor:
+        for k, v in saved.items():
+            getattr(layer.cache, k).copy_(v)
+        return resident_attention_triton(
+            rows, layer.pools(plan.steady), plan.ints, top,
+            plan.steady_tokens + plan.retrieval_tokens, plan.retrieval, plan.estimation,
+            scale, tilted=layer.config.tilted_estimation, cache=layer.cache, runs=runs,
+            retrieval_map=how)
+
+    base = call(RETRIEVAL_MAP).float()
+    out: dict[str, float] = {"default": RETRIEVAL_MAP}
+    for how in RETRIEVAL_MAPS:
+        times = kernel_times(lambda how=how: call(how))
+        out[how] = times.get("error") or round(sum(times.values()), 2)
+        out[f"{how}_max_abs"] = float((call(how).float() - base).abs().max())
     return out
 
 
@@ -312,14 +352,17 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
         rows = q.reshape(b * hkv, -1, d)
         top = timer("rank", lambda rows=rows: rank_clusters(layer, plan, rows, scale))
         timer("attend", lambda rows=rows, top=top: attend(layer, plan, rows, top, scale))
-    if args.kernels and device.type == "cuda":
+    if args.kernels:  # off CUDA: no device times (recorded as errors), the outputs compared
         rows = q.reshape(b * hkv, -1, d)
         checks["kernels_us"] = kernel_times(lambda: decode_step(layer, plan, q, scale))
         checks["topk_us"] = topk_variants(layer, plan, rows, scale)
+        checks["attention_us"] = attention_variants(
+            layer, plan, rows, rank_clusters(layer, plan, rows, scale), scale)
         print("    kernels (us): " + ", ".join(
             f"{k[:48]} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
             for k, v in checks["kernels_us"].items()), flush=True)
         print(f"    top-k (us): {checks['topk_us']}", flush=True)
+        print(f"    attention (us): {checks['attention_us']}", flush=True)
     cached, read = (a - b for a, b in zip(layer.cache_tokens(), before, strict=True))
     checks["cache_blocks"] = blocks
     checks["cache_hit_ratio"] = cached / (cached + read) if blocks and cached + read else None

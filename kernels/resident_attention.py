@@ -53,6 +53,17 @@ from vllm_retro.kernels.tripartite_attention import (
     tripartite_decode_torch,
 )
 
+RETRIEVAL_MAPS = ("onehot", "search")
+"""How the Triton kernel finds a retrieval token's cluster (its run, see the module
+docstring): 'onehot' compares the tile's tokens with every run end and picks the run's
+offsets by one-hot sums in registers ([BLOCK_N, BLOCK_R] per tile and value picked); 'search'
+writes the runs to a scratch row per program and binary-searches them per token (log2
+BLOCK_R loads from L1 per tile, no 2-D temporaries). The same result."""
+
+RETRIEVAL_MAP = "onehot"
+"""The default of :data:`RETRIEVAL_MAPS` (the one measured on an H100/H200 so far; 'search'
+waits for its first GPU measurement: ``bench/device_step.py --kernels`` times both)."""
+
 
 @dataclass(frozen=True)
 class LayerPools:
@@ -256,12 +267,13 @@ def _cached_tile(m, ssum, racc, acc, q, K, V, CK, CV, rows, crows, valid, read, 
 @triton.jit
 def _resident_split_kernel(
     Q, PLAN, TOP, KP, VP, SKP, SVP, CEN, VS, SZ, ST, SP, DV, PRF, KF, VF,
-    CK, CV, RUNS, ACC, MX, LS, RA, VSH,
+    CK, CV, RUNS, ACC, MX, LS, RA, VSH, SCR,
     B, G, D, H, N_CAP, C_CAP, SINK_CAP, RING, R_MAX, K_TOP, RANK, T_CACHE, chunk, scale,
     sq_r, sq_g, s_top, s_runp, s_run, sacc_r, sacc_s, sacc_g, sm_r, sm_s, svs_r, svs_g,
+    sscr_r, sscr_s,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILT: tl.constexpr, DOT16: tl.constexpr,
-    CACHE: tl.constexpr,
+    CACHE: tl.constexpr, SEARCH: tl.constexpr, LOG_R: tl.constexpr,
 ):
     # one program per (row, split of the row's virtual tokens: steady, retrieved, estimated);
     # a split walks its share of each zone in a loop of its own, so a tile loads only its
@@ -290,6 +302,15 @@ def _resident_split_kernel(
         coff_r = row0 - (ends - len_r)
         cend_r = tl.where(row0 >= 0, ends - len_r + T_CACHE, 0)
     ends = tl.where(rmask, ends, 9223372036854775807)
+    if SEARCH:  # the runs to this program's scratch rows, searched per token below
+        scr = SCR + r * sscr_r + sp * sscr_s
+        tl.store(scr + offs_r, ends)
+        tl.store(scr + BLOCK_R + offs_r, offs_run)
+        if CACHE:
+            tl.store(scr + 2 * BLOCK_R + offs_r, coff_r)
+            tl.store(scr + 3 * BLOCK_R + offs_r, cend_r)
+            tl.store(scr + 4 * BLOCK_R + offs_r, hit_r.to(tl.int64))
+        tl.debug_barrier()  # stored by some threads, read by others
     nx = nst + tl.sum(len_r, axis=0)
     total = nx + ne
     start = sp * chunk
@@ -333,21 +354,34 @@ def _resident_split_kernel(
         srow = ((sslot * z + zrow) * H + head).to(tl.int64)
         m, ssum, racc, acc = _exact_tile(m, ssum, racc, acc, q, SKP, SVP, srow, valid, D,
                                          offs_d, dmask, scale, no_spread, TILT, DOT16)
-    # retrieval zone: token u in run j = the number of ends <= u (a one-hot pick of its
-    # offset), at pool row offs[j] + u
+    # retrieval zone: token u in run j = the number of ends <= u, at pool row offs[j] + u;
+    # j by a binary search of the scratch rows (SEARCH: LOG_R loads per token) or by a
+    # [BLOCK_N, BLOCK_R] compare and one-hot picks in registers
     c_end = tl.minimum(end, nx)
     for off in range(tl.maximum(start, nst), c_end, BLOCK_N):
         pos = off + offs_n
         valid = pos < c_end
         u = pos - nst
-        run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-        onehot = offs_r[None, :] == run[:, None]
-        off_run = tl.sum(tl.where(onehot, offs_run[None, :], 0), axis=1)
+        if SEARCH:
+            run = tl.zeros([BLOCK_N], tl.int32)
+            for k in tl.static_range(LOG_R):  # upper bound of u in ends (< BLOCK_R: see above)
+                probe = tl.load(scr + run + ((BLOCK_R >> (k + 1)) - 1))
+                run = tl.where(probe <= u, run + (BLOCK_R >> (k + 1)), run)
+            off_run = tl.load(scr + BLOCK_R + run)
+        else:
+            run = tl.sum((u[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+            onehot = offs_r[None, :] == run[:, None]
+            off_run = tl.sum(tl.where(onehot, offs_run[None, :], 0), axis=1)
         crow = prow * N_CAP + off_run + u
         if CACHE:
-            in_cache = valid & (u < tl.sum(tl.where(onehot, cend_r[None, :], 0), axis=1))
-            hit = tl.sum(tl.where(onehot, hit_r[None, :], 0), axis=1) > 0
-            ccrow = tl.sum(tl.where(onehot, coff_r[None, :], 0), axis=1) + u
+            if SEARCH:
+                in_cache = valid & (u < tl.load(scr + 3 * BLOCK_R + run))
+                hit = tl.load(scr + 4 * BLOCK_R + run) > 0
+                ccrow = tl.load(scr + 2 * BLOCK_R + run) + u
+            else:
+                in_cache = valid & (u < tl.sum(tl.where(onehot, cend_r[None, :], 0), axis=1))
+                hit = tl.sum(tl.where(onehot, hit_r[None, :], 0), axis=1) > 0
+                ccrow = tl.sum(tl.where(onehot, coff_r[None, :], 0), axis=1) + u
             m, ssum, racc, acc = _cached_tile(m, ssum, racc, acc, q, KP, VP, CK, CV, crow,
                                               ccrow, valid, in_cache & hit, in_cache & ~hit,
                                               D, offs_d, dmask, scale, no_spread, TILT, DOT16)
@@ -385,14 +419,19 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
                               scale: float, tilted: bool = True,
                               cache: ClusterCache | None = None,
                               runs: torch.Tensor | None = None,
-                              num_splits: int | None = None) -> torch.Tensor:
+                              num_splits: int | None = None,
+                              retrieval_map: str = RETRIEVAL_MAP) -> torch.Tensor:
     """Triton version of :func:`resident_attention_torch` (same arguments and result): two
     launches, every key and value read in place, the row's integers and retrieval runs
     derived in the kernel, the row's tokens split over ``num_splits`` programs (default:
     enough to fill a large GPU) sized from ``width + e_max`` — bounds the host knows, so
     nothing waits for the device. 16-bit queries and pools multiply on tensor cores (q.k
     exact products with fp32 sums; p @ v with p rounded to the values' type, as flash
-    attention does); fp32 ones in IEEE fp32."""
+    attention does); fp32 ones in IEEE fp32. ``retrieval_map``: how a retrieval token finds
+    its cluster (one of :data:`RETRIEVAL_MAPS`; the same result)."""
+    if retrieval_map not in RETRIEVAL_MAPS:
+        raise ValueError(f"retrieval_map {retrieval_map!r}; accepted: "
+                         + ", ".join(RETRIEVAL_MAPS))
     r, g, d = query.shape
     dev = query.device
     out = torch.empty_like(query)
@@ -423,11 +462,15 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
         runs = runs.contiguous()
     else:
         ck, cv, t_cache, runs = pools.keys, pools.values, 0, top
+    block_r = block_size(max(r_max, 1))
+    search = retrieval_map == "search" and r_max > 0
+    scr = (torch.empty(r, splits, 5 if cached else 2, block_r, dtype=torch.int64, device=dev)
+           if search else top)
     _resident_split_kernel[(r, splits)](
         query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
         pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
         pools.deviates, pools.profile, pools.key_factor, pools.value_factor,
-        ck, cv, runs, acc, mx, ls, ra, vsh,
+        ck, cv, runs, acc, mx, ls, ra, vsh, scr,
         plan.shape[1], g, d, h, pools.row_tokens, pools.sizes.shape[1], pools.sink_cap,
         pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), rank,
         t_cache, chunk, float(scale),
@@ -435,9 +478,10 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
         runs.stride(0) if cached else 0, runs.stride(1) if cached else 0,
         acc.stride(0), acc.stride(1), acc.stride(2), mx.stride(0), mx.stride(1),
         vsh.stride(0), vsh.stride(1),
+        scr.stride(0) if search else 0, scr.stride(1) if search else 0,
         BLOCK_G=block_size(g), BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_R=block_size(max(r_max, 1)), BLOCK_K=block_size(rank, 2), TILT=tilt,
-        DOT16=dot16, CACHE=cached,
+        BLOCK_R=block_r, BLOCK_K=block_size(rank, 2), TILT=tilt,
+        DOT16=dot16, CACHE=cached, SEARCH=search, LOG_R=block_r.bit_length() - 1,
     )
     merge_splits(acc, mx, ls, ra if tilt else None, vsh if tilt else None, out)
     return out

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from bench import device_step, gpu_check
+from vllm_retro.kernels.resident_attention import RETRIEVAL_MAPS
 
 
 def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
@@ -23,6 +24,21 @@ def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
         assert case["graph_vs_eager_max_abs"] == 0  # off CUDA the "graph" runs eagerly
         assert case["dense_ms"] > 0 and case["eager_ms"] > 0 and case["torch_ops"] > 0
         assert case["rank_ms"] > 0 and case["attend_ms"] > 0
+
+
+def test_kernels_option_compares_the_attention_by_each_retrieval_map(tmp_path):
+    """``--kernels`` (here on the CPU, the Triton kernels interpreted: no device times) runs
+    the step's attention launch by each retrieval map on the step's own zones, in place
+    through the cluster cache too, and they agree."""
+    result = device_step.main(["--device", "cpu", "--contexts", "2048", "--batches", "2",
+                               "--heads", "4", "2", "32", "--steps", "1", "--kernels",
+                               "--placements", "copy", "in_place_cache",
+                               "--out", str(tmp_path / "ds.json")])
+    for case in result["cases"]:
+        att = case["attention_us"]
+        assert att["default"] in RETRIEVAL_MAPS
+        for how in RETRIEVAL_MAPS:
+            assert att[f"{how}_max_abs"] <= 1e-5, (case["placement"], how, att)
 
 
 def test_gpu_check_fits_a_device_lease(tmp_path):

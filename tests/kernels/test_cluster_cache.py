@@ -11,6 +11,7 @@ from vllm_retro.kernels.cluster_cache import (
     cache_lookup_triton,
 )
 from vllm_retro.kernels.resident_attention import (
+    RETRIEVAL_MAPS,
     LayerPools,
     resident_attention_torch,
     resident_attention_triton,
@@ -142,7 +143,9 @@ def _step_case(gen, dtype, steps=6, h=2, slots=3, c_cap=40, n_cap=400, d=32, g=4
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_attention_through_the_cache_equals_attention_without_it(dtype, tol, triton_device):
+@pytest.mark.parametrize("retrieval_map", RETRIEVAL_MAPS)
+def test_attention_through_the_cache_equals_attention_without_it(dtype, tol, retrieval_map,
+                                                                 triton_device):
     """Step after step (hits, admissions, evictions, clusters larger than a block), both
     paths through a cache of 4 blocks of 8 tokens give the attention the pools give alone,
     and every cached block holds its cluster's first tokens."""
@@ -163,7 +166,7 @@ def test_attention_through_the_cache_equals_attention_without_it(dtype, tol, tri
         runs = cache_lookup_triton(tri_cache, on_dev.sizes, plan.to(dev), top.to(dev), r_max)
         got = resident_attention_triton(q.to(dev), on_dev, plan.to(dev), top.to(dev), width,
                                         r_max, e_max, 0.125, cache=tri_cache,
-                                        runs=runs).cpu()
+                                        runs=runs, retrieval_map=retrieval_map).cpu()
         assert not got.isnan().any()
         torch.testing.assert_close(got.float(), plain.float(), rtol=tol, atol=tol)
     assert int(ref_cache.counts[:, 0].sum()) > 0  # some tokens were read from the cache

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vllm_retro.kernels.resident_attention import (
+    RETRIEVAL_MAPS,
     LayerPools,
     resident_attention_torch,
     resident_attention_triton,
@@ -58,6 +59,23 @@ def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, 
     return q, pools, plan, top, width, r_max, k_top - r_max
 
 
+def _all_retrieval(pools, plan, gen, r_max):
+    """The step of ``plan`` with retrieval zones only: each row's first ``r_max`` clusters of
+    a fresh ranking (as many as it has), nothing estimated. Returns (plan, top, width,
+    e_max)."""
+    i = PLAN_FIELDS.index
+    plan = plan.clone()
+    plan[i("retrieval")] = plan[i("clusters")].clamp_max(r_max)
+    plan[i("estimation")] = 0
+    rows = plan_rows(plan, pools.steady_k.shape[2])
+    c_cap = pools.sizes.shape[1]
+    scores = torch.rand(len(rows.pool_row), c_cap, generator=gen)
+    scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
+    top = scores.topk(r_max, dim=1).indices
+    ends, _ = retrieval_runs(pools.sizes, pools.starts, rows.pool_row, top, rows.n_ret, r_max)
+    return plan, top, int((rows.n_steady + ends[:, -1]).max()) + 5, 0
+
+
 def test_torch_path_reads_the_tokens_the_module_describes():
     """The reference against a hand-assembled token list per row."""
     gen = torch.Generator().manual_seed(0)
@@ -95,14 +113,21 @@ def _on(dev, pools):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tilted", [True, False])
 @pytest.mark.parametrize("splits", [None, 1, 7])
-def test_triton_matches_torch(dtype, tol, tilted, splits, triton_device):
+@pytest.mark.parametrize("retrieval_map", RETRIEVAL_MAPS)
+@pytest.mark.parametrize("r_max", [3, 16])
+def test_triton_matches_torch(dtype, tol, tilted, splits, retrieval_map, r_max,
+                              triton_device):
+    """Both ways of finding a retrieval token's cluster, with zones of 3 ranking slots and
+    of 16 (every slot of a power-of-two search width used: the search's upper bound)."""
     gen = torch.Generator().manual_seed(1)
-    q, pools, plan, top, width, r_max, e_max = _case(gen, dtype)
+    q, pools, plan, top, width, _, e_max = _case(gen, dtype)
+    if r_max != 3:  # every row's ranking slots all retrieval, as many as the rows have
+        plan, top, width, e_max = _all_retrieval(pools, plan, gen, r_max)
     ref = resident_attention_torch(q, pools, plan, top, width, r_max, e_max, 0.125, tilted)
     dev = triton_device
     got = resident_attention_triton(q.to(dev), _on(dev, pools), plan.to(dev), top.to(dev),
                                     width, r_max, e_max, 0.125, tilted,
-                                    num_splits=splits).cpu()
+                                    num_splits=splits, retrieval_map=retrieval_map).cpu()
     assert got.dtype == dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
@@ -141,7 +166,9 @@ def _shared_pool(pools: LayerPools, gen: torch.Generator) -> LayerPools:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_a_shared_pool_read_in_place_gives_the_same_attention(dtype, tol, triton_device):
+@pytest.mark.parametrize("retrieval_map", RETRIEVAL_MAPS)
+def test_a_shared_pool_read_in_place_gives_the_same_attention(dtype, tol, retrieval_map,
+                                                              triton_device):
     """Tokens read in place from one shared pool ([M, D], absolute starts; the rows between
     regions NaN but row 0, which masked reads use, so a misplaced read shows) equal those
     read from per-row regions, in both paths."""
@@ -155,6 +182,15 @@ def test_a_shared_pool_read_in_place_gives_the_same_attention(dtype, tol, triton
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     dev = triton_device
     got = resident_attention_triton(q.to(dev), _on(dev, shared), plan.to(dev), top.to(dev),
-                                    width, r_max, e_max, 0.125).cpu()
+                                    width, r_max, e_max, 0.125,
+                                    retrieval_map=retrieval_map).cpu()
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_an_unknown_retrieval_map_is_refused():
+    gen = torch.Generator().manual_seed(4)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, torch.float32)
+    with pytest.raises(ValueError, match="retrieval_map 'bisect'; accepted: onehot, search"):
+        resident_attention_triton(q, pools, plan, top, width, r_max, e_max, 0.125,
+                                  retrieval_map="bisect")
