@@ -26,19 +26,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.layer_tables import _step_ids  # noqa: E402
+from bench.layer_tables import step_ids  # noqa: E402
 from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
-from vllm_retro.buffer.layer_pool import _admission_runs  # noqa: E402
+from vllm_retro.buffer.layer_pool import admission_runs  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
-from vllm_retro.kernels.gather import _expand  # noqa: E402
+from vllm_retro.kernels.gather import expand_runs  # noqa: E402
 
 HKV, D = 8, 128
 
 
 def per_token_copy(pool, exec_k: torch.Tensor, exec_v: torch.Tensor, runs: np.ndarray) -> None:
     """The replaced join: per-token source and destination rows, index_select + index_copy_."""
-    dst, src = _expand(runs)
+    dst, src = expand_runs(runs)
     src_t = torch.from_numpy(src).to(exec_k.device)
     dst_t = torch.from_numpy(dst).to(pool.device)
     k = exec_k.reshape(-1, D).index_select(0, src_t)
@@ -68,14 +68,14 @@ def run(context: int, batch: int, steps: int, seed: int = 0) -> dict:
     times: dict[str, list[float]] = {"runs": [], "per_token": []}
     n_runs, n_tokens = [], []
     for step in range(steps):
-        _step_ids(ids, c, rng)
+        step_ids(ids, c, rng)
         t_cap = max(int(st.table.size[np.arange(HKV)[:, None], i].sum(axis=1).max())
                     for st, i in zip(stores, ids, strict=True))
         exec_k = torch.zeros(batch * HKV, t_cap, D, dtype=torch.bfloat16)
         exec_v = torch.zeros_like(exec_k)
         pool.gather_batch(stores, ids, [0] * batch, exec_k, exec_v)
         taken = [st.take_step() for st in stores]
-        runs = np.concatenate([_admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
+        runs = np.concatenate([admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
                                for _, _, row0, plan in taken])
         for variant in ("runs", "per_token") if step % 2 else ("per_token", "runs"):
             t0 = time.perf_counter()

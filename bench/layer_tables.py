@@ -72,7 +72,7 @@ def _stores(manager: WaveBufferManager, context: int, batch: int, seed: int) -> 
     return out
 
 
-def _step_ids(ids: list[np.ndarray], c: int, rng: np.random.Generator) -> None:
+def step_ids(ids: list[np.ndarray], c: int, rng: np.random.Generator) -> None:
     """Replace 30% of every request's retrieval clusters, per head, in place."""
     r = ids[0].shape[1]
     for i in ids:
@@ -95,7 +95,7 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
     rng = np.random.default_rng(seed)
     ids = [np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)]) for _ in stores]
     for _ in range(20):  # caches as a decode finds them: hits and misses
-        _step_ids(ids, c, rng)
+        step_ids(ids, c, rng)
         for st, i in zip(stores, ids, strict=True):
             st.update(i, st.lookup(i), 0)
     for st in stores:
@@ -113,7 +113,7 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
     per_step: dict[str, list[float]] = {v: [] for v in VARIANTS}
     hit_share = []
     for step in range(steps):
-        _step_ids(ids, c, rng)
+        step_ids(ids, c, rng)
         t_cap = max(int(st.table.size[np.arange(HKV)[:, None], i].sum(axis=1).max())
                     for st, i in zip(stores, ids, strict=True))
         plans = {v: np.zeros((batch * HKV * t_cap, 3), dtype=np.int64) for v in VARIANTS}
@@ -168,7 +168,7 @@ def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 
     ids = [np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)]) for _ in range(batch)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for step in range(steps):
-        _step_ids(ids, c, rng)
+        step_ids(ids, c, rng)
         stores = layers["one_call"][1]
         t_cap = max(int(st.table.size[np.arange(HKV)[:, None], i].sum(axis=1).max())
                     for st, i in zip(stores, ids, strict=True))

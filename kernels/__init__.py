@@ -18,6 +18,7 @@ import os
 import torch
 from torch import Tensor
 
+from vllm_retro.kernels._common import take_rows
 from vllm_retro.kernels.cluster_cache import (
     ClusterCache,
     cache_lookup_torch,
@@ -63,6 +64,7 @@ __all__ = [
     "resolve_backend",
     "scatter_sum",
     "select_zones",
+    "take_rows",
     "top_clusters",
     "tripartite_decode",
 ]

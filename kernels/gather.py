@@ -32,7 +32,7 @@ RUN_FIELDS = ("dst", "src", "count")
 from the device pool, < 0 from the host pool)."""
 
 
-def _expand(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expand_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (dst, src) of ``runs`` [N, 3] (whatever their sign), run after run."""
     length = np.abs(runs[:, 2])
     step = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
@@ -52,7 +52,7 @@ def gather_runs_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, dev_k: torch.Tenso
         part = plan[plan[:, 2] > 0] if hit else plan[plan[:, 2] < 0]
         if part.shape[0] == 0:
             continue
-        dst, src = (torch.from_numpy(x) for x in _expand(part))
+        dst, src = (torch.from_numpy(x) for x in expand_runs(part))
         src, dst = src.to(src_k.device), dst.to(dst_k.device)
         flat_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device))
         flat_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device))

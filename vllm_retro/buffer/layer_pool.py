@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from vllm_retro.buffer.store import Plan, WaveBufferStore
 
 
-def _admission_runs(plan: Plan, src: np.ndarray, host: bool = False) -> np.ndarray:
+def admission_runs(plan: Plan, src: np.ndarray, host: bool = False) -> np.ndarray:
     """The gather runs ([n, 3] int64: device-pool row, source row, count; negative counts
     for a host-pool source) of an admission ``plan``'s pages whose first source rows are
     ``src`` ([n] int64)."""
@@ -270,7 +270,7 @@ class LayerPool:
                 self.admit(*s, backend=backend)
             return
         t_cap = exec_k.shape[1]
-        runs = np.concatenate([_admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
+        runs = np.concatenate([admission_runs(plan, (row0 + plan[0]) * t_cap + plan[1])
                                for _, _, row0, plan in steps])
         self._copy_in(exec_k, exec_v, runs, backend)
 
@@ -281,10 +281,10 @@ class LayerPool:
         (token reads) host-pool rows) into the block pool."""
         heads, slots, _, _ = plan
         if exec_k is None or exec_v is None:
-            self._copy_in(None, None, _admission_runs(plan, slots, host=True), backend)
+            self._copy_in(None, None, admission_runs(plan, slots, host=True), backend)
             return
         self._copy_in(exec_k, exec_v,
-                      _admission_runs(plan, (row0 + heads) * exec_k.shape[1] + slots), backend)
+                      admission_runs(plan, (row0 + heads) * exec_k.shape[1] + slots), backend)
 
     def _copy_in(self, src_k: torch.Tensor | None, src_v: torch.Tensor | None,
                  runs: np.ndarray, backend: str) -> None:

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 
 from vllm_retro import kernels
-from vllm_retro.kernels._common import take_rows
+from vllm_retro.kernels import take_rows
 
 
 @dataclass(frozen=True)

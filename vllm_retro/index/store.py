@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vllm_retro.index.clustering import Clusters
-from vllm_retro.kernels._common import take_rows
+from vllm_retro.kernels import take_rows
 
 SteadyParts = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """The steady zone as (keys, values) pieces, each [H, n_i, D], placed first in order."""
