@@ -280,7 +280,7 @@ def test_pqcache_default_budget_decodes_sparse_and_frees_aborted_requests(tiny_m
     # path through the execution buffer and the block cache (CUDA's)
     def check(rt):
         for rid in rt.live_requests():
-            layer = next(iter(rt._indexes[rid]))
+            layer = next(iter(rt.indexes_of(rid)))
             idx = rt.index(rid, layer)
             assert type(idx).__name__ == "PQIndex" and 0 < idx.token_budget() < idx.num_indexed
 

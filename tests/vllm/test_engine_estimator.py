@@ -16,7 +16,7 @@ def test_auto_estimator_is_judged_on_the_prompts_queries(tiny_model_dir):
 
     def check(rt):
         for rid in rt.live_requests():
-            for layer in rt._indexes[rid]:
+            for layer in rt.indexes_of(rid):
                 idx = rt.index(rid, layer)
                 assert idx.judged_queries == JUDGE_QUERIES, (rid, layer)
                 heads = idx.residuals.tilted_heads

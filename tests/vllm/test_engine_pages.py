@@ -23,7 +23,7 @@ def test_a_budget_of_every_token_matches_stock_token_for_token(kind, tiny_model_
 def test_default_budget_decodes_sparse_and_frees_aborted_requests(kind, tiny_model_dir):
     def check(rt):
         for rid in rt.live_requests():
-            layer = next(iter(rt._indexes[rid]))
+            layer = next(iter(rt.indexes_of(rid)))
             idx = rt.index(rid, layer)
             assert idx.config.index == kind and type(idx).__name__ == {
                 "quest": "QuestIndex", "streaming": "StreamingIndex"}[kind]

@@ -72,7 +72,15 @@ def test_a_request_has_one_slot_in_every_layers_steady_pool():
     assert all(rt.index(r, layer).steady is pools[layer] for r in "yz" for layer in pools)
     host, _ = rt.live_bytes()
     assert host >= sum(p.nbytes() for p in pools.values()) > 0
+    # one state per layer holds its pool and its requests' indexes
+    for layer in ("l0", "l1"):
+        state = rt.layer(layer)
+        assert state.name == layer and state.steady is pools[layer]
+        assert list(state.indexes) == ["x", "y", "z"]
+    assert rt.indexes_of("x") == {layer: rt.index("x", layer) for layer in ("l0", "l1")}
+    assert rt.live_requests() == ["x", "y", "z"] and rt.layer("l2") is None
     rt.free_request("y")
+    assert rt.indexes_of("y") == {} and "y" not in rt.layer("l0").indexes
     build("w")
     assert rt.index("w", "l1").slot == 1
     for rid in "xzw":

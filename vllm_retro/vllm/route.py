@@ -148,9 +148,6 @@ class RouteImplMixin:
         get_runtime().attach(vllm_config, cfg)
         self.retro = (cfg is not None and attn_type == AttentionType.DECODER
                       and sliding_window is None)
-        self.meta_views = MetaViewCache()
-        """This layer's padded meta view of its indexed rows, kept across steps (the batched
-        path off the fused CPU kernel, :mod:`vllm_retro.index.padded`)."""
         if not self.retro:
             return
         cfg.check_head_dim(head_size)
@@ -225,18 +222,23 @@ class RouteImplMixin:
                            * self.scale)
             rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0,
                             queries=queries)
+        state = rt.layer(name)
         if md.plan.decodes:
-            self._decode_indexed(rt, layer, kv_cache, md.plan, query, key, value, out)
-        else:
-            self.meta_views.clear()  # no indexed rows left: release the view's copy
+            # the layer's batched-decode view, kept across steps (a fresh one for a layer
+            # holding no index yet: its rows fail with a clear error)
+            views = state.meta_views if state is not None else MetaViewCache()
+            self._decode_indexed(rt, layer, kv_cache, md.plan, query, key, value, out, views)
+        elif state is not None:
+            state.meta_views.clear()  # no indexed rows left: release the view's copy
         return output
 
     def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, plan: BatchPlan,
                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, views: MetaViewCache) -> None:
         """Append each indexed row's new K/V and decode its queries through the wave index:
         all rows of the layer in one :func:`append_batch` and one :func:`decode_batch` call
-        per token position (one each without speculative tokens).
+        per token position (one each without speculative tokens), with the layer's view
+        ``views``.
 
         A decode that raises is done again row by row; a row that still raises fails its
         request (:meth:`RetroRuntime.fail_request`: an error to that client, every other
@@ -256,7 +258,7 @@ class RouteImplMixin:
         for col in plan.columns:
             members = list(range(len(decodes)) if col.members is None else col.members)
             if any(indexes[j] is None for j in members):
-                self._decode_apart(rt, col, decodes, indexes, query, key, value, out)
+                self._decode_apart(rt, col, decodes, indexes, query, key, value, out, views)
                 continue
             rows = [indexes[j] for j in members]
             if col.part is not None:
@@ -275,24 +277,25 @@ class RouteImplMixin:
                                     f"appending its token to its index raised {exc!r}")
                     indexes[members[b]] = None
                 self._decode_rows(rt, members, decodes, indexes, _tokens(col), query, out,
-                                  failed[0][1])
+                                  failed[0][1], views)
                 continue
             try:
                 if idx is None:
-                    decode_batch(rows, q, self.scale, out=out[col.part], cache=self.meta_views)
+                    decode_batch(rows, q, self.scale, out=out[col.part], cache=views)
                 else:
-                    res = decode_batch(rows, q, self.scale, cache=self.meta_views)
+                    res = decode_batch(rows, q, self.scale, cache=views)
                     out.index_copy_(0, idx, res.to(out.dtype))
             except Exception as exc:
-                self._decode_rows(rt, members, decodes, indexes, _tokens(col), query, out, exc)
+                self._decode_rows(rt, members, decodes, indexes, _tokens(col), query, out, exc,
+                                  views)
 
     def _decode_rows(self, rt: Any, members: list[int], decodes: list, indexes: list,
                      tokens: list[int], query: torch.Tensor, out: torch.Tensor,
-                     exc: Exception) -> None:
+                     exc: Exception, views: MetaViewCache) -> None:
         """After a column's batched decode raised (``exc``): decode each of its rows alone
         (``members``: positions in ``decodes``; ``tokens``: their batch rows); a row that
         raises again fails its request and writes zeros."""
-        self.meta_views.clear()  # the layer's batch view may be half built
+        views.clear()  # the layer's batch view may be half built
         for j, t in zip(members, tokens, strict=True):
             index = indexes[j]
             if index is None:
@@ -310,7 +313,7 @@ class RouteImplMixin:
 
     def _decode_apart(self, rt: Any, col: Any, decodes: list, indexes: list,
                       query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, views: MetaViewCache) -> None:
         """A column holding a request that failed in this step: every other row appends
         and decodes alone; the failed rows write zeros."""
         members = range(len(decodes)) if col.members is None else col.members
@@ -328,7 +331,7 @@ class RouteImplMixin:
                                 f"appending its token to its index raised {failed[0][1]!r}")
                 indexes[j] = None
             self._decode_rows(rt, [j], decodes, indexes, [t], query, out,
-                              RuntimeError("a request of its batch failed"))
+                              RuntimeError("a request of its batch failed"), views)
 
 
 def _tokens(col: Any) -> list[int]:

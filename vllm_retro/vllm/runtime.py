@@ -1,6 +1,7 @@
-"""Per-worker-process retro state: the wave buffer manager, each request's per-layer wave
-indexes, each layer's steady-zone pool and the requests' slots in them, the index builder,
-the current step's plan, and counters.
+"""Per-worker-process retro state: the wave buffer manager, each attention layer's state
+(:class:`~vllm_retro.vllm.layer_state.LayerState`: its requests' wave indexes and its
+steady-zone pool) and the requests' slots in the pools, the index builder, the current
+step's plan, and counters.
 
 One instance per process (:func:`get_runtime`). The engine runs one step at a time per
 worker, so the step plan is plain state; the registry itself is lock-protected because
@@ -24,11 +25,12 @@ from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import load_saap
-from vllm_retro.index.steady import SlotTable, SteadyPool
+from vllm_retro.index.steady import SlotTable
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_ext
 from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
+from vllm_retro.vllm.layer_state import LayerState
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
@@ -97,9 +99,9 @@ class RetroRuntime:
         self._manager: WaveBufferManager | None = None
         self._builder: IndexBuilder | None = None
         self._device_type = "cpu"
-        self._indexes: dict[str, dict[str, WaveIndex]] = {}
-        self._steady: dict[str, SteadyPool] = {}
-        """Each layer's steady-zone pool, where its registered indexes keep sinks and window."""
+        self._layers: dict[str, LayerState] = {}
+        """Each attention layer's state (its requests' indexes, its steady-zone pool), by
+        vLLM's layer name."""
         self._slots = SlotTable()
         """Each live request's slot, the same in every layer's steady pool."""
         self._lock = threading.Lock()
@@ -229,29 +231,42 @@ class RetroRuntime:
         return index
 
     def _register(self, request_id: str, layer: str, index: WaveIndex) -> None:
-        # the engine's thread: the layer's shared pool changes only between forwards
-        pool = self._steady.get(layer)
-        if pool is None:
-            own = index.steady
-            pool = self._steady[layer] = SteadyPool(
-                own.num_heads, own.head_dim, own.sink_cap, own.ring, own.dtype, own.device,
-                slots=0, zeroed=True)
+        # the engine's thread: a layer's state changes only between forwards
         slot = self._slots.get(request_id)
-        pool.ensure(slot + 1)
-        index.adopt_steady(pool, slot)
         with self._lock:
-            per_layer = self._indexes.setdefault(request_id, {})
-            if not per_layer:
+            if not self._holds(request_id):
                 self.counters.requests_indexed += 1
                 self.counters.indexed_tokens += index.num_tokens
-            old = per_layer.pop(layer, None)
-            per_layer[layer] = index
+            state = self._layers.get(layer)
+            if state is None:
+                state = self._layers[layer] = LayerState(layer)
+            old = state.register(request_id, slot, index)
             self.counters.indexes_built += 1
             self.counters.kv_heads = index.num_kv_heads
             self.counters.peak_live_requests = max(self.counters.peak_live_requests,
-                                                   len(self._indexes))
+                                                   len(self._live()))
         if old is not None:
             old.free()
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether some layer holds an index of ``request_id`` (under the lock)."""
+        return any(request_id in state.indexes for state in self._layers.values())
+
+    def _live(self) -> list[str]:
+        """The request ids some layer holds an index of, in order of arrival (under the
+        lock)."""
+        return list(dict.fromkeys(rid for state in self._layers.values()
+                                  for rid in state.indexes))
+
+    def layer(self, name: str) -> LayerState | None:
+        """The state of attention layer ``name`` (None before its first index)."""
+        return self._layers.get(name)
+
+    def indexes_of(self, request_id: str) -> dict[str, WaveIndex]:
+        """The indexes of ``request_id`` taken over so far, by layer name."""
+        with self._lock:
+            return {name: state.indexes[request_id] for name, state in self._layers.items()
+                    if request_id in state.indexes}
 
     def note_build_time(self, request_id: str, seconds: float) -> None:
         """Add ``seconds`` (reading back KV and indexing it) to the request's index build
@@ -321,9 +336,13 @@ class RetroRuntime:
     def find_index_any(self, request_id: str) -> bool:
         """Whether ``request_id`` has its indexes here (taking them over from the builder,
         waiting for it, when they are not yet)."""
-        if request_id not in self._indexes and self._builder is not None:
+        with self._lock:
+            held = self._holds(request_id)
+        if not held and self._builder is not None:
             self._take(request_id)
-        return request_id in self._indexes
+            with self._lock:
+                held = self._holds(request_id)
+        return held
 
     def _take(self, request_id: str) -> None:
         assert self._builder is not None
@@ -339,8 +358,8 @@ class RetroRuntime:
         from the builder, waiting for it if needed), or None when it has none (never
         indexed here, or its background build failed)."""
         self.find_index_any(request_id)
-        per_layer = self._indexes.get(request_id)
-        return None if per_layer is None else per_layer.get(layer)
+        state = self._layers.get(layer)
+        return None if state is None else state.indexes.get(request_id)
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
         """:meth:`find_index`, with a clear error if the index does not exist."""
@@ -357,31 +376,32 @@ class RetroRuntime:
         if self._builder is not None:
             self.counters.index_step_seconds += self._builder.cancel(request_id)
         with self._lock:
-            per_layer = self._indexes.pop(request_id, None)
-        if per_layer and self._builder is not None and self._builder.background and any(
-                i.centroids.is_cuda for i in per_layer.values()):
+            removed = [i for i in (state.remove(request_id) for state in self._layers.values())
+                       if i is not None]
+        if removed and self._builder is not None and self._builder.background and any(
+                i.centroids.is_cuda for i in removed):
             # Their memory came from the builder's stream: the caching allocator may hand it
             # to the next build there at once, so the main stream's last reads must be done.
             torch.cuda.current_stream().synchronize()
-        for index in (per_layer or {}).values():
+        for index in removed:
             index.free()
         self._slots.release(request_id)
         idle = not len(self._slots)
         if idle:  # no request left: the pools' memory goes back
-            for pool in self._steady.values():
-                pool.release()
+            for state in self._layers.values():
+                state.release_steady()
         if self._manager is not None:
             self._manager.free_request(request_id)
-        if idle and per_layer is not None:  # and what the heap keeps of the freed buffers
+        if idle and removed:  # and what the heap keeps of the freed buffers
             release_free_heap()
-        if per_layer is not None:
+        if removed:
             self.counters.requests_released += 1
-        return per_layer is not None
+        return bool(removed)
 
     def live_requests(self) -> list[str]:
         """Request ids holding indexes (taken over at their switch)."""
         with self._lock:
-            return list(self._indexes)
+            return self._live()
 
     def _held_indexes(self) -> dict[str, list[WaveIndex]]:
         """Every index holding memory, by request id: those taken over at their request's
@@ -389,8 +409,9 @@ class RetroRuntime:
         background)."""
         held = dict(self._builder.built()) if self._builder is not None else {}
         with self._lock:
-            for rid, per_layer in self._indexes.items():
-                held.setdefault(rid, []).extend(per_layer.values())
+            for state in self._layers.values():
+                for rid, index in state.indexes.items():
+                    held.setdefault(rid, []).append(index)
         return held
 
     def live_bytes(self) -> tuple[int, int]:
@@ -401,7 +422,7 @@ class RetroRuntime:
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
         held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
                 for idx in indexes]
-        held += [(pool.nbytes(), pool.device.type == "cuda") for pool in self._steady.values()]
+        held += [state.steady_nbytes() for state in self._layers.values()]
         for nbytes, on_device in held:
             if on_device:
                 device += nbytes
@@ -449,7 +470,7 @@ class RetroRuntime:
             self._builder = None
         for rid in self.live_requests():
             self.free_request(rid)
-        self._steady = {}
+        self._layers = {}
         self._slots = SlotTable()
         if self._manager is not None:
             self._manager.close()
