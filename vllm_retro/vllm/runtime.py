@@ -357,7 +357,12 @@ class RetroRuntime:
         """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
         from the builder, waiting for it if needed), or None when it has none (never
         indexed here, or its background build failed)."""
-        self.find_index_any(request_id)
+        state = self._layers.get(layer)
+        index = None if state is None else state.indexes.get(request_id)
+        if index is not None:  # every decode step of every layer: one lookup
+            return index
+        if not self.find_index_any(request_id):
+            return None
         state = self._layers.get(layer)
         return None if state is None else state.indexes.get(request_id)
 
