@@ -185,12 +185,12 @@ def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 
             if variant == "per_request":  # the job as it was: each update into its future
                 futures = [Future() for _ in stores]
                 deliver([(partial(st.update, i, lk, 0), f) for st, i, lk, f
-                              in zip(stores, ids, lks, futures, strict=True)])
+                         in zip(stores, ids, lks, futures, strict=True)])
                 out = [f.result() for f in futures]
             else:
                 futures = [Future() for _ in stores]
                 stores[0].pool.update_batch(stores, ids, lks, [0] * batch, futures,
-                                             threads=threads)
+                                            threads=threads)
                 out = [f.result() for f in futures]
             times[variant].append(time.perf_counter() - t0)
             plans[variant] = out

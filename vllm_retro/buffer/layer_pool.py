@@ -185,8 +185,8 @@ class LayerPool:
         self.gather(plan[:at], exec_k, exec_v, stores[0].config.kernel_backend)
 
     def update_batch(self, stores: Sequence[WaveBufferStore], cluster_ids: Sequence[np.ndarray],
-                      lookups: Sequence[Lookup], n_steady: Sequence[int],
-                      futures: Sequence[Future], threads: int | None = None) -> None:
+                     lookups: Sequence[Lookup], n_steady: Sequence[int],
+                     futures: Sequence[Future], threads: int | None = None) -> None:
         """The cache updates of a layer step's stores (worker thread): one compiled call
         (``buffer_update_batch``: the stores' own table work on ``table_threads`` threads,
         the pool's free stack in store order), with the result of each store's
@@ -275,7 +275,7 @@ class LayerPool:
         self._copy_in(exec_k, exec_v, runs, backend)
 
     def admit(self, exec_k: torch.Tensor | None, exec_v: torch.Tensor | None, row0: int,
-               plan: Plan, backend: str) -> None:
+              plan: Plan, backend: str) -> None:
         """Copy one step's admissions (``plan``, see :data:`~vllm_retro.buffer.store.Plan`:
         execution-buffer places of the store's rows from ``row0``, or with ``exec_k`` None
         (token reads) host-pool rows) into the block pool."""

@@ -238,8 +238,8 @@ class WaveBufferStore:
         lk = self.lookup(ids)
         n_steady = sum(int(sk.shape[1]) for sk, _ in steady)
         t = n_steady + int(lk.totals.max()) if self.num_heads else 0
-        exec_k, exec_v = self.exec_buffer(self.num_heads, t, self.head_dim,
-                                                  self.dtype, self.device)
+        exec_k, exec_v = self.exec_buffer(self.num_heads, t, self.head_dim, self.dtype,
+                                          self.device)
         self._fill(ids, lk, fill_steady(steady, exec_k, exec_v), exec_k, exec_v)
         pos = np.where(lk.host_row >= 0,
                        self.host.positions.numpy()[np.maximum(lk.host_row, 0)], -1)
@@ -265,7 +265,7 @@ class WaveBufferStore:
         return self.table.lookup(ids, self.host.page_block)
 
     def lookup_into(self, ids: np.ndarray, plan: np.ndarray, at: int, row0: int, col0: int,
-                     t_cap: int) -> Lookup:
+                    t_cap: int) -> Lookup:
         """:meth:`lookup`, writing the tokens' places into a layer's gather plan (``plan``
         [N, 3] int64 runs from entry ``at``; this store's head h goes to execution-buffer
         row ``row0 + h`` of ``t_cap`` slots from slot ``col0``; see
@@ -479,8 +479,7 @@ class WaveBufferStore:
         want[mh, rank] = True
         protected = np.zeros(t.cached.shape, dtype=bool)
         protected[head, read] = True
-        self.stats.add(cluster_hits=int(cached.sum()),
-                               cluster_misses=int((~cached).sum()))
+        self.stats.add(cluster_hits=int(cached.sum()), cluster_misses=int((~cached).sum()))
         heads, _, cand, blocks = self._admit(cand, want, protected)
         which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
                                                blocks, page)
