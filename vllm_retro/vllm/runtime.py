@@ -234,17 +234,18 @@ class RetroRuntime:
         # the engine's thread: a layer's state changes only between forwards
         slot = self._slots.get(request_id)
         with self._lock:
-            if not self._holds(request_id):
-                self.counters.requests_indexed += 1
-                self.counters.indexed_tokens += index.num_tokens
+            first = not self._holds(request_id)
             state = self._layers.get(layer)
             if state is None:
                 state = self._layers[layer] = LayerState(layer)
             old = state.register(request_id, slot, index)
             self.counters.indexes_built += 1
             self.counters.kv_heads = index.num_kv_heads
-            self.counters.peak_live_requests = max(self.counters.peak_live_requests,
-                                                   len(self._live()))
+            if first:  # a request more: the live count changes only now
+                self.counters.requests_indexed += 1
+                self.counters.indexed_tokens += index.num_tokens
+                self.counters.peak_live_requests = max(self.counters.peak_live_requests,
+                                                       len(self._live()))
         if old is not None:
             old.free()
 
@@ -357,14 +358,13 @@ class RetroRuntime:
         """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
         from the builder, waiting for it if needed), or None when it has none (never
         indexed here, or its background build failed)."""
-        state = self._layers.get(layer)
-        index = None if state is None else state.indexes.get(request_id)
-        if index is not None:  # every decode step of every layer: one lookup
-            return index
-        if not self.find_index_any(request_id):
-            return None
-        state = self._layers.get(layer)
-        return None if state is None else state.indexes.get(request_id)
+        def held() -> WaveIndex | None:
+            state = self._layers.get(layer)
+            return None if state is None else state.indexes.get(request_id)
+
+        # every decode row of every layer: one lookup; the builder only at a switch
+        index = held()
+        return index if index is not None or not self.find_index_any(request_id) else held()
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
         """:meth:`find_index`, with a clear error if the index does not exist."""
