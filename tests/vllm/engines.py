@@ -13,6 +13,8 @@ from typing import Any
 # indexed from 84 tokens on, update blocks every 64 decoded tokens.
 TINY_RETRO = {"update_segment": 64, "update_clusters": 4, "local_window": 16,
               "segment_size": 512}
+SAAP_BUCKETS = 8
+"""Buckets of the SAAP file calibrated for the tiny model (the ``saap_file`` fixture)."""
 FULL_BUDGET = {"retrieval_budget": 1.0, "estimation_budget": 0.0}
 
 

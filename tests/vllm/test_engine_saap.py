@@ -4,11 +4,11 @@ SAAP file calibrated for that model."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from tests.vllm.engines import (
+    SAAP_BUCKETS,
     TINY_RETRO,
     decode_two_abort_one,
     engine,
@@ -16,22 +16,10 @@ from tests.vllm.engines import (
     generate_tokens,
 )
 from vllm_retro.index.saap_model import ModelIdentity, random_saap_model
-from vllm_retro.saap.calibrate import Settings, calibrate
 
 pytestmark = pytest.mark.usefixtures("inprocess")
 
-BUCKETS = 8
-
-
-@pytest.fixture(scope="module")
-def saap_file(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SAAP file calibrated for the tiny model (8 buckets; layer 0 dense)."""
-    out = tmp_path_factory.mktemp("saap") / "tiny.saap"
-    calibrate(tiny_model_dir, out, Settings(buckets=BUCKETS, hidden=16, tokens=1280,
-                                            prompt_tokens=640, query_samples=32, steps=20,
-                                            eval_probes=2),
-              progress=False, log=lambda _: None)
-    return out
+BUCKETS = SAAP_BUCKETS
 
 
 def test_saap_with_every_bucket_matches_stock_token_for_token(tiny_model_dir, saap_file):
