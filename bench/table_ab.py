@@ -7,9 +7,9 @@ extension (``cpu_ext.load()`` in a worktree of it: it lands in the same cache), 
     .venv/bin/python bench/table_ab.py --old <hash> --new <hash> --contexts 32768 131072
 
 with the hashes of ``~/.cache/vllm-retro/extensions/retro_cpu-<hash>``. Both builds must
-return what this checkout's ``WaveBufferStore._update_compiled`` unpacks: since commit
-a3fdbee ``buffer_update`` plans one entry per admitted page (six values), before it one per
-token (five), so builds from before it cannot be compared with later ones this way. Keys
+have what this checkout's ``WaveBufferStore.update`` calls (through
+``LayerPool.update_batch``): ``buffer_update_batch`` with its plans of one entry per
+admitted page (since commit a3fdbee), so older builds cannot be compared this way. Keys
 have head_dim 16 (the tables are what is timed); a 64 MB sweep precedes each lookup, as in
 ``bench/cache_update.py``, and the update follows its lookup, as on the worker.
 """

@@ -5,14 +5,15 @@
 //     consecutive rows, plus the counts the buffer's statistics take; buffer_lookup_batch
 //     does it for every store of a layer's step in one call, the stores in parallel (the
 //     batched decode path's one lookup per layer step);
-//   buffer_update: the cache update of the step (the LRU / LFU stamps, evictions by the
-//     policy's order, admissions within each KV head's block budget, the admission copies'
-//     plan), on the mapping table's arrays in place; buffer_update_batch does it for every
-//     store of a layer's step in one call (the worker's one job per layer step), the stores'
-//     own table work in parallel and their shared free stack in store order.
+//   buffer_update_batch: the cache update of the step (the LRU / LFU stamps, evictions by
+//     the policy's order, admissions within each KV head's block budget, the admission
+//     copies' plan), on the mapping table's arrays in place, for every store of a layer's
+//     step in one call (the worker's one job per layer step; a store alone is a batch of
+//     one), the stores' own table work in parallel and their shared free stack in store
+//     order.
 //
 // They are the functions of vllm_retro.buffer.mapping.ClusterMappingTable.lookup and
-// WaveBufferStore._update (numpy, the reference; tests compare tables, block pools and plans
+// WaveBufferStore.update (numpy, the reference; tests compare tables, block pools and plans
 // step by step, bit for bit). In numpy each step is ~40 small array operations per request
 // and layer (0.16 ms lookup + 0.29 ms update at 32K x 8 KV heads); here the loops touch only
 // the step's clusters and the heads' cached clusters. Both run without the GIL, so the update
@@ -257,7 +258,7 @@ buffer_lookup_batch(std::vector<torch::Tensor> ids, std::vector<torch::Tensor> r
 
 namespace {
 
-// One store's update step: its arguments, checked (see buffer_update).
+// One store's update step: its arguments, checked (see buffer_update_batch).
 struct UpdateStep {
   const int64_t* id;
   const bool* hi;
@@ -469,49 +470,26 @@ void check_update_args(int64_t policy, int64_t page_size) {
 
 }  // namespace
 
-// One step's cache update of one store (see WaveBufferStore._update, the reference): stamp
-// the reads (last_access = clock + 1 + r in read order, reads += 1 for cached clusters),
-// then per KV head admit the clusters not cached that fit its budget capacity[h] (evicting
-// unread cached clusters by the policy's order: 0 LRU (oldest stamp first), 1 LFU (fewest
-// reads, then oldest); ties by cluster id; admitting greedily in read order when even
-// evicting everything evictable is short), taking device blocks off the free stack after
-// the evicted ones went back on it. Returns the admission copies' plan, one entry per
-// admitted page (head-major, read order): (KV head, first execution-buffer slot n_steady +
-// begins[h, r] + i0, first device-pool row, tokens), and (pages admitted, pages evicted).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
-buffer_update(
-    torch::Tensor ids, torch::Tensor hit, torch::Tensor begins, int64_t n_steady,
-    int64_t clock, torch::Tensor records, torch::Tensor cached, torch::Tensor capacity,
-    torch::Tensor page_block, int64_t page_size, torch::Tensor free_stack,
-    torch::Tensor n_free, int64_t policy) {
-  check_update_args(policy, page_size);
-  RETRO_CHECK(n_free.numel() == 1, "buffer: update shapes");
-  const UpdateStep s = update_step(ids, hit, begins, n_steady, clock, records, cached, capacity);
-  int64_t* pb = ptr<int64_t>(page_block, "page_block", torch::kInt64);
-  int64_t* fs = ptr<int64_t>(free_stack, "free_stack", torch::kInt64);
-  int64_t* nf = ptr<int64_t>(n_free, "n_free", torch::kInt64);
-  const UpdateDecision d = update_decide(s, pb, page_block.numel(), page_size, policy);
-  const std::vector<int64_t> blocks = update_take(d, fs, nf, free_stack.numel());
-  auto heads_t = torch::empty({d.entries}, torch::kInt64);
-  auto slots_t = torch::empty({d.entries}, torch::kInt64);
-  auto rows_t = torch::empty({d.entries}, torch::kInt64);
-  auto counts_t = torch::empty({d.entries}, torch::kInt64);
-  update_admit(s, d, blocks.data(), pb, page_size, heads_t.data_ptr<int64_t>(),
-               slots_t.data_ptr<int64_t>(), rows_t.data_ptr<int64_t>(),
-               counts_t.data_ptr<int64_t>());
-  return {heads_t, slots_t, rows_t, counts_t, d.total, d.evicted};
-}
-
-// buffer_update for every store of a layer's step in one call, with the result of updating
-// them one after another in store order: store j's arguments are entry j of each list, all
-// in one host pool (page_block) and one device block pool (free_stack, n_free). The first
-// and last phases (stamps, evictions; the admissions' mapping and plan) touch only a store's
-// own tables and pages and run in parallel on `threads` OpenMP threads; between them the
-// free stack is given and taken in store order. A store that fails does not stop the others
-// (as separate updates): its error is returned in its place (error_kinds[j]: 0 none, 1 a
-// bad value, 2 another error; errors[j] the message) and it returns empty plans. Returns
-// (heads, slots, rows, counts: each store's plan as buffer_update's, admitted [B],
-// evicted [B], error_kinds [B], errors).
+// The cache updates of every store of a layer's step in one call (the worker's one job per
+// layer step; a store alone is a batch of one). Each store's update (see
+// WaveBufferStore.update, the numpy reference): stamp the reads (last_access = clock + 1 + r
+// in read order, reads += 1 for cached clusters), then per KV head admit the clusters not
+// cached that fit its budget capacity[h] (evicting unread cached clusters by the policy's
+// order: 0 LRU (oldest stamp first), 1 LFU (fewest reads, then oldest); ties by cluster id;
+// admitting greedily in read order when even evicting everything evictable is short), taking
+// device blocks off the free stack after the evicted ones went back on it; its plan of the
+// admission copies has one entry per admitted page (head-major, read order): (KV head, first
+// execution-buffer slot n_steady + begins[h, r] + i0, first device-pool row, tokens).
+//
+// The result is that of updating the stores one after another in store order: store j's
+// arguments are entry j of each list, all in one host pool (page_block) and one device block
+// pool (free_stack, n_free). The first and last phases (stamps, evictions; the admissions'
+// mapping and plan) touch only a store's own tables and pages and run in parallel on
+// `threads` OpenMP threads; between them the free stack is given and taken in store order.
+// A store that fails does not stop the others (as separate updates): its error is returned
+// in its place (error_kinds[j]: 0 none, 1 a bad value, 2 another error; errors[j] the
+// message) and it returns empty plans. Returns (heads, slots, rows, counts: each store's
+// plan, admitted [B] and evicted [B] pages, error_kinds [B], errors).
 std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
            std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
            std::vector<std::string>>

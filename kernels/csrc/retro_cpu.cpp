@@ -1350,10 +1350,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
                     std::vector<int64_t>, int64_t, int64_t);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>
-buffer_update(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor,
-              torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor,
-              torch::Tensor, int64_t);
 std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
            std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
            std::vector<std::string>>
@@ -1405,8 +1401,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("buffer_lookup_batch", &buffer_lookup_batch,
         "Wave buffer: the lookups of every store of a layer's step, in parallel",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("buffer_update", &buffer_update, "Wave buffer: one store's cache update",
         py::call_guard<py::gil_scoped_release>());
   m.def("buffer_update_batch", &buffer_update_batch,
         "Wave buffer: the cache updates of every store of a layer's step, in parallel",

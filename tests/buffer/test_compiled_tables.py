@@ -1,4 +1,4 @@
-"""The wave buffer's compiled table work (``buffer_lookup`` / ``buffer_update`` in
+"""The wave buffer's compiled table work (``buffer_lookup`` / ``buffer_update_batch`` in
 kernels/csrc/buffer_cpu.cpp) against the numpy reference (ClusterMappingTable.lookup,
 WaveBufferStore.update): lookups, tables, block pools and admission plans bit for bit."""
 
@@ -234,7 +234,7 @@ def test_one_update_call_for_a_layer_equals_the_stores_updates_in_order(threads,
     """buffer_update_batch (each store's stamps and evictions in parallel, the shared free
     stack given and taken in store order, the admissions in parallel) leaves the layer's
     tables, page -> block map and free stack, and returns the plans, exactly as each store's
-    own buffer_update run one after another in store order: two identical layers, random
+    own update (a batch of one) run one after another in store order: two identical layers, random
     subsets of their stores per step, caches small enough to evict."""
     cfg = RetroConfig(page_size=4, **cache)
     layers = [_layer_stores(cfg, 5, 2, torch.Generator().manual_seed(5)) for _ in range(2)]

@@ -12,8 +12,8 @@ Per decode step (RetroInfer §4.3):
    (host->device); then submit the cache update to the worker and return.
 2. the caller runs attention on the execution buffer while the worker records the reads in
    the mapping table, picks evictions by the policy's order and maps admitted clusters to
-   blocks (one compiled call, ``buffer_update``; numpy over all heads at once is the
-   reference);
+   blocks (one compiled call for the layer's stores, ``buffer_update_batch``; numpy over
+   all heads at once is the reference);
 3. ``step_done``: take the worker's decision and copy the admitted clusters from the
    execution buffer into their blocks, before anything reuses that buffer.
 
@@ -39,7 +39,7 @@ from vllm_retro.buffer.host_tier import bits
 from vllm_retro.buffer.mapping import ClusterMappingTable, Lookup, runs
 from vllm_retro.buffer.policy import admit_greedy, victims
 from vllm_retro.buffer.worker import deliver
-from vllm_retro.config import CACHE_POLICIES, RetroConfig
+from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.index.store import SteadyParts, fill_steady
 from vllm_retro.kernels import cpu_ext
@@ -111,7 +111,7 @@ class WaveBufferStore:
         self._freed = False
         self._host_pages = np.zeros(self.num_heads, dtype=np.int64)
         self.compiled = cpu_ext.load()
-        """The compiled extension whose ``buffer_lookup`` / ``buffer_update`` do the decode
+        """The compiled extension whose ``buffer_lookup`` / ``buffer_update_batch`` do the decode
         step's table work (None: numpy, the reference, as when it cannot be built)."""
         pool.attach(self)
 
@@ -336,11 +336,15 @@ class WaveBufferStore:
     def update(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
         """The cache update of one step (worker thread): record the reads, evict by the
         policy's order, admit the misses that fit, and plan their copies into the cache.
-        Compiled when :attr:`compiled` is set (:meth:`_update_compiled`), else numpy over
-        every KV head at once (no per-head or per-cluster Python work): the reference."""
+        Compiled when :attr:`compiled` is set (the layer pool's one call for a layer step,
+        :meth:`~vllm_retro.buffer.layer_pool.LayerPool.update_batch`, of this store alone),
+        else numpy over every KV head at once (no per-head or per-cluster Python work): the
+        reference."""
         faults.check("update_worker", self.request_id)
         if self.compiled is not None:
-            return self._update_compiled(ids, lk, n_steady)
+            done: Future = Future()
+            self.pool.update_batch([self], [ids], [lk], [n_steady], [done], threads=1)
+            return done.result()
         t, page = self.table, self.page_size
         h_n, r = ids.shape
         rows = np.arange(h_n)[:, None]
@@ -354,23 +358,6 @@ class WaveBufferStore:
         which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
                                                blocks, page)
         return (heads[which], n_steady + lk.begins[heads, pos][which] + first, rows, count)
-
-    def _update_compiled(self, ids: np.ndarray, lk: Lookup, n_steady: int) -> Plan:
-        """:meth:`update` by the compiled ``buffer_update`` (the same tables, block pool
-        and plan), without the GIL; the block pool's lock is held throughout, since it takes
-        and gives blocks on the pool's free stack in place."""
-        t = self.table
-        arrays = [ids, lk.cached, lk.begins]
-        tables = [t.records, t.cached, self.capacity, self.host.page_block]
-        with self.blocks.lock:
-            heads, slots, rows, counts, admitted, evicted = self.compiled.buffer_update(
-                *[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], n_steady,
-                self.clock, *[torch.from_numpy(a) for a in tables], self.page_size,
-                torch.from_numpy(self.blocks.free_stack), torch.from_numpy(self.blocks.n_free),
-                CACHE_POLICIES.index(self.config.cache_policy))
-        self.clock += ids.shape[1]
-        self.stats.add(pages_admitted=admitted, pages_evicted=evicted)
-        return heads.numpy(), slots.numpy(), rows.numpy(), counts.numpy()
 
     def _admit(self, cand: np.ndarray, want: np.ndarray, protected: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
