@@ -55,7 +55,7 @@ def _kernel_selection(index, query: torch.Tensor, scale: float) -> Selection:
 
 
 def _assert_near_ties(index, query: torch.Tensor, scale: float, mine: Selection,
-                     tie: float) -> None:
+                      tie: float) -> None:
     """Each zone of ``mine`` differs from the reference's only by clusters whose reference
     scores are equal, to ``tie`` relative, to those they replace."""
     ref = index.select(query, scale)
@@ -76,7 +76,7 @@ def _assert_near_ties(index, query: torch.Tensor, scale: float, mine: Selection,
 
 
 def _held_to_reference(index, query: torch.Tensor, scale: float, got: torch.Tensor,
-                      tolerance: float, tie: float, near_ties: list[float]) -> float:
+                       tolerance: float, tie: float, near_ties: list[float]) -> float:
     """Relative error of ``got`` (one row's output [Hq, D], fp32) against the per-row
     reference :meth:`WaveIndex.decode` of ``query``. Where it exceeds ``tolerance`` and the
     index's clusters are scored by the fused kernel, the kernel may have ranked clusters of
