@@ -113,3 +113,32 @@ def test_a_request_counts_live_from_its_build_not_its_switch():
     freed = rt.take_stats(0).data["gauges"]["0"]
     assert (freed["live_requests"], freed["clusters"], freed["host_tier_bytes"]) == (0, 0, 0)
     rt.close()
+
+
+def test_the_heap_is_trimmed_when_the_engine_goes_idle_whichever_request_ends_last(
+        monkeypatch):
+    """The C heap's free pages go back to the OS at the step that releases requests and
+    schedules none: also when the last request to end holds no index (dense for life after
+    a failed build, or never indexed), and not while another request still runs (the soak's
+    fault requests ended last and left the worker's heap 25% higher)."""
+    from vllm_retro.vllm import runtime as runtime_module
+    from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+
+    trims = []
+    monkeypatch.setattr(runtime_module, "release_free_heap", lambda: trims.append(1) or True)
+    cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
+    rt = RetroRuntime()
+    rt.attach(object(), cfg)
+    g = torch.Generator().manual_seed(3)
+    rt.build_index("x", "l0", torch.randn(2, 300, 32, generator=g),
+                   torch.randn(2, 300, 32, generator=g))
+    dense = RowStep(slot=7, start=400, num_tokens=1, indexed=False, build_index=False)
+    rt.begin_step(RetroStepMetadata(rows={"d": dense}))
+    assert trims == []
+    rt.begin_step(RetroStepMetadata(rows={"d": dense}, released={"x"}))  # d still runs
+    assert rt.live_requests() == [] and trims == []
+    rt.begin_step(RetroStepMetadata(released={"d"}))  # the last one, without an index
+    assert trims == [1]
+    rt.begin_step(RetroStepMetadata())  # idle, nothing new released
+    assert trims == [1]
+    rt.close()

@@ -166,11 +166,15 @@ class RetroRuntime:
     # ------------------------------------------------------------------ steps
     def begin_step(self, meta: RetroStepMetadata) -> None:
         """Free the requests the scheduler released, seal the builds the previous step
-        submitted, then publish this step's plan."""
+        submitted, then publish this step's plan. A step that releases requests and
+        schedules none (the engine goes idle) gives the C heap's free pages back to the OS,
+        whichever requests ended last: indexed, dense for life, or never indexed."""
         for rid in meta.released:
             self.free_request(rid)
             self._demoted.discard(rid)
             self._failed.pop(rid, None)
+        if meta.released and not meta.rows:
+            release_free_heap()
         if self._builder is not None:
             self._builder.seal()
         self.step = meta
@@ -397,8 +401,6 @@ class RetroRuntime:
                 state.release_steady()
         if self._manager is not None:
             self._manager.free_request(request_id)
-        if idle and removed:  # and what the heap keeps of the freed buffers
-            release_free_heap()
         if removed:
             self.counters.requests_released += 1
         return bool(removed)
