@@ -300,6 +300,9 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.logger import configure_logging_from_args
 
     settings = apply_retro(args)
+    which = "BlockSaltMiddleware" if settings.get("enabled", True) else "BlocksOffMiddleware"
+    args.middleware = [*(getattr(args, "middleware", None) or []),
+                       f"vllm_retro.server.blocks_middleware.{which}"]
     for name in ("log_file", "startup_log"):  # the supervisor's; vLLM must not see them
         vars(args).pop(name, None)
     check_port(args.host, args.port)

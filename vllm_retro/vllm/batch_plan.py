@@ -39,6 +39,22 @@ class RetroDecode:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockPrefill:
+    """A prefill chunk under Block-Attention's mask: batch rows ``[first, first + count)``
+    are tokens ``[start, start + count)`` of the request, computed after the dense pass
+    from its paged KV (:func:`vllm_retro.blocks.attention.block_attention`)."""
+
+    request_id: str
+    block_ids: torch.Tensor
+    """The request's block-table row (kernel blocks), covering ``start + count``."""
+    first: int
+    count: int
+    start: int
+    blocks: tuple[int, ...]
+    """Block starts, the last one the last block's (:attr:`RowStep.blocks`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeColumn:
     """The ``k``-th token of every indexed request that has one this step (one column per
     step without speculative tokens): which decodes take part, and their batch token rows."""
@@ -77,6 +93,7 @@ class BatchPlan:
     dense_rows: list[int] = field(default_factory=list)
     builds: list[IndexBuild] = field(default_factory=list)
     decodes: list[RetroDecode] = field(default_factory=list)
+    block_prefills: list[BlockPrefill] = field(default_factory=list)
     columns: list[DecodeColumn] = field(default_factory=list)
     """The decodes' token columns (:func:`decode_columns`; one without speculative
     tokens)."""
@@ -91,14 +108,16 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
                slot_mapping: torch.Tensor, block_table: torch.Tensor, num_reqs: int
                ) -> BatchPlan:
     """Match each batch row to its request through the slot of its last token and sort it:
-    indexed requests decode through the wave index; every other row is dense, and rows that
-    complete an indexable sequence build an index after the dense pass. At a request's
+    indexed requests decode through the wave index; prefill chunks under Block-Attention's
+    mask are computed apart; every other row is dense, and rows that complete an indexable
+    sequence build an index after the dense pass. At a request's
     switch its indexes are taken over from the builder here (:meth:`RetroRuntime.switch`),
     before any layer runs: when its build failed, its rows stay dense from then on.
     """
     dense_rows: list[int] = []
     builds: list[IndexBuild] = []
     decodes: list[RetroDecode] = []
+    block_prefills: list[BlockPrefill] = []
     qsl = query_start_loc_cpu[: num_reqs + 1].tolist()
     lasts = torch.tensor([max(e - 1, 0) for e in qsl[1:]], dtype=torch.long)
     slots = slot_mapping.index_select(0, lasts.to(slot_mapping.device)).tolist()
@@ -115,16 +134,22 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.num_tokens != n:
             raise RuntimeError(f"retro: request {rid!r} has {n} tokens in the batch but "
                                f"{row.num_tokens} scheduled")
-        dense = runtime.is_dense(rid)  # its build failed, or its index broke
+        if row.blocks_error is not None and not runtime.has_failed(rid):
+            runtime.fail_request(rid, row.blocks_error)
+        dense = runtime.is_dense(rid)  # its build failed, its index broke, or it failed
         if row.indexed and not dense and (not row.catch_up or runtime.switch(rid)):
             catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
                 else None
             decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
             continue
-        # dense: not indexed, or demoted (its paged KV is still allocated), or failed (its
-        # rows compute nothing useful until the scheduler ends it with an error)
-        dense_rows.append(r)
+        if row.blocks is not None and not runtime.has_failed(rid):
+            block_prefills.append(BlockPrefill(rid, block_table[r].clone(), qsl[r], n,
+                                               row.start, row.blocks))
+        else:
+            # dense: not indexed, or demoted (its paged KV is still allocated), or failed
+            # (its rows compute nothing useful until the scheduler ends it with an error)
+            dense_rows.append(r)
         if row.build_index and not dense:
             total = row.start + row.num_tokens
             builds.append(IndexBuild(rid, block_table[r].clone(), total, (qsl[r], qsl[r + 1])))
-    return BatchPlan(dense_rows, builds, decodes, decode_columns(decodes))
+    return BatchPlan(dense_rows, builds, decodes, block_prefills, decode_columns(decodes))

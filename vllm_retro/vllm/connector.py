@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_retro.blocks.request import parse_blocks
 from vllm_retro.index.steady import ring_size
 from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.host_budget import (
@@ -220,10 +221,26 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                 del self._building[rid]
             elif build:
                 self._building[rid] = end
+            blocks, error = self._blocks_of(req) if first < req.num_prompt_tokens \
+                else (None, None)
             meta.rows[rid] = RowStep(slot=slot, start=first, num_tokens=n,
                                      indexed=indexed or switch, build_index=build,
-                                     catch_up=switch)
+                                     catch_up=switch,
+                                     blocks=blocks if blocks and first < blocks[-1] else None,
+                                     blocks_error=error)
         return meta
+
+    def _blocks_of(self, req: Request) -> tuple[tuple[int, ...] | None, str | None]:
+        """The Block-Attention starts ``req`` asks for, or the error they raise (read at its
+        prefill steps)."""
+        params = req.sampling_params
+        extra = params.extra_args if params is not None else None
+        if not extra:
+            return None, None
+        try:
+            return parse_blocks(extra, req.num_prompt_tokens, req.cache_salt), None
+        except ValueError as exc:
+            return None, str(exc)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """After each step: a request whose index build failed on a worker decodes densely

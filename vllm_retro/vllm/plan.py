@@ -40,6 +40,13 @@ class RowStep:
     """First indexed step after a build: the tokens decoded densely while the index was
     being built (``[indexed tokens, start)``) are read from the paged KV, still allocated
     in this step, and appended to the index before decoding."""
+    blocks: tuple[int, ...] | None = None
+    """Block-Attention (:mod:`vllm_retro.blocks.request`): the prompt's block starts, the
+    last one the last block's, while this step computes tokens before that (its passages
+    attend only within themselves); None otherwise."""
+    blocks_error: str | None = None
+    """The request asked for Block-Attention with bad block starts: it fails with this
+    error to its client."""
 
 
 @dataclass

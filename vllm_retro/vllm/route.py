@@ -30,10 +30,11 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
+from vllm_retro.blocks.attention import block_attention, query_starts
 from vllm_retro.index.batched import append_batch, decode_batch
 from vllm_retro.index.estimator_choice import JUDGE_QUERIES
 from vllm_retro.index.padded import MetaViewCache
-from vllm_retro.vllm.batch_plan import BatchPlan, plan_batch
+from vllm_retro.vllm.batch_plan import BatchPlan, BlockPrefill, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.runtime import RetroRuntime, get_runtime
 from vllm_retro.vllm.settings import RetroSetupError, retro_config
@@ -117,7 +118,7 @@ class RouteBuilderMixin:
                           cm.num_reqs)
         c.sparse_decode_tokens += sum(d.count for d in plan.decodes)
         c.dense_decode_tokens += sum(1 for r in plan.dense_rows if int(qlens[r]) == 1)
-        if not plan.decodes:
+        if not plan.decodes and not plan.block_prefills:
             dense, tokens = super().build(common_prefix_len, cm, fast_build), None
         elif plan.dense_rows:
             sub, tokens = _restrict(cm, plan.dense_rows)
@@ -202,6 +203,8 @@ class RouteImplMixin:
                                 kv_cache, md.dense, sub_out)
                 out.index_copy_(0, tokens, sub_out)
             rt.counters.dense_tokens += md.dense.num_actual_tokens
+        for p in md.plan.block_prefills:
+            self._block_prefill(layer, kv_cache, p, query, out)
         name = layer.layer_name
         for b in md.plan.builds:
             t0 = time.perf_counter()
@@ -231,6 +234,19 @@ class RouteImplMixin:
         elif state is not None:
             state.meta_views.clear()  # no indexed rows left: release the view's copy
         return output
+
+    def _block_prefill(self, layer: Any, kv_cache: torch.Tensor, p: BlockPrefill,
+                       query: torch.Tensor, out: torch.Tensor) -> None:
+        """A prefill chunk under Block-Attention's mask, from the request's paged KV (this
+        step's tokens already written there)."""
+        end = p.start + p.count
+        keys, values = self.read_kv(layer, kv_cache, p.block_ids, end)
+        positions = torch.arange(p.start, end)
+        starts = query_starts(positions, list(p.blocks[:-1]), p.blocks[-1])
+        rows = slice(p.first, p.first + p.count)
+        out[rows] = block_attention(query[rows], keys.transpose(0, 1), values.transpose(0, 1),
+                                    positions.to(query.device), starts.to(query.device),
+                                    self.scale)
 
     def _decode_indexed(self, rt: Any, layer: Any, kv_cache: torch.Tensor, plan: BatchPlan,
                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,100 @@
+"""The OpenAI server's side of Block-Attention: a request body whose ``vllm_xargs`` lists
+``retro_blocks`` gets the ``cache_salt`` its block starts need
+(:func:`vllm_retro.blocks.request.block_salt`; a salt the client gave is kept after it), or
+a 400 naming what is wrong with them. Every other request passes untouched.
+
+An ASGI middleware (vLLM's ``--middleware``), so the body is rewritten before vLLM parses
+it: clients only list the starts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm_retro.blocks.request import KEY, block_salt, check_blocks
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def rewrite(body: bytes) -> tuple[bytes | None, str | None]:
+    """(the new body, None), (None, None) when the body is not a block request, or
+    (None, the error) when its block starts are bad."""
+    if KEY.encode() not in body:
+        return None, None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None, None  # vLLM answers malformed JSON itself
+    xargs = request.get("vllm_xargs") if isinstance(request, dict) else None
+    if not isinstance(xargs, dict) or KEY not in xargs:
+        return None, None
+    try:
+        blocks = check_blocks(xargs[KEY])
+    except ValueError as exc:
+        return None, str(exc)
+    salt = request.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return None, f"cache_salt must be a string, got {salt!r}"
+    request["cache_salt"] = block_salt(blocks, salt)
+    return json.dumps(request).encode(), None
+
+
+class BlockSaltMiddleware:
+    """See module docstring."""
+
+    enabled = True
+    """Retro is on (the block mask is computed by retro's attention route)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in PATHS):
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nothing to serve
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        new, error = rewrite(body)
+        if new is not None and not self.enabled:
+            error = (f"{KEY} needs retro's attention route, and retro is off for this server "
+                     "(additional_config retro.enabled=false)")
+        if error is not None:
+            await _bad_request(send, error)
+            return
+        if new is not None:
+            body = new
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class BlocksOffMiddleware(BlockSaltMiddleware):
+    """For a server with retro off: Block-Attention requests get a 400 saying so."""
+
+    enabled = False
+
+
+async def _bad_request(send: Any, message: str) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError",
+                                    "param": KEY, "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,74 @@
+"""vllm_retro.server.blocks_middleware: Block-Attention requests get their cache salt
+before vLLM reads them; bad block starts get a 400; everything else passes untouched."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from vllm_retro.blocks.request import block_salt
+from vllm_retro.server.blocks_middleware import BlockSaltMiddleware, BlocksOffMiddleware
+
+
+async def echo(request: Request) -> JSONResponse:
+    body = await request.body()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = body.decode()
+    return JSONResponse({"body": parsed, "length": request.headers.get("content-length")})
+
+
+def client(middleware: type = BlockSaltMiddleware) -> TestClient:
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+    app = Starlette(routes=[Route(p, echo, methods=["POST"]) for p in paths])
+    app.add_middleware(middleware)
+    return TestClient(app)
+
+
+def test_a_block_request_gets_the_salt_of_its_starts():
+    c = client()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        sent = {"prompt": "x", "vllm_xargs": {"retro_blocks": [0, 30, 70]}}
+        got = c.post(path, json=sent).json()
+        assert got["body"] == {**sent, "cache_salt": block_salt([0, 30, 70])}
+        assert int(got["length"]) == len(json.dumps(got["body"]).encode())
+    mine = {"prompt": "x", "cache_salt": "tenant-7", "vllm_xargs": {"retro_blocks": [0, 9]}}
+    assert c.post("/v1/completions", json=mine).json()["body"]["cache_salt"] == \
+        block_salt([0, 9], "tenant-7")
+
+
+def test_other_requests_pass_untouched():
+    c = client()
+    for body in ({"prompt": "retro_blocks are mentioned here"},
+                 {"prompt": "x", "vllm_xargs": {"other": 1}}):
+        assert c.post("/v1/completions", json=body).json()["body"] == body
+    raw = b'{"prompt": "retro_blocks", '  # malformed: left to vLLM's own error
+    assert c.post("/v1/completions", content=raw).json()["body"] == raw.decode()
+    body = {"input": "x", "vllm_xargs": {"retro_blocks": "bad"}}
+    assert c.post("/v1/embeddings", json=body).json()["body"] == body  # not a generation
+
+
+def test_bad_starts_get_a_400_naming_them():
+    c = client()
+    r = c.post("/v1/chat/completions",
+               json={"messages": [], "vllm_xargs": {"retro_blocks": [0, 50, 40]}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "retro_blocks must ascend strictly, got 40 after 50"
+    assert err["code"] == 400 and err["param"] == "retro_blocks"
+    r = c.post("/v1/completions", json={"prompt": "x", "cache_salt": 5,
+                                        "vllm_xargs": {"retro_blocks": [0, 5]}})
+    assert r.status_code == 400 and "cache_salt must be a string" in r.json()["error"]["message"]
+
+
+def test_with_retro_off_a_block_request_gets_a_400_and_others_pass():
+    c = client(BlocksOffMiddleware)
+    r = c.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"retro_blocks": [0, 9]}})
+    assert r.status_code == 400 and "retro is off" in r.json()["error"]["message"]
+    assert c.post("/v1/completions", json={"prompt": "x"}).json()["body"] == {"prompt": "x"}
