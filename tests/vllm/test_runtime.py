@@ -115,12 +115,14 @@ def test_a_request_counts_live_from_its_build_not_its_switch():
     rt.close()
 
 
-def test_the_heap_is_trimmed_when_the_engine_goes_idle_whichever_request_ends_last(
+def test_an_idle_engine_drops_the_decode_state_and_trims_whichever_request_ends_last(
         monkeypatch):
-    """The C heap's free pages go back to the OS at the step that releases requests and
-    schedules none: also when the last request to end holds no index (dense for life after
-    a failed build, or never indexed), and not while another request still runs (the soak's
-    fault requests ended last and left the worker's heap 25% higher)."""
+    """At the step that releases requests and schedules none, every layer's batched-decode
+    state (view, packed batch, execution buffer) is dropped and the C heap's free pages go
+    back to the OS: also when the last request to end holds no index (dense for life after
+    a failed build, or never indexed); not while another request still runs. (No layer runs
+    again to drop that state: the soak's worker kept ~0.5 GB of it, and fault requests
+    ending last skipped the trim.)"""
     from vllm_retro.vllm import runtime as runtime_module
     from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 
@@ -132,13 +134,17 @@ def test_the_heap_is_trimmed_when_the_engine_goes_idle_whichever_request_ends_la
     g = torch.Generator().manual_seed(3)
     rt.build_index("x", "l0", torch.randn(2, 300, 32, generator=g),
                    torch.randn(2, 300, 32, generator=g))
+    views = rt.layer("l0").meta_views
+    views.exec_buffer(4, 64, 32, torch.float32, torch.device("cpu"))  # as a decode leaves it
+    held = views.nbytes()
+    assert held > 0
     dense = RowStep(slot=7, start=400, num_tokens=1, indexed=False, build_index=False)
     rt.begin_step(RetroStepMetadata(rows={"d": dense}))
     assert trims == []
     rt.begin_step(RetroStepMetadata(rows={"d": dense}, released={"x"}))  # d still runs
-    assert rt.live_requests() == [] and trims == []
+    assert rt.live_requests() == [] and trims == [] and views.nbytes() == held
     rt.begin_step(RetroStepMetadata(released={"d"}))  # the last one, without an index
-    assert trims == [1]
+    assert trims == [1] and views.nbytes() == 0
     rt.begin_step(RetroStepMetadata())  # idle, nothing new released
     assert trims == [1]
     rt.close()

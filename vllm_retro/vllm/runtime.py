@@ -167,13 +167,18 @@ class RetroRuntime:
     def begin_step(self, meta: RetroStepMetadata) -> None:
         """Free the requests the scheduler released, seal the builds the previous step
         submitted, then publish this step's plan. A step that releases requests and
-        schedules none (the engine goes idle) gives the C heap's free pages back to the OS,
-        whichever requests ended last: indexed, dense for life, or never indexed."""
+        schedules none (the engine goes idle) drops every layer's batched-decode state (the
+        last batch's padded meta copy, its references to the freed rows' tensors, the
+        execution buffer: nothing runs a layer again to drop them) and gives the C heap's
+        free pages back to the OS, whichever requests ended last: indexed, dense for life,
+        or never indexed."""
         for rid in meta.released:
             self.free_request(rid)
             self._demoted.discard(rid)
             self._failed.pop(rid, None)
         if meta.released and not meta.rows:
+            for state in self._layers.values():
+                state.meta_views.clear()
             release_free_heap()
         if self._builder is not None:
             self._builder.seal()
