@@ -41,7 +41,7 @@ def hf_greedy(model_dir, prompt: list[int], blocks: list[int] | None, steps: int
     with torch.no_grad():
         for _ in range(steps):
             pos = torch.arange(len(ids))
-            starts = (query_starts(pos, blocks[:-1], blocks[-1]) if blocks is not None
+            starts = (query_starts(pos, blocks) if blocks is not None
                       else torch.zeros_like(pos))
             visible = (pos[None, :] >= starts[:, None]) & (pos[None, :] <= pos[:, None])
             mask = torch.zeros(1, 1, len(ids), len(ids)).masked_fill(~visible, float("-inf"))

@@ -10,30 +10,26 @@ every decoded token, attend to the whole sequence. Both are one rule: query ``t`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from vllm_retro.blocks.request import check_blocks
 
-def query_starts(positions: torch.Tensor, block_starts: list[int], last_start: int
-                 ) -> torch.Tensor:
+
+def query_starts(positions: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
     """The first key position each query may see.
 
-    positions: [T] int64 query positions. block_starts: the first position of each block
-    before the last, ascending, the first one 0. last_start: the last block's first
-    position (>= every entry of ``block_starts``). Returns [T] int64: the start of the
-    block holding each query, 0 from ``last_start`` on.
+    positions: [T] int64 query positions. blocks: the block starts, the last one the last
+    block's (the request's ``retro_blocks``: from 0, strictly ascending). Returns [T]
+    int64: the start of the block holding each query, 0 from the last block's start on.
     """
-    if not block_starts or block_starts[0] != 0:
-        raise ValueError(f"block starts must begin at position 0, got {block_starts[:3]}")
-    if any(b <= a for a, b in zip(block_starts, block_starts[1:], strict=False)):
-        raise ValueError(f"block starts must ascend strictly, got {block_starts}")
-    if last_start < block_starts[-1]:
-        raise ValueError(f"the last block starts at {last_start}, before block start "
-                         f"{block_starts[-1]}")
-    starts = torch.tensor(block_starts, dtype=torch.int64)
+    blocks = check_blocks(list(blocks))
+    starts = torch.tensor(blocks[:-1], dtype=torch.int64)
     which = torch.searchsorted(starts, positions.to(torch.int64), right=True) - 1
     out = starts[which.clamp_min(0)]
-    return torch.where(positions >= last_start, torch.zeros_like(out), out)
+    return torch.where(positions >= blocks[-1], torch.zeros_like(out), out)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -242,7 +242,7 @@ class RouteImplMixin:
         end = p.start + p.count
         keys, values = self.read_kv(layer, kv_cache, p.block_ids, end)
         positions = torch.arange(p.start, end)
-        starts = query_starts(positions, list(p.blocks[:-1]), p.blocks[-1])
+        starts = query_starts(positions, p.blocks)
         rows = slice(p.first, p.first + p.count)
         out[rows] = block_attention(query[rows], keys.transpose(0, 1), values.transpose(0, 1),
                                     positions.to(query.device), starts.to(query.device),
