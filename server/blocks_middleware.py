@@ -1,7 +1,9 @@
 """The OpenAI server's side of Block-Attention: a request body whose ``vllm_xargs`` lists
 ``retro_blocks`` gets the ``cache_salt`` its block starts need
 (:func:`vllm_retro.blocks.request.block_salt`; a salt the client gave is kept after it), or
-a 400 naming what is wrong with them. Every other request passes untouched.
+a 400 naming what is wrong with them (for a prompt of token ids, also starts past its end;
+for a text prompt the engine finds that, and the request ends with a server error).
+Every other request passes untouched.
 
 An ASGI middleware (vLLM's ``--middleware``), so the body is rewritten before vLLM parses
 it: clients only list the starts.
@@ -33,6 +35,11 @@ def rewrite(body: bytes) -> tuple[bytes | None, str | None]:
         blocks = check_blocks(xargs[KEY])
     except ValueError as exc:
         return None, str(exc)
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) \
+            and blocks[-1] >= len(prompt):  # token ids: the length is known here already
+        return None, (f"{KEY}: the last block starts at {blocks[-1]}, past the prompt's "
+                      f"{len(prompt)} tokens (accepted: 1 .. {len(prompt) - 1})")
     salt = request.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         return None, f"cache_salt must be a string, got {salt!r}"

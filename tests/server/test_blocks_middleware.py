@@ -62,6 +62,13 @@ def test_bad_starts_get_a_400_naming_them():
     err = r.json()["error"]
     assert err["message"] == "retro_blocks must ascend strictly, got 40 after 50"
     assert err["code"] == 400 and err["param"] == "retro_blocks"
+    r = c.post("/v1/completions", json={"prompt": [5, 6, 7, 8],
+                                        "vllm_xargs": {"retro_blocks": [0, 2, 4]}})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "retro_blocks: the last block starts at 4, past the prompt's 4 tokens "
+        "(accepted: 1 .. 3)")
+    ok = {"prompt": [5, 6, 7, 8], "vllm_xargs": {"retro_blocks": [0, 2, 3]}}
+    assert c.post("/v1/completions", json=ok).status_code == 200
     r = c.post("/v1/completions", json={"prompt": "x", "cache_salt": 5,
                                         "vllm_xargs": {"retro_blocks": [0, 5]}})
     assert r.status_code == 400 and "cache_salt must be a string" in r.json()["error"]["message"]
