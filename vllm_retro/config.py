@@ -213,6 +213,13 @@ class RetroConfig:
     needs more than the whole budget decodes densely (see vllm_retro.vllm.host_budget).
     None: 80% of the memory available once the engine has loaded its weights and KV cache."""
 
+    # --- Block-Attention (retro_blocks requests; Ma et al., seed 002) -----------------------
+    block_cache_gb: float = 2.0
+    """Host memory (GiB per worker) holding retrieved passages' KV by content, so that a
+    passage a later Block-Attention request lists again is loaded (its keys moved to their
+    new positions) instead of prefilled; least recently used passages go first. 0: every
+    passage is prefilled. Pages are touched only as passages are cached."""
+
     # --- execution --------------------------------------------------------------------------
     kernel_backend: str = "auto"
     """'triton' (CUDA), 'torch' (reference, any device) or 'auto' (triton on CUDA)."""
@@ -279,6 +286,7 @@ class RetroConfig:
         if self.host_memory_gb is not None:
             _check_float("host_memory_gb", self.host_memory_gb, 0.0, float(1 << 20),
                          lo_open=True)
+        _check_float("block_cache_gb", self.block_cache_gb, 0.0, float(1 << 20))
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _check_choice("device_resident", self.device_resident, DEVICE_RESIDENT)
 

@@ -25,15 +25,15 @@ def test_a_block_is_named_by_its_tokens_under_its_namespace():
     assert a != block_digest("qwen/fp32", [3, 2, 1])
 
 
-def test_hits_misses_and_least_recently_used_eviction():
+def test_lookups_and_least_recently_used_eviction():
     d = BlockDirectory(num_pages=6, page_tokens=16)
-    assert d.acquire("a") is None and d.stats.misses == 1
+    assert d.acquire("a") is None
     committed(d, "a", 32)  # 2 pages
     committed(d, "b", 17)  # 2 pages
     committed(d, "c", 16, position=40)  # 1 page
     assert d.stats.pages_used == 5 and d.stats.blocks == 3
     hit = d.acquire("a")  # a becomes the most recent: b is now the oldest
-    assert hit is not None and hit.pages == [0, 1] and d.stats.hits == 1
+    assert hit is not None and hit.pages == [0, 1]
     d.release(hit)
     e = d.reserve("d", 40, 0)  # 3 pages: 1 free, b's 2 evicted
     assert e is not None and d.stats.evictions == 1
@@ -89,6 +89,7 @@ def test_random_operations_keep_every_page_owned_once():
     rng = random.Random(0)
     d = BlockDirectory(num_pages=40, page_tokens=8)
     writing, reading = [], []
+    hits = 0
     for step in range(3000):
         op = rng.random()
         if op < 0.35:
@@ -102,10 +103,11 @@ def test_random_operations_keep_every_page_owned_once():
             e = d.acquire(f"b{rng.randrange(60)}")
             if e is not None:
                 reading.append(e)
+                hits += 1
         elif reading:
             d.release(reading.pop(rng.randrange(len(reading))))
         held = [p for e in d._entries.values() for p in e.pages]
         assert sorted(held + d._free) == list(range(40)), step
         for e in writing + reading:
             assert d._entries.get(e.digest) is e, step  # pinned: still there
-    assert d.stats.evictions > 0 and d.stats.hits > 0 and d.stats.rejected > 0
+    assert d.stats.evictions > 0 and hits > 0 and d.stats.rejected > 0

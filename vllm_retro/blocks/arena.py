@@ -40,11 +40,14 @@ class BlockArena:
         """Bytes of one page (all layers, keys and values)."""
         return self.pool[0].numel() * self.pool.element_size() if len(self.pool) else 0
 
-    def _slots(self, pages: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, pages: list[int], num_tokens: int, first: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 < num_tokens <= len(pages) * self.page_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit {len(pages)} pages of "
                              f"{self.page_tokens}")
-        t = torch.arange(num_tokens)
+        if not 0 <= first < num_tokens:
+            raise ValueError(f"first token {first} outside [0, {num_tokens})")
+        t = torch.arange(first, num_tokens)
         return torch.tensor(pages)[t // self.page_tokens], t % self.page_tokens
 
     def write(self, pages: list[int], layer: int, keys: torch.Tensor,
@@ -55,11 +58,12 @@ class BlockArena:
         self.pool[page, layer, 0, off] = keys.to("cpu", self.pool.dtype)
         self.pool[page, layer, 1, off] = values.to("cpu", self.pool.dtype)
 
-    def read(self, pages: list[int], layer: int, num_tokens: int
+    def read(self, pages: list[int], layer: int, num_tokens: int, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer of a block: (keys, values), each [num_tokens, H_kv, D] (host copies)."""
+        """One layer of a block's tokens ``[first, num_tokens)``: (keys, values), each
+        [num_tokens - first, H_kv, D] (host copies)."""
         self._check_layer(layer)
-        page, off = self._slots(pages, num_tokens)
+        page, off = self._slots(pages, num_tokens, first)
         return self.pool[page, layer, 0, off], self.pool[page, layer, 1, off]
 
     def _check_layer(self, layer: int) -> None:

@@ -46,10 +46,8 @@ class BlockEntry:
 
 @dataclass
 class DirectoryStats:
-    """Counters since start (``hits``..``rejected``) and what is held now."""
+    """Counters since start (``inserts``..``rejected``) and what is held now."""
 
-    hits: int = 0
-    misses: int = 0
     inserts: int = 0
     evictions: int = 0
     rejected: int = 0
@@ -80,13 +78,11 @@ class BlockDirectory:
         return -(-num_tokens // self.page_tokens)
 
     def acquire(self, digest: str) -> BlockEntry | None:
-        """The committed block named ``digest``, pinned for the caller (a hit; it becomes
-        the most recently used), or None (a miss)."""
+        """The committed block named ``digest``, pinned for the caller (it becomes the most
+        recently used), or None."""
         entry = self._entries.get(digest)
         if entry is None or not entry.ready:
-            self.stats.misses += 1
             return None
-        self.stats.hits += 1
         entry.pins += 1
         self._entries.move_to_end(digest)
         return entry
@@ -108,7 +104,7 @@ class BlockDirectory:
         if digest in self._entries:
             return None
         need = self.pages_for(num_tokens)
-        if need > self.num_pages - self._pinned_pages():
+        if need > self.num_pages - self.pinned_pages():
             self.stats.rejected += 1
             return None
         while len(self._free) < need:
@@ -140,7 +136,8 @@ class BlockDirectory:
         entry = self._entries.get(digest)
         return entry is not None and entry.ready
 
-    def _pinned_pages(self) -> int:
+    def pinned_pages(self) -> int:
+        """Pages of blocks being read or written now (never evicted)."""
         return sum(len(e.pages) for e in self._entries.values() if e.pins)
 
     def _evict_one(self) -> None:

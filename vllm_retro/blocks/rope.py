@@ -63,18 +63,33 @@ class RopeShift:
         first token's position, the others following it. Returns a new [N, H, D] tensor of
         ``keys``' dtype and device.
         """
-        if keys.dim() != 3 or keys.shape[2] != self.head_size:
-            raise ValueError(f"keys must be [tokens, heads, {self.head_size}], got "
-                             f"{tuple(keys.shape)}")
-        n = keys.shape[0]
+        return self.apply(keys, self.rotation(src, dst, keys.shape[0], keys.device))
+
+    def rotation(self, src: torch.Tensor | int, dst: torch.Tensor | int, n: int,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The move of ``n`` keys from positions ``src`` to ``dst`` (as :meth:`shift`'s),
+        computed once for :meth:`apply` to any number of layers' keys: per token the cosine
+        and sine of ``M(dst) M(src)^-1``, each [n, 1, rotary_dim / 2] float32 on
+        ``device``."""
         src_pos = self._rows(_positions(src, n), "source")
         dst_pos = self._rows(_positions(dst, n), "destination")
         cs, ss, ns = self.cos[src_pos], self.sin[src_pos], self.norm[src_pos]
         cd, sd = self.cos[dst_pos], self.sin[dst_pos]
         # M(dst) M(src)^-1 = [[c, -s], [s, c]] with:
-        c = ((cd * cs + sd * ss) / ns).to(device=keys.device, dtype=torch.float32)
-        s = ((sd * cs - cd * ss) / ns).to(device=keys.device, dtype=torch.float32)
-        c, s = c[:, None, :], s[:, None, :]  # [N, 1, rotary_dim/2]
+        c = ((cd * cs + sd * ss) / ns).to(device=device, dtype=torch.float32)
+        s = ((sd * cs - cd * ss) / ns).to(device=device, dtype=torch.float32)
+        return c[:, None, :], s[:, None, :]
+
+    def apply(self, keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]
+              ) -> torch.Tensor:
+        """``keys`` [N, H, D] moved by ``rotation`` (:meth:`rotation` of N keys): a new
+        tensor of ``keys``' dtype and device."""
+        if keys.dim() != 3 or keys.shape[2] != self.head_size:
+            raise ValueError(f"keys must be [tokens, heads, {self.head_size}], got "
+                             f"{tuple(keys.shape)}")
+        c, s = rotation
+        if c.shape[0] != keys.shape[0]:
+            raise ValueError(f"rotation is for {c.shape[0]} keys, got {keys.shape[0]}")
         x = keys.float()
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         if self.is_neox_style:

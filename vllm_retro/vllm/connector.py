@@ -6,10 +6,11 @@ build or switches it to its index (``build_steps`` of its own steps later; see
 backends see rows, not request ids); records indexed requests for the KV-cache manager;
 reports finished, aborted and preempted requests so workers free their state; and admits
 requests to indexing within the host-memory budget (:mod:`vllm_retro.vllm.host_budget`:
-a request that does not fit waits in the queue). Worker side:
-hands each step's plan to the per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime`
-before the batch is prepared. No KV is transferred: the wave buffer's host tier is filled
-by the attention backend.
+a request that does not fit waits in the queue); and plans Block-Attention requests'
+passage loads and saves (:mod:`vllm_retro.vllm.block_cache`). Worker side: hands each
+step's plan to the per-process :class:`~vllm_retro.vllm.runtime.RetroRuntime` before the
+batch is prepared, and moves passages between the passage cache and the paged KV. No other
+KV is transferred: the wave buffer's host tier is filled by the attention backend.
 """
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_retro.blocks.directory import BlockDirectory
 from vllm_retro.blocks.request import parse_blocks
 from vllm_retro.index.steady import ring_size
 from vllm_retro.vllm import schedule_state
+from vllm_retro.vllm.block_cache import (
+    PAGE_TOKENS,
+    BlockCachePlanner,
+    BlockCacheWorker,
+    cache_pages,
+)
 from vllm_retro.vllm.host_budget import (
     DEFAULT_SHARE,
     Admission,
@@ -57,14 +65,19 @@ if TYPE_CHECKING:
 @dataclass
 class RetroWorkerReport(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: the requests whose index build
-    failed, which decode densely from their paged KV for their whole life."""
+    failed, which decode densely from their paged KV for their whole life; the passages
+    written into the passage cache, and those that failed (on any worker: not cached)."""
 
     demoted: set[str] = field(default_factory=set)
+    passages_written: set[str] = field(default_factory=set)
+    passages_failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """The union over workers."""
         assert isinstance(other, RetroWorkerReport)
-        return RetroWorkerReport(self.demoted | other.demoted)
+        return RetroWorkerReport(self.demoted | other.demoted,
+                                 self.passages_written | other.passages_written,
+                                 self.passages_failed | other.passages_failed)
 
 
 class RetroConnector(KVConnectorBase_V1, SupportsHMA):
@@ -93,14 +106,25 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                               and len(kv_cache_config.kv_cache_groups) == 1)
         """vLLM maps failed blocks back to requests only with one KV-cache group."""
         kv_bytes_per_token = 0
+        retro_groups = []
         if kv_cache_config is not None:
             for gid, group in enumerate(kv_cache_config.kv_cache_groups):
                 spec = group.kv_cache_spec
                 if isinstance(spec, RetroAttentionSpec):
                     if self._group is None:
                         self._group, self._block_size = gid, spec.block_size
+                    retro_groups.append(group)
                     kv_bytes_per_token += (spec.page_size_bytes // spec.block_size
                                            * len(group.layer_names))
+        self.passages: BlockCachePlanner | None = None
+        """Scheduler side: Block-Attention's passage cache (None: off)."""
+        self.passage_worker: BlockCacheWorker | None = None
+        """Worker side: the passage cache's pages and transfers (None: off)."""
+        self._layers: dict[str, Any] = {}
+        """Worker side: the model's attention layers by name (each step's forward context
+        hands them to :meth:`start_load_kv`; :meth:`wait_for_save` follows it)."""
+        if self.config is not None and len(retro_groups) == 1:
+            self._init_passages(vllm_config, role, retro_groups[0], kv_bytes_per_token)
         self._max_model_len = vllm_config.model_config.max_model_len
         self.budget: HostBudget | None = None
         if (role == KVConnectorRole.SCHEDULER and self.config is not None
@@ -117,21 +141,45 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         (each counted once; reported as counters)."""
         self._budget_reported = dict(self.budget_counts)
 
+    def _init_passages(self, vllm_config: VllmConfig, role: KVConnectorRole, group: Any,
+                       kv_bytes_per_token: int) -> None:
+        """The passage cache's scheduler or worker half, sized by ``block_cache_gb``."""
+        assert self.config is not None
+        pages = cache_pages(self.config.block_cache_gb, kv_bytes_per_token)
+        if not pages:
+            return
+        spec = group.kv_cache_spec
+        if role == KVConnectorRole.SCHEDULER:
+            model = vllm_config.model_config
+            namespace = (f"{model.model}@{model.revision}|{spec.dtype}|{spec.num_kv_heads}x"
+                         f"{spec.head_size}|{len(group.layer_names)} layers|tp="
+                         f"{vllm_config.parallel_config.tensor_parallel_size}")
+            self.passages = BlockCachePlanner(BlockDirectory(pages, PAGE_TOKENS), namespace,
+                                              spec.block_size, kv_bytes_per_token)
+        else:
+            self.passage_worker = BlockCacheWorker(group.layer_names, pages, spec.num_kv_heads,
+                                                   spec.head_size, spec.dtype, spec.block_size)
+        self._passage_counts_reported: dict[str, int] = {}
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Retro never supplies KV from outside the paged cache. Called as a request is
-        about to start (or restart after preemption): if its prompt will be indexed, it
-        starts only once its host-memory reservation fits (None: not this step)."""
-        if self.budget is None or self.config is None:
+        """Called as a request is about to start (or restart after preemption): if its
+        prompt will be indexed, it starts only once its host-memory reservation fits (None:
+        not this step); a Block-Attention request is offered its cached passages from
+        ``num_computed_tokens`` on, loaded before its first forward."""
+        if self.config is None:
             return 0, False
         prompt = request.num_prompt_tokens
-        if prompt < self.config.min_indexed_context or not _decodes_more(
-                request, prompt, self._build_steps):
-            return 0, False  # may reach the threshold decoding: admitted at its build
-        if self._admit(request, prompt) is Admission.WAIT:
-            return None, False
-        return 0, False
+        if (self.budget is not None and prompt >= self.config.min_indexed_context
+                and _decodes_more(request, prompt, self._build_steps)
+                and self._admit(request, prompt) is Admission.WAIT):
+            return None, False  # (shorter prompts may be admitted at their build)
+        blocks, _ = self._blocks_of(request)
+        if self.passages is None or blocks is None or request.prompt_token_ids is None:
+            return 0, False
+        return self.passages.offer(request.request_id, request.prompt_token_ids, blocks,
+                                   num_computed_tokens), False
 
     def _admit(self, request: Request, tokens: int) -> Admission:
         """Reserve host memory for ``request`` (now at ``tokens`` tokens), counting and
@@ -176,8 +224,11 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """Track requests that reach allocation without :meth:`on_new_request`."""
+        """Track requests that reach allocation without :meth:`on_new_request`; the
+        passages to load are the ``num_external_tokens`` allocated."""
         self._requests.setdefault(request.request_id, request)
+        if self.passages is not None:
+            self.passages.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's plan: a :class:`RowStep` per scheduled request, and the released
@@ -189,6 +240,10 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             schedule_state.release(rid, preempted=rid in preempted)
             self._building.pop(rid, None)
             self._release(rid, finished=rid not in preempted)
+            if self.passages is not None:
+                self.passages.finished(rid)
+        if self.passages is not None:
+            self.passages.step_planned()
         for rid in so.finished_req_ids:
             self._requests.pop(rid, None)
         meta = RetroStepMetadata(released=released)
@@ -223,11 +278,16 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                 self._building[rid] = end
             blocks, error = self._blocks_of(req) if first < req.num_prompt_tokens \
                 else (None, None)
+            blocks = blocks if blocks and first < blocks[-1] else None
             meta.rows[rid] = RowStep(slot=slot, start=first, num_tokens=n,
                                      indexed=indexed or switch, build_index=build,
-                                     catch_up=switch,
-                                     blocks=blocks if blocks and first < blocks[-1] else None,
-                                     blocks_error=error)
+                                     catch_up=switch, blocks=blocks, blocks_error=error)
+            if self.passages is not None and req.prompt_token_ids is not None:
+                transfer = self.passages.transfer(
+                    rid, req.prompt_token_ids, blocks, first, end,
+                    state.get_block_ids(rid)[self._group])
+                if transfer is not None:
+                    meta.passages[rid] = transfer
         return meta
 
     def _blocks_of(self, req: Request) -> tuple[tuple[int, ...] | None, str | None]:
@@ -250,6 +310,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         if not isinstance(report, RetroWorkerReport):
             return
+        if self.passages is not None:
+            self.passages.saved(report.passages_written, report.passages_failed)
         for rid in report.demoted:
             schedule_state.release(rid)
             self._building.pop(rid, None)
@@ -258,9 +320,12 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks are freed at once (no asynchronous save); the request's host-memory
-        reservation is released now, so a waiting request can start at the next step."""
+        """Blocks are freed at once (passages are saved in the step that computes them);
+        the request's host-memory reservation is released now, so a waiting request can
+        start at the next step, and the cached passages it was offered are unpinned."""
         self._release(request.request_id, finished=True)
+        if self.passages is not None:
+            self.passages.finished(request.request_id)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -277,10 +342,15 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> RetroWorkerReport | None:
         """After each step: the requests this worker demoted to dense decoding since the
-        last step (see :meth:`update_connector_output`)."""
+        last step, and the passages it cached or failed to (see
+        :meth:`update_connector_output`)."""
         assert self.runtime is not None, "worker-side connector method on the scheduler side"
         demoted = self.runtime.take_demoted()
-        return RetroWorkerReport(demoted) if demoted else None
+        written, failed = (self.passage_worker.take_report() if self.passage_worker
+                           is not None else (set(), set()))
+        if not (demoted or written or failed):
+            return None
+        return RetroWorkerReport(demoted, written, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """After each step: the block each failed request of this step writes, so the
@@ -294,17 +364,37 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         return self.runtime.failed_blocks(self._block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Nothing to load."""
+        """Before the forward: write this step's cached passages into the paged KV (keys
+        moved to their positions). A request whose load raises fails with an error to its
+        client; the others are unaffected."""
+        if self.passage_worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RetroStepMetadata) and self.runtime is not None
+        self._layers = forward_context.no_compile_layers
+        for rid, transfer in meta.passages.items():
+            try:
+                self.passage_worker.load(transfer, self._layers)
+            except Exception as exc:  # noqa: BLE001 -- that request fails, not the engine
+                self.runtime.fail_request(rid, f"loading its cached passages raised {exc!r}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for."""
+        """Loads complete in :meth:`start_load_kv`."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing to save: the backend hands KV to the wave buffer itself."""
+        """Nothing per layer: the backend hands KV to the wave buffer itself, and passages
+        are saved after the forward."""
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for."""
+        """After the forward: copy the passages this step computed into the passage
+        cache."""
+        if self.passage_worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RetroStepMetadata)
+        for transfer in meta.passages.values():
+            self.passage_worker.save(transfer, self._layers)
 
     # ------------------------------------------------------------------ metrics
     def get_kv_connector_stats(self) -> RetroConnectorStats | None:
@@ -312,18 +402,38 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         build times (see :mod:`vllm_retro.vllm.stats`). Scheduler side: the host-memory
         budget's gauges and counters (reported under rank 0)."""
         if self.role != KVConnectorRole.WORKER:
-            if self.budget is None:
-                return None
-            now = self.budget_counts
-            deltas = {k: v - self._budget_reported[k] for k, v in now.items()}
-            self._budget_reported = dict(now)
-            return RetroConnectorStats(data={
-                COUNTERS: {"0": deltas},
-                GAUGES: {"0": {"host_budget_bytes": self.budget.limit_bytes,
-                               "host_reserved_bytes": self.budget.reserved_bytes}},
-            })
+            return self._scheduler_stats()
         assert self.runtime is not None, "worker-side connector method on the scheduler side"
         return self.runtime.take_stats(_worker_rank())
+
+    def _scheduler_stats(self) -> RetroConnectorStats | None:
+        """The host-memory budget's and the passage cache's counters (deltas since the
+        last call) and gauges, reported under rank 0."""
+        counters: dict[str, int] = {}
+        gauges: dict[str, int] = {}
+        if self.budget is not None:
+            counters.update({k: v - self._budget_reported[k]
+                             for k, v in self.budget_counts.items()})
+            self._budget_reported = dict(self.budget_counts)
+            gauges.update(host_budget_bytes=self.budget.limit_bytes,
+                          host_reserved_bytes=self.budget.reserved_bytes)
+        if self.passages is not None:
+            p = self.passages
+            d = p.directory.stats
+            now = {"block_cache_hits": p.counts.hits, "block_cache_misses": p.counts.misses,
+                   "block_cache_loaded_tokens": p.counts.loaded_tokens,
+                   "block_cache_saved_tokens": p.counts.saved_tokens,
+                   "block_cache_evictions": d.evictions, "block_cache_rejected": d.rejected}
+            counters.update({k: v - self._passage_counts_reported.get(k, 0)
+                             for k, v in now.items()})
+            self._passage_counts_reported = now
+            page_bytes = PAGE_TOKENS * p.bytes_per_token
+            gauges.update(block_cache_bytes=d.pages_used * page_bytes,
+                          block_cache_capacity_bytes=p.directory.num_pages * page_bytes,
+                          block_cache_passages=d.blocks)
+        if not counters and not gauges:
+            return None
+        return RetroConnectorStats(data={COUNTERS: {"0": counters}, GAUGES: {"0": gauges}})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -108,6 +108,31 @@ FAMILIES: tuple[Family, ...] = (
            "answers unchanged): a cache update (that request's device cache is dropped and "
            "refills from the host tier) or a host pool's room growth, all workers.",
            "buffer_update_failures"),
+    Family(PREFIX + "block_cache_hits_total", "counter",
+           "Passages of Block-Attention requests loaded from the passage cache instead of "
+           "prefilled (--retro-block-cache-gb).", "block_cache_hits"),
+    Family(PREFIX + "block_cache_misses_total", "counter",
+           "Passages of Block-Attention requests prefilled: not cached, or after the first "
+           "passage that was not (loads run from the prompt's first uncomputed token).",
+           "block_cache_misses"),
+    Family(PREFIX + "block_cache_loaded_tokens_total", "counter",
+           "Prompt tokens loaded from the passage cache (not computed).",
+           "block_cache_loaded_tokens"),
+    Family(PREFIX + "block_cache_saved_tokens_total", "counter",
+           "Passage tokens written into the passage cache.", "block_cache_saved_tokens"),
+    Family(PREFIX + "block_cache_evictions_total", "counter",
+           "Passages evicted from the passage cache (least recently used) to make room.",
+           "block_cache_evictions"),
+    Family(PREFIX + "block_cache_rejected_total", "counter",
+           "Passages not cached for want of room (larger than the cache, or every page "
+           "held by passages being read or written).", "block_cache_rejected"),
+    Family(PREFIX + "block_cache_bytes", "gauge",
+           "Host memory holding cached passages' KV now, per worker.", "block_cache_bytes"),
+    Family(PREFIX + "block_cache_capacity_bytes", "gauge",
+           "Host memory the passage cache may hold, per worker (--retro-block-cache-gb).",
+           "block_cache_capacity_bytes"),
+    Family(PREFIX + "block_cache_passages", "gauge",
+           "Passages cached now.", "block_cache_passages"),
 )
 
 BUILD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

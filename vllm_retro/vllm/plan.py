@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from vllm_retro.vllm.block_cache import BlockTransfer
+
 
 @dataclass(frozen=True, slots=True)
 class RowStep:
@@ -58,3 +60,7 @@ class RetroStepMetadata(KVConnectorMetadata):
     released: set[str] = field(default_factory=set)
     """Requests whose worker state must be freed before this step: finished, aborted or
     preempted (a preempted request is recomputed from scratch and re-indexed)."""
+    passages: dict[str, BlockTransfer] = field(default_factory=dict)
+    """Block-Attention requests' cached passages to load before this step's forward and
+    computed passages to save after it, by request id
+    (:mod:`vllm_retro.vllm.block_cache`)."""
