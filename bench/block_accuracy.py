@@ -35,7 +35,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.block_ttft import passage_pool  # noqa: E402
+from bench.block_ttft import model_tokenizer, passage_pool  # noqa: E402
 from bench.machine import cpu_description  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -119,17 +119,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    from transformers import AutoTokenizer
     from vllm import LLM
 
     from vllm_retro.vllm import engine_kwargs
 
-    if args.model is None:
-        from server.default_model import default_model_dir
-
-        args.model = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = model_tokenizer(args)
     frame = chat_frame(tok)
     ts = trials(tok, args)
     natural = [compose(frame, t, list(range(args.passages))) for t in ts]

@@ -58,6 +58,17 @@ def passage_pool(tokenizer: Any, n: int, tokens: int) -> list[list[int]]:
     return out
 
 
+def model_tokenizer(args: Any) -> Any:
+    """The tokenizer of ``args.model``, the embedded default model when None (then set)."""
+    from transformers import AutoTokenizer
+
+    if args.model is None:
+        from server.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    return AutoTokenizer.from_pretrained(args.model)
+
+
 def question(tokenizer: Any, i: int, tokens: int) -> list[int]:
     """A ``tokens``-token question (the last block), different per request."""
     text = (f"\n\nQuestion {i}: using only the passages above, explain in detail what they "
@@ -180,14 +191,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    from transformers import AutoTokenizer
-
-    if args.model is None:
-        from server.default_model import default_model_dir
-
-        args.model = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = model_tokenizer(args)
     pool = passage_pool(tok, args.pool, args.passage_tokens)
     warm, measured = workload(pool, tok, args.lengths, args.requests, args.passage_tokens,
                               args.question_tokens, args.seed)
