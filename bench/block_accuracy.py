@@ -11,7 +11,10 @@ Configurations, each on its own in-process engine and the same trials:
 - ``blocks``: Block-Attention (each passage attends only to itself, the question to
   everything), passages cold: every passage prefilled (and cached);
 - ``blocks-cached``: the same engine, the trials again with their passages in another
-  order: every passage loaded from the passage cache at its new position.
+  order: every passage loaded from the passage cache at its new position;
+- ``blocks-nocache`` (``--configs nocache``): that other order on an engine without the
+  passage cache (``block_cache_gb`` 0), every passage prefilled: the control telling what
+  the order changes from what loading changes.
 
 The chat template's opening is a block of its own (shared by every request, so cached
 once; merged into the first passage's block it would make every request's first block new,
@@ -119,7 +122,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", nargs="+", default=["stock", "blocks"],
-                    choices=["stock", "blocks"], help="blocks runs blocks and blocks-cached")
+                    choices=["stock", "blocks", "nocache"],
+                    help="blocks runs blocks and blocks-cached; nocache blocks-nocache")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from vllm import LLM
@@ -137,16 +141,15 @@ def main() -> None:
         kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=True, seed=0,
                                   max_model_len=max(len(p[0]) for p in natural) + 64,
                                   kv_cache_memory_bytes=2 << 30)
-        if name == "blocks":
-            kw.update(engine_kwargs())
+        if name != "stock":
+            kw.update(engine_kwargs(block_cache_gb=0.0 if name == "nocache" else 2.0))
         llm = LLM(model=args.model, **kw)
         try:
-            runs = {name: natural}
-            if name == "blocks":
-                runs["blocks-cached"] = shuffled
+            runs = ({"blocks": natural, "blocks-cached": shuffled} if name == "blocks" else
+                    {"blocks-nocache": shuffled} if name == "nocache" else {name: natural})
             for label, prompts in runs.items():
                 t0 = time.perf_counter()
-                answers = run(llm, tok, prompts, name == "blocks", args.answer_tokens)
+                answers = run(llm, tok, prompts, name != "stock", args.answer_tokens)
                 right = [t["number"] in a for t, a in zip(ts, answers, strict=True)]
                 results[label] = {"accuracy": sum(right) / len(right), "right": right,
                                   "answers": answers, "seconds": time.perf_counter() - t0}

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        enforce_eager=None)
     add_retro_arguments(serve)
     _add_calibrate(sub)
+    _add_blocktune(sub)
     # Handled by the supervisor (server/supervisor.py) before the server starts; listed here
     # for --help.
     logs = serve.add_argument_group("Start-up log")
@@ -292,6 +293,20 @@ def banner(args: argparse.Namespace, settings: dict[str, Any]) -> str:
     ])
 
 
+def blocks_middleware(settings: dict[str, Any], model: str) -> str:
+    """The import path of the Block-Attention middleware for this server: off when retro
+    is, warning once when the local model directory does not record block fine-tuning."""
+    from vllm_retro.blocks.tune import is_block_tuned
+
+    if not settings.get("enabled", True):
+        which = "BlocksOffMiddleware"
+    elif is_block_tuned(model) is False:
+        which = "UntunedBlockSaltMiddleware"
+    else:
+        which = "BlockSaltMiddleware"
+    return f"vllm_retro.server.blocks_middleware.{which}"
+
+
 def serve(args: argparse.Namespace) -> None:
     """Run vLLM's own serve command with retro active (blocks until the server stops)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -300,13 +315,12 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.logger import configure_logging_from_args
 
     settings = apply_retro(args)
-    which = "BlockSaltMiddleware" if settings.get("enabled", True) else "BlocksOffMiddleware"
-    args.middleware = [*(getattr(args, "middleware", None) or []),
-                       f"vllm_retro.server.blocks_middleware.{which}"]
     for name in ("log_file", "startup_log"):  # the supervisor's; vLLM must not see them
         vars(args).pop(name, None)
     check_port(args.host, args.port)
     resolve_model(args)
+    args.middleware = [*(getattr(args, "middleware", None) or []),
+                       blocks_middleware(settings, args.model)]
     check_saap_file(settings, args.model)
     notes = [size_kv_cache(args), choose_execution_mode(args)]
     cli_env_setup()
@@ -330,6 +344,19 @@ def _add_calibrate(sub: Any) -> None:
                     "them to --out; serve with --retro-index saap --retro-saap-file FILE. "
                     "Resumable: rerun the same command after an interruption.")
     add_arguments(cal)
+
+
+def _add_blocktune(sub: Any) -> None:
+    """The ``blocktune`` subcommand (run by :func:`main` without importing vLLM)."""
+    from vllm_retro.blocks.tune import add_arguments
+
+    tune = sub.add_parser(
+        "blocktune", help="block-fine-tune a model for Block-Attention requests (retro_blocks)",
+        description="Fine-tune MODEL under Block-Attention's mask (each passage attends to "
+                    "itself, the last block to everything) on local text and write it to "
+                    "--out, recorded as block-tuned. Resumable: rerun the same command after "
+                    "an interruption.")
+    add_arguments(tune)
 
 
 def check_saap_file(settings: dict[str, Any], model: str) -> None:
@@ -380,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_retro.saap.calibrate import main as calibrate_main
 
         sys.exit(calibrate_main(argv[1:]))
+    if argv[:1] == ["blocktune"]:
+        from vllm_retro.blocks.tune import main as blocktune_main
+
+        sys.exit(blocktune_main(argv[1:]))
     if (argv[:1] == ["serve"] and os.environ.get(CHILD_ENV) != "1"
             and not _wants_help(argv)):
         sys.exit(supervise(argv))

@@ -79,3 +79,31 @@ def test_with_retro_off_a_block_request_gets_a_400_and_others_pass():
     r = c.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"retro_blocks": [0, 9]}})
     assert r.status_code == 400 and "retro is off" in r.json()["error"]["message"]
     assert c.post("/v1/completions", json={"prompt": "x"}).json()["body"] == {"prompt": "x"}
+
+
+def test_a_model_without_block_tuning_is_warned_about_once(caplog, tmp_path):
+    import logging
+
+    from vllm_retro.blocks.tune import TUNED_KEY
+    from vllm_retro.server.blocks_middleware import UntunedBlockSaltMiddleware
+    from vllm_retro.server.cli import blocks_middleware
+
+    c = client(UntunedBlockSaltMiddleware)
+    sent = {"prompt": "x", "vllm_xargs": {"retro_blocks": [0, 3]}}
+    with caplog.at_level(logging.WARNING, logger="vllm_retro"):
+        c.post("/v1/completions", json={"prompt": "plain"})
+        assert not caplog.records  # only Block-Attention requests are warned about
+        for _ in range(3):
+            assert c.post("/v1/completions", json=sent).json()["body"]["cache_salt"]
+    assert [r.getMessage() for r in caplog.records if "block-fine-tuned" in r.getMessage()] \
+        and len(caplog.records) == 1
+    assert "vllm-retro blocktune" in caplog.records[0].getMessage()
+    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
+    for d, config in ((plain, {}), (tuned, {TUNED_KEY: {"steps": 3}})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+    pkg = "vllm_retro.server.blocks_middleware."
+    assert blocks_middleware({}, str(plain)) == pkg + "UntunedBlockSaltMiddleware"
+    assert blocks_middleware({}, str(tuned)) == pkg + "BlockSaltMiddleware"
+    assert blocks_middleware({}, "org/hub-name") == pkg + "BlockSaltMiddleware"  # unknown
+    assert blocks_middleware({"enabled": False}, str(plain)) == pkg + "BlocksOffMiddleware"
