@@ -348,14 +348,11 @@ def _add_calibrate(sub: Any) -> None:
 
 def _add_blocktune(sub: Any) -> None:
     """The ``blocktune`` subcommand (run by :func:`main` without importing vLLM)."""
-    from vllm_retro.blocks.tune import add_arguments
+    from vllm_retro.blocks.tune import DESCRIPTION, add_arguments
 
     tune = sub.add_parser(
         "blocktune", help="block-fine-tune a model for Block-Attention requests (retro_blocks)",
-        description="Fine-tune MODEL under Block-Attention's mask (each passage attends to "
-                    "itself, the last block to everything) on local text and write it to "
-                    "--out, recorded as block-tuned. Resumable: rerun the same command after "
-                    "an interruption.")
+        description=DESCRIPTION)
     add_arguments(tune)
 
 

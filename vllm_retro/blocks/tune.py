@@ -42,6 +42,9 @@ from vllm_retro.blocks.attention import query_starts
 TUNED_KEY = "retro_block_tuned"
 """The ``config.json`` entry of a block-tuned model."""
 WORK_FORMAT = 1
+DESCRIPTION = ("Fine-tune MODEL under Block-Attention's mask (each passage attends to itself, "
+               "the last block to everything) on local text and write it to --out, recorded "
+               "as block-tuned. Resumable: rerun the same command after an interruption.")
 
 
 class TuneError(ValueError):
@@ -189,7 +192,7 @@ def tune(model_dir: str | Path, out: str | Path, settings: Settings, *,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.update()
         bar.note(f"loss {losses[-1]:.3f}")
         if (step + 1) % save_every == 0 or step + 1 == settings.steps:
@@ -218,14 +221,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = Settings()
     ap.add_argument("model", help="local model directory")
     ap.add_argument("--out", required=True, help="directory for the tuned model")
-    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps, one sample "
+                    f"each (default {d.steps})")
     ap.add_argument("--passages", type=int, default=d.passages,
                     help="passages per sample (blocks before the last)")
-    ap.add_argument("--passage-tokens", type=int, default=d.passage_tokens)
+    ap.add_argument("--passage-tokens", type=int, default=d.passage_tokens,
+                    help=f"tokens per passage (default {d.passage_tokens})")
     ap.add_argument("--last-tokens", type=int, default=d.last_tokens,
                     help="tokens of the last block (attends to everything)")
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--lr", type=float, default=d.lr,
+                    help=f"AdamW learning rate (default {d.lr:g})")
+    ap.add_argument("--seed", type=int, default=d.seed, help="order of the text's samples")
     ap.add_argument("--text", default=None, help="a text file or directory (default: the "
                     "installed distributions' descriptions)")
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
@@ -239,8 +245,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``vllm-retro blocktune`` (see module docstring)."""
-    ap = argparse.ArgumentParser(prog="vllm-retro blocktune", description=__doc__.split(
-        "\n\n")[0].split(": ", 1)[-1])
+    ap = argparse.ArgumentParser(prog="vllm-retro blocktune", description=DESCRIPTION)
     add_arguments(ap)
     a = ap.parse_args(argv)
     device = a.device
