@@ -18,7 +18,7 @@ from typing import Any
 from vllm_retro.blocks.request import KEY, block_salt, check_blocks
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
-logger = logging.getLogger("vllm_retro")
+logger = logging.getLogger("vllm.retro.blocks")
 
 
 def rewrite(body: bytes) -> tuple[bytes | None, str | None]:

@@ -90,7 +90,8 @@ def test_a_model_without_block_tuning_is_warned_about_once(caplog, tmp_path):
 
     c = client(UntunedBlockSaltMiddleware)
     sent = {"prompt": "x", "vllm_xargs": {"retro_blocks": [0, 3]}}
-    with caplog.at_level(logging.WARNING, logger="vllm_retro"):
+    # under vLLM's logger, whose handler prints it when served
+    with caplog.at_level(logging.WARNING, logger="vllm.retro.blocks"):
         c.post("/v1/completions", json={"prompt": "plain"})
         assert not caplog.records  # only Block-Attention requests are warned about
         for _ in range(3):

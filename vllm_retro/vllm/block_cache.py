@@ -35,7 +35,7 @@ from vllm_retro.blocks.arena import BlockArena
 from vllm_retro.blocks.directory import BlockDirectory, BlockEntry, block_digest
 from vllm_retro.blocks.rope import RopeShift
 
-logger = logging.getLogger("vllm_retro")
+logger = logging.getLogger("vllm.retro.block_cache")
 
 PAGE_TOKENS = 32
 """Tokens per page of the passage cache (a ~500-token passage wastes < 32 tokens)."""
