@@ -164,6 +164,29 @@ ROWS: list[Row] = [
               "(sparse) or vLLM's kernel (dense: requests below the indexing threshold).",
               width=16, extra={"stacking": "normal"}),
     ]),
+    Row("Retro: Block-Attention passage cache", [
+        Panel("Passages loaded vs prefilled", "short",
+              [(rate("vllm_retro:block_cache_hits_total"), "loaded (hits)/s"),
+               (rate("vllm_retro:block_cache_misses_total"), "prefilled (misses)/s")],
+              "Passages of Block-Attention requests loaded from the passage cache at their "
+              "new positions, and passages prefilled."),
+        Panel("Passage tokens", "short",
+              [(rate("vllm_retro:block_cache_loaded_tokens_total"), "loaded/s"),
+               (rate("vllm_retro:block_cache_saved_tokens_total"), "saved/s")],
+              "Prompt tokens loaded instead of computed; passage tokens written into the "
+              "cache."),
+        Panel("Passage cache size", "bytes",
+              [(total("vllm_retro:block_cache_bytes"), "held"),
+               (total("vllm_retro:block_cache_capacity_bytes"), "capacity")],
+              "Host memory holding cached passages' KV, and what the cache may hold "
+              "(--retro-block-cache-gb)."),
+        Panel("Passages cached, evicted, rejected", "short",
+              [(total("vllm_retro:block_cache_passages"), "cached"),
+               (rate("vllm_retro:block_cache_evictions_total"), "evicted/s"),
+               (rate("vllm_retro:block_cache_rejected_total"), "rejected/s")],
+              "Passages in the cache; least recently used ones evicted for room; passages "
+              "not cached for want of room."),
+    ]),
     Row("Retro: failures (each logged, confined to its request)", [
         Panel("Failed and dense-fallback requests", "reqps",
               [(rate("vllm_retro:failed_requests_total"), "failed (error to client)/s"),
