@@ -175,7 +175,7 @@ def _planner(pages: int = 64):
     from vllm_retro.blocks.directory import BlockDirectory
     from vllm_retro.vllm.block_cache import PAGE_TOKENS, BlockCachePlanner
 
-    return BlockCachePlanner(BlockDirectory(pages, PAGE_TOKENS), "ns", 16, 1024)
+    return BlockCachePlanner(BlockDirectory(pages, PAGE_TOKENS), "ns", 1024)
 
 
 def _save_all(p, rid, ids, blocks):

@@ -24,8 +24,9 @@ token. :class:`BlockCachePlanner` is the scheduler's half (integers only; what i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,6 @@ class PassageLoad:
     positions ``[dst, dst + count)``."""
 
     pages: tuple[int, ...]
-    num_tokens: int
-    """The passage's length (its pages hold tokens ``0 .. num_tokens-1``)."""
     src: int
     """Position of the passage's first token when its keys were written."""
     first: int
@@ -108,13 +107,11 @@ class BlockCachePlanner:
     Args:
         directory: the cache's pages (its page size :data:`PAGE_TOKENS`).
         namespace: names the model and KV layout in every passage's digest.
-        block_size: tokens per block of vLLM's paged cache (the retro group's).
         bytes_per_token: K+V bytes of one token, every cached layer of one worker.
     """
 
     directory: BlockDirectory
     namespace: str
-    block_size: int
     bytes_per_token: int
     counts: PassageCounts = field(default_factory=PassageCounts)
     _offered: dict[str, tuple[int, list[tuple[BlockEntry, PassageLoad]]]] = field(
@@ -145,7 +142,7 @@ class BlockCachePlanner:
         """Tokens from ``num_computed`` the cache can supply: every passage from there up to
         the first not cached (the one holding ``num_computed`` from that token on). Pins
         them until :meth:`allocated` (an earlier offer to the same request is taken back)."""
-        self._unpin(self._offered.pop(request_id, (0, []))[1])
+        self._unpin(e for e, _ in self._offered.pop(request_id, (0, []))[1])
         digests = self.passages(request_id, token_ids, blocks)
         pos, items = num_computed, []
         for digest, s, e in zip(digests, blocks[:-1], blocks[1:], strict=True):
@@ -154,8 +151,8 @@ class BlockCachePlanner:
             entry = self.directory.acquire(digest)
             if entry is None:
                 break
-            items.append((entry, PassageLoad(tuple(entry.pages), entry.num_tokens,
-                                             entry.position, pos - s, e - pos, pos)))
+            items.append((entry, PassageLoad(tuple(entry.pages), entry.position,
+                                             pos - s, e - pos, pos)))
             pos = e
         self._offered[request_id] = (num_computed, items)
         return pos - num_computed
@@ -173,8 +170,7 @@ class BlockCachePlanner:
                 self.directory.release(entry)
                 continue
             if load.count > left:
-                load = PassageLoad(load.pages, load.num_tokens, load.src, load.first, left,
-                                   load.dst)
+                load = dataclasses.replace(load, count=left)
             kept.append((entry, load))
             left -= load.count
         if kept:
@@ -224,13 +220,13 @@ class BlockCachePlanner:
 
     def finished(self, request_id: str) -> None:
         """The request ended or was preempted: its unsent loads' pins go back."""
-        self._unpin(self._offered.pop(request_id, (0, []))[1])
-        self._unpin(self._loading.pop(request_id, []))
+        self._unpin(e for e, _ in self._offered.pop(request_id, (0, []))[1])
+        self._unpin(e for e, _ in self._loading.pop(request_id, []))
         self._digests.pop(request_id, None)
 
-    def _unpin(self, items: Sequence[Any]) -> None:
-        for item in items:
-            self.directory.release(item[0] if isinstance(item, tuple) else item)
+    def _unpin(self, entries: Iterable[BlockEntry]) -> None:
+        for entry in entries:
+            self.directory.release(entry)
 
 
 def model_rope(head_size: int) -> RopeShift:

@@ -155,7 +155,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                          f"{spec.head_size}|{len(group.layer_names)} layers|tp="
                          f"{vllm_config.parallel_config.tensor_parallel_size}")
             self.passages = BlockCachePlanner(BlockDirectory(pages, PAGE_TOKENS), namespace,
-                                              spec.block_size, kv_bytes_per_token)
+                                              kv_bytes_per_token)
         else:
             self.passage_worker = BlockCacheWorker(group.layer_names, pages, spec.num_kv_heads,
                                                    spec.head_size, spec.dtype, spec.block_size)
