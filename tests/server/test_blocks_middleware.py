@@ -108,3 +108,41 @@ def test_a_model_without_block_tuning_is_warned_about_once(caplog, tmp_path):
     assert blocks_middleware({}, str(tuned)) == pkg + "BlockSaltMiddleware"
     assert blocks_middleware({}, "org/hub-name") == pkg + "BlockSaltMiddleware"  # unknown
     assert blocks_middleware({"enabled": False}, str(plain)) == pkg + "BlocksOffMiddleware"
+
+
+def test_starts_past_a_text_prompt_end_get_a_400_counted_by_the_servers_tokenize():
+    seen: list[dict] = []
+
+    async def tokenize(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        seen.append(body)
+        if request.headers.get("authorization") != "Bearer k":
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        text = body["prompt"] if "prompt" in body else " ".join(
+            m["content"] for m in body["messages"])
+        return JSONResponse({"count": len(text.split()), "tokens": []})
+
+    paths = ("/v1/completions", "/v1/chat/completions")
+    app = Starlette(routes=[*(Route(p, echo, methods=["POST"]) for p in paths),
+                            Route("/tokenize", tokenize, methods=["POST"])])
+    app.add_middleware(BlockSaltMiddleware)
+    c = TestClient(app, headers={"Authorization": "Bearer k"})
+    xargs = {"vllm_xargs": {"retro_blocks": [0, 2, 5]}}
+    r = c.post("/v1/completions", json={"prompt": "one two three four five", **xargs})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "retro_blocks: the last block starts at 5, past the prompt's 5 tokens "
+        "(accepted: 1 .. 4)")
+    assert seen[-1] == {"prompt": "one two three four five"}
+    ok = c.post("/v1/completions", json={"prompt": ["a b c d e f", "a b c d e f g"],
+                                         "model": "m", "add_special_tokens": False, **xargs})
+    assert ok.json()["body"]["cache_salt"] == block_salt([0, 2, 5])
+    assert seen[-2:] == [{"model": "m", "add_special_tokens": False, "prompt": p}
+                         for p in ("a b c d e f", "a b c d e f g")]
+    chat = {"messages": [{"role": "user", "content": "a b c"}], "chat_template_kwargs": {
+        "enable_thinking": False}, "temperature": 0.5, **xargs}
+    r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "past the prompt's 3 tokens" in r.text
+    assert seen[-1] == {"messages": chat["messages"],
+                        "chat_template_kwargs": {"enable_thinking": False}}
+    r = c.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer x"})
+    assert r.json()["body"]["cache_salt"]  # /tokenize refused: left to vLLM, which answers

@@ -140,7 +140,8 @@ def test_long_prompt_is_indexed_and_metrics_show_it(server: Server, client) -> N
 
 
 @pytest.mark.parametrize("case", ["malformed_json", "unknown_model", "negative_max_tokens",
-                                  "prompt_too_long", "wrong_api_key", "bad_chat_messages"])
+                                  "prompt_too_long", "wrong_api_key", "bad_chat_messages",
+                                  "block_starts_past_text", "block_starts_past_chat"])
 def test_bad_input_answers_4xx_and_server_keeps_serving(server: Server, client,
                                                         case: str) -> None:
     """Each bad request gets a 4xx with a message naming the problem; the next good
@@ -161,6 +162,14 @@ def test_bad_input_answers_4xx_and_server_keeps_serving(server: Server, client,
     elif case == "bad_chat_messages":
         path, body = "/v1/chat/completions", {"model": MODEL, "messages": "not a list"}
         words = ("messages",)
+    elif case == "block_starts_past_text":  # counted by the server's tokenizer
+        body["vllm_xargs"] = {"retro_blocks": [0, 2, 900]}
+        words = ("retro_blocks", "900", "past the prompt's")
+    elif case == "block_starts_past_chat":  # the chat template's tokens counted too
+        path, words = "/v1/chat/completions", ("retro_blocks", "past the prompt's")
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user",
+                                                               "content": "hello"}],
+                "vllm_xargs": {"retro_blocks": [0, 900]}}
     data = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + path, content=data, headers=headers, timeout=60)
     assert r.status_code == status, r.text
