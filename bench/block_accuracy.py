@@ -16,6 +16,10 @@ Configurations, each on its own in-process engine and the same trials:
   passage cache (``block_cache_gb`` 0), every passage prefilled: the control telling what
   the order changes from what loading changes.
 
+``--recompute-tokens N ...`` runs the block configurations once per ``N`` with
+``block_recompute_tokens`` N (the last N tokens before the question attend to everything:
+selective recompute), labelled ``+recomputeN`` when N > 0.
+
 The chat template's opening is a block of its own (shared by every request, so cached
 once; merged into the first passage's block it would make every request's first block new,
 and loads stop at the first block not cached), its closing goes in the last block. The
@@ -124,6 +128,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["stock", "blocks"],
                     choices=["stock", "blocks", "nocache"],
                     help="blocks runs blocks and blocks-cached; nocache blocks-nocache")
+    ap.add_argument("--recompute-tokens", type=int, nargs="+", default=[0],
+                    help="block_recompute_tokens of the block configurations (one run each)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from vllm import LLM
@@ -137,16 +143,21 @@ def main() -> None:
     rng = random.Random(args.seed + 1)
     shuffled = [compose(frame, t, rng.sample(range(args.passages), args.passages)) for t in ts]
     results: dict[str, Any] = {}
-    for name in args.configs:
+    configs = [(name, r) for name in args.configs
+               for r in ([0] if name == "stock" else args.recompute_tokens)]
+    for name, recompute in configs:
         kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=True, seed=0,
                                   max_model_len=max(len(p[0]) for p in natural) + 64,
                                   kv_cache_memory_bytes=2 << 30)
         if name != "stock":
-            kw.update(engine_kwargs(block_cache_gb=0.0 if name == "nocache" else 2.0))
+            kw.update(engine_kwargs(block_cache_gb=0.0 if name == "nocache" else 2.0,
+                                    block_recompute_tokens=recompute))
         llm = LLM(model=args.model, **kw)
+        suffix = f"+recompute{recompute}" if recompute else ""
         try:
             runs = ({"blocks": natural, "blocks-cached": shuffled} if name == "blocks" else
                     {"blocks-nocache": shuffled} if name == "nocache" else {name: natural})
+            runs = {label + suffix: prompts for label, prompts in runs.items()}
             for label, prompts in runs.items():
                 t0 = time.perf_counter()
                 answers = run(llm, tok, prompts, name != "stock", args.answer_tokens)
@@ -157,8 +168,8 @@ def main() -> None:
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             if name == "blocks":
                 p = llm.llm_engine.engine_core.engine_core.scheduler.connector.passages
-                results["blocks-cached"]["cache"] = {"hits": p.counts.hits,
-                                                     "misses": p.counts.misses}
+                results["blocks-cached" + suffix]["cache"] = {"hits": p.counts.hits,
+                                                              "misses": p.counts.misses}
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -167,7 +178,8 @@ def main() -> None:
     out.write_text(json.dumps({"device": cpu_description(), "model": args.model,
                                "dtype": args.dtype, "trials": args.trials,
                                "passages": args.passages,
-                               "passage_tokens": args.passage_tokens, "results": results,
+                               "passage_tokens": args.passage_tokens,
+                               "recompute_tokens": args.recompute_tokens, "results": results,
                                "command": " ".join(sys.argv)}, indent=1))
     print(f"wrote {out}")
 

@@ -113,6 +113,7 @@ ANSWER_DEFAULTS = {
     "graph_top_k": 100, "graph_search_ef": 128, "graph_degree": 16, "graph_knn": 100,
     "graph_train_queries": 4096, "graph_block_tokens": 128,
     "quest_page_size": 16, "quest_token_budget": 1024, "streaming_tokens": 1024,
+    "block_recompute_tokens": 0,  # retro_blocks requests only: bench/results/block_accuracy_*
 }
 #: Defaults that change where and how fast tokens are read, never which or what is computed
 #: (the serving path equals the per-row reference whatever they are: tests/vllm).

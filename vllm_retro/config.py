@@ -219,6 +219,11 @@ class RetroConfig:
     passage a later Block-Attention request lists again is loaded (its keys moved to their
     new positions) instead of prefilled; least recently used passages go first. 0: every
     passage is prefilled. Pages are touched only as passages are cached."""
+    block_recompute_tokens: int = 0
+    """Tokens before a Block-Attention request's last block that attend to the whole prompt
+    anyway (the passages' tail nearest the question, recomputed rather than loaded, and
+    never cached): selective recompute for a model that was not block-fine-tuned, as
+    CacheBlend's. 0: the paper's mask. Measured in bench/README.md ("Block-Attention")."""
 
     # --- execution --------------------------------------------------------------------------
     kernel_backend: str = "auto"
@@ -287,6 +292,7 @@ class RetroConfig:
             _check_float("host_memory_gb", self.host_memory_gb, 0.0, float(1 << 20),
                          lo_open=True)
         _check_float("block_cache_gb", self.block_cache_gb, 0.0, float(1 << 20))
+        _check_int("block_recompute_tokens", self.block_recompute_tokens, 0, 1 << 24)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _check_choice("device_resident", self.device_resident, DEVICE_RESIDENT)
 

@@ -45,3 +45,14 @@ def test_the_salt_keeps_block_layouts_apart():
 def test_bad_blocks_name_the_value_and_what_is_accepted(value, message):
     with pytest.raises(ValueError, match=message):
         parse_blocks({"retro_blocks": value}, 100, SALT)
+
+
+def test_recompute_moves_the_last_block_earlier_cutting_a_passage_where_it_falls():
+    from vllm_retro.blocks.request import mask_blocks, recompute_start
+
+    blocks = [0, 100, 250, 400]
+    assert recompute_start(blocks, 0) == 400 and mask_blocks(blocks, 0) == (0, 100, 250, 400)
+    assert recompute_start(blocks, 150) == 250 and mask_blocks(blocks, 150) == (0, 100, 250)
+    assert mask_blocks(blocks, 200) == (0, 100, 200)  # passage 100..250 keeps its head
+    assert mask_blocks(blocks, 399) == (0, 1)
+    assert recompute_start(blocks, 10_000) == 0 and mask_blocks(blocks, 400) is None

@@ -13,7 +13,7 @@ import torch
 from tests.vllm.engines import FULL_BUDGET, TINY_RETRO, engine, finish_step
 from tests.vllm.test_blocks import params
 from vllm_retro.blocks.attention import query_starts
-from vllm_retro.blocks.request import block_prompt
+from vllm_retro.blocks.request import block_prompt, mask_blocks
 from vllm_retro.vllm.block_cache import BlockCacheWorker
 
 pytestmark = pytest.mark.usefixtures("inprocess")
@@ -134,6 +134,45 @@ def test_cached_passages_load_at_new_positions_as_a_full_prefill(tiny_model_dir,
         assert p.directory.pinned_pages() == 0
 
 
+def test_recompute_computes_the_tail_before_the_question_against_everything(tiny_model_dir,
+                                                                          monkeypatch):
+    """``block_recompute_tokens``: the tail is neither loaded nor saved, and its keys are a
+    full prefill's under the widened mask (not the paper's, which this test tells apart)."""
+    recompute = 50
+    seen: dict[str, object] = {}
+    real_load = BlockCacheWorker.load
+
+    def spy(self, transfer, layers):
+        real_load(self, transfer, layers)
+        if transfer.loads:
+            seen.update(table=torch.tensor(transfer.block_ids), layers=layers,
+                        names=self.layer_names)
+
+    monkeypatch.setattr(BlockCacheWorker, "load", spy)
+    # one step loads and computes the whole prompt: its block-table row covers it all
+    with engine(tiny_model_dir, retro={**RETRO, "block_recompute_tokens": recompute},
+                max_num_batched_tokens=512) as llm:
+        p = planner(llm)
+        run(llm, "cold")  # passages 0..3; 3 (330..405) reaches past 405 - 50: not saved
+        assert p.counts.saved_tokens == sum(len(PASSAGES[i]) for i in range(3))
+        ids, blocks = PROMPTS["reordered"]  # 2, 0, 3 (new), 1 (cut at 355)
+        run(llm, "reordered")
+        assert (p.counts.hits, p.counts.misses, p.counts.loaded_tokens) == (2, 6, 220)
+        assert p.counts.saved_tokens == sum(len(PASSAGES[i]) for i in range(4))
+        assert p.directory.pinned_pages() == 0
+        widened = mask_blocks(blocks, recompute)
+        assert widened == (0, 130, 220, 295, 355)
+        want = hf_keys(tiny_model_dir, ids, list(widened))
+        paper = hf_keys(tiny_model_dir, ids, blocks)
+        n = len(ids)
+        for i, name in enumerate(seen["names"]):
+            layer = seen["layers"][name]
+            keys = layer.impl.read_kv(layer, layer.kv_cache, seen["table"], n)[0]
+            torch.testing.assert_close(keys, want[i][:, :n], atol=2e-5, rtol=1e-4)
+        # the last layer's tail keys depend on the mask: the paper's differs there
+        assert (paper[-1][:, 355:405] - want[-1][:, 355:405]).abs().max() > 1e-3
+
+
 def test_a_request_aborted_after_its_load_leaves_nothing_pinned(tiny_model_dir, references):
     with engine(tiny_model_dir, retro=RETRO, max_num_batched_tokens=128) as llm:
         p = planner(llm)
@@ -222,6 +261,29 @@ def test_a_cut_load_keeps_whole_passages_first_and_a_refused_one_unpins():
     p.finished("d")  # aborted while waiting
     p.step_planned()
     assert p.directory.pinned_pages() == 0
+
+
+def test_recompute_stops_offers_and_saves_at_the_tail():
+    from vllm_retro.blocks.directory import BlockDirectory
+    from vllm_retro.vllm.block_cache import PAGE_TOKENS, BlockCachePlanner
+
+    p = BlockCachePlanner(BlockDirectory(64, PAGE_TOKENS), "ns", 1024, recompute_tokens=100)
+    ids, blocks = PROMPTS["cold"]  # passages 0..3 end at 90, 200, 330, 405: tail from 305
+    t = _save_all(p, "a", ids, blocks)
+    assert [(s.start, s.num_tokens) for s in t.saves] == [(0, 90), (90, 110)]
+    ids, blocks = PROMPTS["mixed"]  # 1 (0..110) cached, 4 (110..210) new, 0 (210..300)
+    assert p.offer("b", ids, blocks, 0) == 110
+    p.finished("b")
+    p2 = BlockCachePlanner(BlockDirectory(64, PAGE_TOKENS), "ns", 1024, recompute_tokens=150)
+    _save_all(p2, "a", *PROMPTS["cold"])  # tail from 255: passages 0 and 1 saved
+    ids, blocks = PROMPTS["mixed"]  # tail from 300 - 150 = 150: passage 1 whole, no more
+    assert p2.offer("c", ids, blocks, 0) == 110
+    ids, blocks = compose([0, 1, 2], 0)  # tail from 330 - 150 = 180: 0, and 1 up to 180
+    assert p2.offer("d", ids, blocks, 0) == 180
+    p2.allocated("d", 180)
+    loads = p2.transfer("d", ids, blocks, 180, 370, list(range(30))).loads
+    assert [(ld.first, ld.count, ld.dst) for ld in loads] == [(0, 90, 0), (0, 90, 90)]
+    assert (p2.counts.hits, p2.counts.misses) == (2, 1)
 
 
 def test_saves_are_readable_once_reported_and_dropped_when_they_fail():

@@ -57,6 +57,25 @@ def check_blocks(raw: Any) -> list[int]:
     return list(raw)
 
 
+def recompute_start(blocks: Sequence[int], recompute_tokens: int) -> int:
+    """The first prompt position computed against the whole prompt: the last block's start
+    (``blocks[-1]``), moved ``recompute_tokens`` earlier (not below 0). The tokens from
+    there to the last block are the tail of the passages before it, recomputed attending to
+    everything before them (selective recompute, as CacheBlend's, of the tokens nearest the
+    question), so they are never loaded from the passage cache nor saved to it."""
+    return max(0, blocks[-1] - recompute_tokens)
+
+
+def mask_blocks(blocks: Sequence[int], recompute_tokens: int) -> tuple[int, ...] | None:
+    """The block starts the attention mask uses: ``blocks`` with the last block starting at
+    :func:`recompute_start` (a passage it cuts keeps its head as a block); None when that is
+    0 (plain causal attention over the whole prompt)."""
+    last = recompute_start(blocks, recompute_tokens)
+    if last == 0:
+        return None
+    return (*(s for s in blocks[:-1] if s < last), last)
+
+
 def parse_blocks(extra_args: Mapping[str, Any] | None, prompt_len: int,
                  cache_salt: str | None) -> tuple[int, ...] | None:
     """The block starts a request asks for (the last one the last block's), or None when

@@ -34,6 +34,7 @@ import torch
 
 from vllm_retro.blocks.arena import BlockArena
 from vllm_retro.blocks.directory import BlockDirectory, BlockEntry, block_digest
+from vllm_retro.blocks.request import recompute_start
 from vllm_retro.blocks.rope import RopeShift
 
 logger = logging.getLogger("vllm.retro.block_cache")
@@ -91,10 +92,12 @@ class PassageCounts:
     """Scheduler counters since start (exported as ``vllm_retro:block_cache_*``)."""
 
     hits: int = 0
-    """Passages loaded from the cache instead of prefilled."""
+    """Passages loaded from the cache (wholly, or up to where vLLM cut the load or the
+    recomputed tail begins) instead of prefilled."""
     misses: int = 0
-    """Passages of Block-Attention requests prefilled (not cached, or after the first
-    passage that was not: loads are contiguous from the request's first token)."""
+    """Passages of Block-Attention requests prefilled, none of their tokens loaded (not
+    cached, after the first passage that was not: loads are contiguous from the request's
+    first token, or in the recomputed tail)."""
     loaded_tokens: int = 0
     saved_tokens: int = 0
 
@@ -108,11 +111,15 @@ class BlockCachePlanner:
         directory: the cache's pages (its page size :data:`PAGE_TOKENS`).
         namespace: names the model and KV layout in every passage's digest.
         bytes_per_token: K+V bytes of one token, every cached layer of one worker.
+        recompute_tokens: the setting ``block_recompute_tokens``: passages' tokens from
+            :func:`~vllm_retro.blocks.request.recompute_start` on are neither loaded nor
+            saved (they are computed against the whole prompt).
     """
 
     directory: BlockDirectory
     namespace: str
     bytes_per_token: int
+    recompute_tokens: int = 0
     counts: PassageCounts = field(default_factory=PassageCounts)
     _offered: dict[str, tuple[int, list[tuple[BlockEntry, PassageLoad]]]] = field(
         default_factory=dict)
@@ -140,20 +147,25 @@ class BlockCachePlanner:
     def offer(self, request_id: str, token_ids: Sequence[int], blocks: Sequence[int],
               num_computed: int) -> int:
         """Tokens from ``num_computed`` the cache can supply: every passage from there up to
-        the first not cached (the one holding ``num_computed`` from that token on). Pins
-        them until :meth:`allocated` (an earlier offer to the same request is taken back)."""
+        the first not cached (the one holding ``num_computed`` from that token on), and not
+        past :func:`~vllm_retro.blocks.request.recompute_start`. Pins them until
+        :meth:`allocated` (an earlier offer to the same request is taken back)."""
         self._unpin(e for e, _ in self._offered.pop(request_id, (0, []))[1])
         digests = self.passages(request_id, token_ids, blocks)
+        limit = recompute_start(blocks, self.recompute_tokens)
         pos, items = num_computed, []
         for digest, s, e in zip(digests, blocks[:-1], blocks[1:], strict=True):
             if e <= pos:
                 continue
+            if pos >= limit:
+                break
             entry = self.directory.acquire(digest)
             if entry is None:
                 break
+            end = min(e, limit)
             items.append((entry, PassageLoad(tuple(entry.pages), entry.position,
-                                             pos - s, e - pos, pos)))
-            pos = e
+                                             pos - s, end - pos, pos)))
+            pos = end
         self._offered[request_id] = (num_computed, items)
         return pos - num_computed
 
@@ -175,9 +187,9 @@ class BlockCachePlanner:
             left -= load.count
         if kept:
             self._loading[request_id] = kept
-        ends = self._digests[request_id][0][1:]
+        starts = self._digests[request_id][0][:-1]
         self.counts.hits += len(kept)
-        self.counts.misses += sum(1 for e in ends if e > first + num_external)
+        self.counts.misses += sum(1 for s in starts if s >= first + num_external)
         self.counts.loaded_tokens += num_external
 
     def transfer(self, request_id: str, token_ids: Sequence[int],
@@ -190,8 +202,9 @@ class BlockCachePlanner:
         saves = []
         if blocks is not None:
             digests = self.passages(request_id, token_ids, blocks)
+            limit = recompute_start(blocks, self.recompute_tokens)
             for digest, s, e in zip(digests, blocks[:-1], blocks[1:], strict=True):
-                if not first < e <= end or digest in self._writing:
+                if not first < e <= min(end, limit) or digest in self._writing:
                     continue
                 entry = self.directory.reserve(digest, e - s, s)
                 if entry is not None:

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_retro.blocks.directory import BlockDirectory
-from vllm_retro.blocks.request import parse_blocks
+from vllm_retro.blocks.request import mask_blocks, parse_blocks
 from vllm_retro.index.steady import ring_size
 from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.block_cache import (
@@ -155,7 +155,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                          f"{spec.head_size}|{len(group.layer_names)} layers|tp="
                          f"{vllm_config.parallel_config.tensor_parallel_size}")
             self.passages = BlockCachePlanner(BlockDirectory(pages, PAGE_TOKENS), namespace,
-                                              kv_bytes_per_token)
+                                              kv_bytes_per_token,
+                                              self.config.block_recompute_tokens)
         else:
             self.passage_worker = BlockCacheWorker(group.layer_names, pages, spec.num_kv_heads,
                                                    spec.head_size, spec.dtype, spec.block_size)
@@ -279,9 +280,12 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             blocks, error = self._blocks_of(req) if first < req.num_prompt_tokens \
                 else (None, None)
             blocks = blocks if blocks and first < blocks[-1] else None
+            mask = blocks and mask_blocks(blocks, self.config.block_recompute_tokens)
             meta.rows[rid] = RowStep(slot=slot, start=first, num_tokens=n,
                                      indexed=indexed or switch, build_index=build,
-                                     catch_up=switch, blocks=blocks, blocks_error=error)
+                                     catch_up=switch,
+                                     blocks=mask if mask and first < mask[-1] else None,
+                                     blocks_error=error)
             if self.passages is not None and req.prompt_token_ids is not None:
                 transfer = self.passages.transfer(
                     rid, req.prompt_token_ids, blocks, first, end,

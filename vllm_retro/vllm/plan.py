@@ -43,9 +43,10 @@ class RowStep:
     being built (``[indexed tokens, start)``) are read from the paged KV, still allocated
     in this step, and appended to the index before decoding."""
     blocks: tuple[int, ...] | None = None
-    """Block-Attention (:mod:`vllm_retro.blocks.request`): the prompt's block starts, the
-    last one the last block's, while this step computes tokens before that (its passages
-    attend only within themselves); None otherwise."""
+    """Block-Attention (:mod:`vllm_retro.blocks.request`): the block starts the mask uses
+    (:func:`~vllm_retro.blocks.request.mask_blocks`: the last block's start moved earlier
+    by ``block_recompute_tokens``), while this step computes tokens before the last block
+    (its passages attend only within themselves); None otherwise."""
     blocks_error: str | None = None
     """The request asked for Block-Attention with bad block starts: it fails with this
     error to its client."""
