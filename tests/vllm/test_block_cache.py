@@ -192,6 +192,51 @@ def test_a_request_aborted_after_its_load_leaves_nothing_pinned(tiny_model_dir, 
         assert p.counts.hits == 8 and p.directory.pinned_pages() == 0
 
 
+def test_a_preempted_request_loads_its_passages_again(tiny_model_dir, monkeypatch):
+    """20 blocks of 128 tokens; eight plain requests growing to 350 tokens need 24, so vLLM
+    preempts the latest: the Block-Attention request, which loaded its passages. It loads
+    them again when it restarts and answers as without the cache; nothing stays pinned.
+    (Update segments of 1024 tokens: no prompt here is indexed, which would free blocks.)"""
+    from vllm_retro.vllm import schedule_state
+    from vllm_retro.vllm.block_cache import BlockCachePlanner
+
+    from tests.vllm.engines import random_prompts
+
+    taken: list[tuple[str, int]] = []
+    real_allocated = BlockCachePlanner.allocated
+
+    def spy(self, request_id, num_external):
+        if request_id in self._offered:
+            taken.append((request_id, num_external))
+        real_allocated(self, request_id, num_external)
+
+    monkeypatch.setattr(BlockCachePlanner, "allocated", spy)
+    ids, blocks = PROMPTS["reordered"]
+    prompts = [*random_prompts([100] * 8, seed=3), block_prompt(ids, blocks)]
+    sampling = [params(250)] * 8 + [params(150, blocks)]
+    kw = {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 1024, "max_model_len": 2048}
+    retro = {**RETRO, "update_segment": 1024}
+
+    def generate(llm) -> list[list[int]]:
+        outs = llm.generate(prompts, sampling, use_tqdm=False)
+        finish_step(llm)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with engine(tiny_model_dir, retro={**retro, "block_cache_gb": 0.0}, **kw) as llm:
+        want = generate(llm)
+    before = schedule_state.num_preempted()[0]
+    with engine(tiny_model_dir, retro=retro, **kw) as llm:
+        p = planner(llm)
+        run(llm, "cold")
+        taken.clear()
+        assert generate(llm) == want
+        assert p.directory.pinned_pages() == 0
+    assert schedule_state.num_preempted()[0] > before
+    loads = [n for _, n in taken if n]
+    assert len(loads) >= 2 and len({rid for rid, _ in taken}) == 1  # loaded, and again
+    assert loads[0] == blocks[-1]
+
+
 def test_the_cache_evicts_least_recently_used_passages_within_its_budget(tiny_model_dir,
                                                                          references):
     # 10 pages of 32 tokens (1 KiB a token: 2 layers x K,V x 2 heads x 32 x fp32): room
