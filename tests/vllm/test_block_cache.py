@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.vllm.engines import FULL_BUDGET, TINY_RETRO, engine, finish_step
+from tests.vllm.engines import FULL_BUDGET, TINY_RETRO, engine, finish_step, random_prompts
 from tests.vllm.test_blocks import params
 from vllm_retro.blocks.attention import query_starts
 from vllm_retro.blocks.request import block_prompt, mask_blocks
@@ -199,8 +199,6 @@ def test_a_preempted_request_loads_its_passages_again(tiny_model_dir, monkeypatc
     (Update segments of 1024 tokens: no prompt here is indexed, which would free blocks.)"""
     from vllm_retro.vllm import schedule_state
     from vllm_retro.vllm.block_cache import BlockCachePlanner
-
-    from tests.vllm.engines import random_prompts
 
     taken: list[tuple[str, int]] = []
     real_allocated = BlockCachePlanner.allocated
