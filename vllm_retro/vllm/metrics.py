@@ -112,8 +112,9 @@ FAMILIES: tuple[Family, ...] = (
            "Passages of Block-Attention requests loaded from the passage cache instead of "
            "prefilled (--retro-block-cache-gb).", "block_cache_hits"),
     Family(PREFIX + "block_cache_misses_total", "counter",
-           "Passages of Block-Attention requests prefilled: not cached, or after the first "
-           "passage that was not (loads run from the prompt's first uncomputed token).",
+           "Passages of Block-Attention requests prefilled, none of their tokens loaded: not "
+           "cached, after the first passage that was not (loads run from the prompt's first "
+           "uncomputed token), or in the recomputed tail (--retro-block-recompute-tokens).",
            "block_cache_misses"),
     Family(PREFIX + "block_cache_loaded_tokens_total", "counter",
            "Prompt tokens loaded from the passage cache (not computed).",
