@@ -136,7 +136,6 @@ class BlockSaltMiddleware:
 
         await self.app(scope, replay, send)
 
-
     async def _check_length(self, scope: dict, request: dict) -> str | None:
         """The error of block starts past the end of a text prompt (or chat), counted by
         the app's ``/tokenize``; None when they fit, or when the app cannot count it (the
