@@ -94,10 +94,10 @@ def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
 def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
     """The fused kernel's packed arguments for ``index`` with its window's whole ring (the
     caller passes the window's place in it per call), cached on the index
-    (:attr:`WaveIndex.fused_view`) until its meta index changes, its store replaces its
-    pools (then the old pools are released) or its steady pool is replaced, so a decode
+    (:attr:`WaveIndex.fused_view`) until its meta index changes or moves, its store replaces
+    its pools (then the old pools are released) or its steady pool is replaced, so a decode
     step does no per-row Python work beyond the lookup."""
-    generation = (index.store.layout_generation, index.steady.generation)
+    generation = (index.store.layout_generation, index.steady.generation, index.meta_storage)
     view = index.fused_view
     if view is None or view[0] != generation:
         row = decode_row(index)

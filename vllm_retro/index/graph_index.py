@@ -197,7 +197,7 @@ class GraphIndex(TokenIndex):
         the token tables and the block sizes."""
         tables = self.token_cluster.nbytes + self.token_offset.nbytes
         return (self.adj.nbytes() + self._inv.nbytes() + tables
-                + self._meta_rows["sizes"].nbytes())
+                + self._own_meta_nbytes())
 
     def free(self) -> None:
         """Release the store's KV, the graphs and tables (the index is unusable after)."""

@@ -34,9 +34,10 @@ import torch
 
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
+from vllm_retro.index.meta_pool import FieldSpec
 from vllm_retro.index.store import ClusterStore
 from vllm_retro.index.token_index import position_blocks
-from vllm_retro.index.wave_index import GrowingRows, Selection, WaveIndex
+from vllm_retro.index.wave_index import Selection, WaveIndex
 from vllm_retro.kernels.scoring import page_bound_scores_ref
 
 
@@ -47,6 +48,7 @@ class PageIndex(WaveIndex):
     clusters_in_rounds = False
     selects_zones = False
     kernel_scores = False
+    meta_kept = ("sizes",)
 
     @staticmethod
     def select_batch(indexes: list[PageIndex], query: torch.Tensor, scale: float
@@ -79,7 +81,7 @@ class PageIndex(WaveIndex):
         # only the page sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4 * self._block_pages)
+        self._meta.append({"sizes": clusters.sizes}, 4 * self._block_pages)
 
     @property
     def _block_pages(self) -> int:
@@ -87,7 +89,7 @@ class PageIndex(WaveIndex):
 
     def meta_nbytes(self) -> int:
         """Bytes of the per-page rows (with room for later blocks)."""
-        return sum(r.nbytes() for r in self._meta_rows.values())
+        return self._own_meta_nbytes()
 
     def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Rank of every page for a query [num_heads, D]: [H, P] (higher is read first)."""
@@ -115,13 +117,13 @@ class QuestIndex(PageIndex):
     def default_budget(config: RetroConfig) -> int:
         return config.quest_token_budget
 
-    def _new_meta(self, dtype: torch.dtype, device: torch.device) -> None:
-        super()._new_meta(dtype, device)
-        h, d = self.num_kv_heads, self.head_dim
-        self._meta_rows["page_bounds"] = GrowingRows(
-            torch.empty(h, 0, 2 * d, dtype=dtype, device=device))
-        self.page_bounds = self._meta_rows["page_bounds"].buf
+    def meta_fields(self, dtype: torch.dtype) -> dict[str, FieldSpec]:
+        return super().meta_fields(dtype) | {"page_bounds": ((2 * self.head_dim,), dtype)}
+
+    @property
+    def page_bounds(self) -> torch.Tensor:
         """[H, P, 2D] each page's per-dimension max of its keys, then min (keys' dtype)."""
+        return self._meta.view("page_bounds")
 
     @property
     def page_max(self) -> torch.Tensor:
@@ -141,7 +143,7 @@ class QuestIndex(PageIndex):
         first = keys[:, :1].expand(h, p * self.page_size - m, d)  # a real key: bounds kept
         pages = torch.cat([first, keys], dim=1).reshape(h, p, self.page_size, d)
         bounds = torch.cat([pages.amax(2), pages.amin(2)], dim=2)
-        self.page_bounds = self._meta_rows["page_bounds"].append(bounds, 4 * self._block_pages)
+        self._meta.append({"page_bounds": bounds}, 4 * self._block_pages)
 
     def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
         """The page bounds [H, P, 2D], which the fused CPU kernel scores as

@@ -139,7 +139,7 @@ class PQIndex(TokenIndex):
     def meta_nbytes(self) -> int:
         """Bytes of the codes (with their room for later blocks), codebooks and block sizes."""
         books = 0 if self.pq is None else self.pq.codebooks.numel() * 4
-        return self._codes.nbytes() + books + self._meta_rows["sizes"].nbytes()
+        return self._codes.nbytes() + books + self._own_meta_nbytes()
 
     def free(self) -> None:
         """Release the store's KV, the codes and codebooks (the index is unusable after)."""

@@ -92,6 +92,7 @@ class SaapIndex(WaveIndex):
     clusters_in_rounds = False
     selects_zones = False
     kernel_scores = False
+    meta_kept = ("sizes",)
 
     @staticmethod
     def select_batch(indexes: list[SaapIndex], query: torch.Tensor, scale: float
@@ -137,12 +138,12 @@ class SaapIndex(WaveIndex):
         # only the cluster sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, self.num_buckets)
+        self._meta.append({"sizes": clusters.sizes}, self.num_buckets)
 
     def meta_nbytes(self) -> int:
         """Bytes of the per-cluster sizes (with room for a later block); the trained routing
         is the process's, shared by every request, like the model's weights."""
-        return self._meta_rows["sizes"].nbytes()
+        return self._own_meta_nbytes()
 
     def bucket_scores(self, query: torch.Tensor) -> torch.Tensor:
         """The classifier's ranking of the buckets for the newest token's query

@@ -49,6 +49,7 @@ class TokenIndex(WaveIndex):
     selects_zones = False
     kernel_scores = False
     lands_in_store = False
+    meta_kept = ("sizes",)
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None,
@@ -79,7 +80,7 @@ class TokenIndex(WaveIndex):
         # only the block sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self.sizes = self._meta_rows["sizes"].append(clusters.sizes, 4)
+        self._meta.append({"sizes": clusters.sizes}, 4)
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:

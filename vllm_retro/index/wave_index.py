@@ -14,7 +14,9 @@ The steady zone's KV lives in a slot of a :class:`~vllm_retro.index.steady.Stead
 (sinks, and the window as a ring: a block leaving it moves nothing); a standalone index has
 a pool of its own, a served one shares its layer's (:meth:`WaveIndex.adopt_steady`), so
 that one step's new tokens of every request are one write
-(:func:`~vllm_retro.index.batched.append_batch`).
+(:func:`~vllm_retro.index.batched.append_batch`). Its meta rows (centroids, value sums, sizes,
+...) live likewise in an extent of a :class:`~vllm_retro.index.meta_pool.MetaPool`: its own,
+or its layer's once adopted (:meth:`WaveIndex.adopt_meta`).
 
 A context shorter than ``config.min_indexed_context`` gets no clusters: every token is in
 the steady zone and decode attention is exact (dense) until it grows long enough.
@@ -36,6 +38,7 @@ from vllm_retro.growth import grown
 from vllm_retro.index.clustering import Clusters, cluster_block_steps, run_steps
 from vllm_retro.index.estimator import ResidualModel, expected_max_deviate
 from vllm_retro.index.estimator_choice import JUDGE_QUERIES, choose_tilted_heads
+from vllm_retro.index.meta_pool import FieldSpec, MetaPool, MetaRows
 from vllm_retro.index.steady import SteadyPool, ring_size
 from vllm_retro.index.store import ClusterStore, DenseClusterStore, SteadyParts
 
@@ -181,7 +184,7 @@ class WaveIndex:
         self.meta_generation = 0
         """Counts changes of the meta index (a block joining it, :meth:`free`): a batch view
         read at one generation stays valid until the next."""
-        self._meta_nbytes = (-1, 0)  # (the meta_generation it was counted at, bytes)
+        self._meta_nbytes: tuple[Any, int] = (None, 0)  # (what it was counted at, bytes)
         self.judged_queries = 0
         """Prompt queries that chose each head's estimator (``estimator='auto'``; 0: none
         given, every head tilted)."""
@@ -308,33 +311,90 @@ class WaveIndex:
         self.store.append(keys, values, positions, clusters)
         self._add_meta(clusters)
 
+    meta_kept: ClassVar[tuple[str, ...]] = ("centroids", "value_sums", "sizes", "spreads",
+                                            "deviates")
+    """The per-cluster rows this policy keeps, of those every index answers for (the
+    properties :attr:`centroids` .. :attr:`deviates`; the others read empty)."""
+
+    def meta_fields(self, dtype: torch.dtype) -> dict[str, FieldSpec]:
+        """The per-cluster rows this policy keeps: name -> (trailing shape, dtype)."""
+        return {name: spec for name, spec in self._base_fields(dtype).items()
+                if name in self.meta_kept}
+
+    def _base_fields(self, dtype: torch.dtype) -> dict[str, FieldSpec]:
+        d = self.head_dim
+        return {"centroids": ((d,), dtype), "value_sums": ((d,), dtype),
+                "sizes": ((), torch.int32), "spreads": ((), torch.float32),
+                "deviates": ((), torch.float32)}
+
     def _new_meta(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Empty meta index: its per-cluster rows in :class:`GrowingRows` buffers, which
-        :attr:`centroids`, :attr:`value_sums`, :attr:`sizes`, :attr:`spreads` and
-        :attr:`deviates` are views of."""
-        h, d = self.num_kv_heads, self.head_dim
-        self._meta_rows = {
-            "centroids": GrowingRows(torch.empty(h, 0, d, dtype=dtype, device=device)),
-            "value_sums": GrowingRows(torch.empty(h, 0, d, dtype=dtype, device=device)),
-            "sizes": GrowingRows(torch.empty(h, 0, dtype=torch.int32, device=device)),
-            "spreads": GrowingRows(torch.empty(h, 0, dtype=torch.float32, device=device)),
-            "deviates": GrowingRows(torch.empty(h, 0, dtype=torch.float32, device=device)),
-        }
-        for name, rows in self._meta_rows.items():
-            setattr(self, name, rows.buf)
+        """Empty meta index, in a :class:`MetaPool` of its own (until :meth:`adopt_meta`)."""
+        h = self.num_kv_heads
+        fields = self.meta_fields(dtype)
+        base = self._base_fields(dtype)
+        absent = {name: torch.empty(h, 0, *trail, dtype=dt, device=device)
+                  for name, (trail, dt) in base.items() if name not in fields}
+        self._meta_layout = (dtype, torch.device(device))
+        self._meta = MetaRows(MetaPool(h, fields, device), own=True, absent=absent)
+
+    def meta_pool_layout(self) -> tuple[int, dict[str, FieldSpec], torch.device]:
+        """(heads, fields, device) of a pool that can hold this index's meta rows."""
+        dtype, device = self._meta_layout
+        return self.num_kv_heads, self.meta_fields(dtype), device
+
+    def adopt_meta(self, pool: MetaPool) -> None:
+        """Move the meta rows into ``pool`` (a layer's shared pool, of
+        :meth:`meta_pool_layout`), releasing the index's own."""
+        self._meta.adopt(pool)
+        self.fused_view = None
+
+    @property
+    def meta_storage(self) -> int:
+        """Changes whenever the meta rows' storage moves (the pool's generation): views
+        read before are stale then."""
+        return self._meta.pool.generation
+
+    @property
+    def centroids(self) -> torch.Tensor:
+        """[H, C, D] cluster centroids (the keys' dtype; a view of the meta pool)."""
+        return self._meta.view("centroids")
+
+    @property
+    def value_sums(self) -> torch.Tensor:
+        """[H, C, D] per-cluster sums of the values (the values' dtype)."""
+        return self._meta.view("value_sums")
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """[H, C] int32 tokens per cluster."""
+        return self._meta.view("sizes")
+
+    @property
+    def spreads(self) -> torch.Tensor:
+        """[H, C] fp32 per-cluster key spread (the tilted estimator's)."""
+        return self._meta.view("spreads")
+
+    @property
+    def deviates(self) -> torch.Tensor:
+        """[H, C] fp32 expected largest deviate of a cluster's size (the tilted
+        estimator's)."""
+        return self._meta.view("deviates")
 
     def _add_meta(self, clusters: Clusters) -> None:
         """Append a block's clusters to the meta index (its KV is already in the store),
         in place: a growth leaves room for a few more update blocks."""
         self.fused_view = None
         self.meta_generation += 1
-        headroom = 4 * self.config.update_clusters
-        new = {"centroids": clusters.centroids, "value_sums": clusters.value_sums,
-               "sizes": clusters.sizes, "spreads": clusters.spreads.float(),
-               "deviates": expected_max_deviate(clusters.sizes)}
-        for name, rows in new.items():
-            setattr(self, name, self._meta_rows[name].append(rows, headroom))
+        self._meta.append({"centroids": clusters.centroids, "value_sums": clusters.value_sums,
+                           "sizes": clusters.sizes, "spreads": clusters.spreads.float(),
+                           "deviates": expected_max_deviate(clusters.sizes)},
+                          4 * self.config.update_clusters)
         self.residuals.add(clusters.key_sq, clusters.cross)
+
+    def _own_meta_nbytes(self) -> int:
+        """Bytes of the meta rows when their pool is this index's own (else 0: the layer
+        counts its pool)."""
+        return self._meta.pool.nbytes() if self._meta.own else 0
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Add decoded tokens. key, value: [H_kv, n, D] (n >= 1) post-RoPE.
@@ -460,7 +520,7 @@ class WaveIndex:
     @property
     def num_clusters(self) -> int:
         """Clusters per KV head (empty ones included)."""
-        return int(self.sizes.shape[1])
+        return self._meta.count("sizes")
 
     @property
     def num_steady(self) -> int:
@@ -488,7 +548,8 @@ class WaveIndex:
         self.store.free()
         self._pending = self._landing = self.fused_view = self._pending_block = None
         self.meta_generation += 1
-        self._new_meta(self.centroids.dtype, self.centroids.device)  # buffers released
+        self._meta.release()
+        self._new_meta(*self._meta_layout)
         if self._own_steady:
             self.steady.release()
         self.num_sinks = self.num_tokens = self.window_start = 0
@@ -499,15 +560,17 @@ class WaveIndex:
         return self.steady.nbytes() if self._own_steady else 0
 
     def meta_nbytes(self) -> int:
-        """Bytes held for the meta index (centroids, value sums, sizes, the tilted
-        estimator's per-cluster spreads and deviates, with their buffers' room for later
-        blocks, and the per-head residual model)."""
-        # counted once per meta_generation (every change of these buffers bumps it): the
-        # runtime's gauges ask every live index at every step
-        generation, nbytes = self._meta_nbytes
-        if generation != self.meta_generation:
-            nbytes = self.residuals.nbytes() + sum(r.nbytes() for r in self._meta_rows.values())
-            self._meta_nbytes = (self.meta_generation, nbytes)
+        """Bytes held for the meta index: the per-head residual model, and, while the meta
+        rows' pool is the index's own, the pool (centroids, value sums, sizes, the tilted
+        estimator's per-cluster spreads and deviates, with room for later blocks; a layer's
+        shared pool is counted by its owner)."""
+        # counted once per meta_generation (every change of these buffers bumps it) and
+        # pool: the runtime's gauges ask every live index at every step
+        at = (self.meta_generation, self._meta.own)
+        counted, nbytes = self._meta_nbytes
+        if counted != at:
+            nbytes = self.residuals.nbytes() + self._own_meta_nbytes()
+            self._meta_nbytes = (at, nbytes)
         return nbytes
 
     # ------------------------------------------------------------------ decode

@@ -403,7 +403,7 @@ class RetroRuntime:
         idle = not len(self._slots)
         if idle:  # no request left: the pools' memory goes back
             for state in self._layers.values():
-                state.release_steady()
+                state.release_pools()
         if self._manager is not None:
             self._manager.free_request(request_id)
         if removed:
@@ -428,13 +428,13 @@ class RetroRuntime:
 
     def live_bytes(self) -> tuple[int, int]:
         """(host bytes, device bytes) held by live requests: the wave buffer's tiers, the
-        layers' steady-zone pools, and each index's meta data (and steady zone, if not in a
-        pool), built indexes not yet taken over included."""
+        layers' steady-zone and meta pools, and each index's meta data (and steady zone) not
+        in a layer's pool, built indexes not yet taken over included."""
         indexes = [i for held in self._held_indexes().values() for i in held]
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
         held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
                 for idx in indexes]
-        held += [state.steady_nbytes() for state in self._layers.values()]
+        held += [state.pools_nbytes() for state in self._layers.values()]
         for nbytes, on_device in held:
             if on_device:
                 device += nbytes
