@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index.batched import append_batch  # noqa: E402
+from vllm_retro.index.meta_pool import MetaPool  # noqa: E402
 from vllm_retro.index.steady import SteadyPool  # noqa: E402
 from vllm_retro.index.wave_index import WaveIndex  # noqa: E402
 
@@ -36,7 +37,8 @@ from vllm_retro.index.wave_index import WaveIndex  # noqa: E402
 def build_layers(layers: int, batch: int, context: int, heads: int, dim: int,
                  dtype: torch.dtype, pooled: bool) -> list[list[WaveIndex]]:
     """``layers`` x ``batch`` indexes over random KV (short enough to stay dense: only the
-    steady zone matters here), each layer's in one steady pool when ``pooled``."""
+    steady zone matters here), each layer's in one steady pool and one meta pool when
+    ``pooled``, as a served layer's."""
     cfg = RetroConfig()
     g = torch.Generator().manual_seed(0)
     out = []
@@ -49,8 +51,10 @@ def build_layers(layers: int, batch: int, context: int, heads: int, dim: int,
             own = row[0].steady
             pool = SteadyPool(heads, dim, own.sink_cap, own.ring, dtype, own.device,
                               slots=batch, zeroed=True)
+            meta = MetaPool(*row[0].meta_pool_layout())
             for b, index in enumerate(row):
                 index.adopt_steady(pool, b)
+                index.adopt_meta(meta)
         out.append(row)
     return out
 

@@ -9,6 +9,7 @@ import torch
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import decode_batch
 from vllm_retro.index.meta_pool import ExtentTable, MetaPool, MetaRows
+from vllm_retro.index.padded import MetaViewCache, padded_meta
 from vllm_retro.index.pages import QuestIndex
 from vllm_retro.index.wave_index import WaveIndex
 
@@ -116,17 +117,21 @@ def _kv(h, n, d, g):
     return tuple(torch.randn(h, n, d, generator=g) for _ in range(2))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("kind", [WaveIndex, QuestIndex])
-def test_indexes_in_a_layer_pool_decode_as_standalone_ones(kind):
+def test_indexes_in_a_layer_pool_decode_as_standalone_ones(kind, backend):
     """Indexes adopted into one pool, decoding token by token past update blocks (which land
     in the pool and move it), with one leaving and another joining midway, give exactly the
-    outputs of the same indexes each keeping its own rows; once all are freed the pool holds
-    nothing."""
+    outputs of the same indexes each keeping its own rows, through the fused CPU kernel
+    ('auto') and the padded route, whose view is gathered from the pool ('torch'); once all
+    are freed the pool holds nothing."""
     g = torch.Generator().manual_seed(1)
+    cfg = CFG.replace(kernel_backend=backend)
     h, d, lengths = 2, 16, [300, 120, 700]
     kvs = [_kv(h, n, d, g) for n in lengths]
-    pooled = [kind.build(*kv, CFG) for kv in kvs]
-    alone = [kind.build(*kv, CFG) for kv in kvs]
+    pooled = [kind.build(*kv, cfg) for kv in kvs]
+    alone = [kind.build(*kv, cfg) for kv in kvs]
+    views = [MetaViewCache(), MetaViewCache()]
     pool = MetaPool(*pooled[0].meta_pool_layout())
     for index in pooled:
         own = index.meta_nbytes()
@@ -139,8 +144,8 @@ def test_indexes_in_a_layer_pool_decode_as_standalone_ones(kind):
             pooled.pop(1).free()
             alone.pop(1).free()
             kv = _kv(h, 500, d, g)
-            pooled.append(kind.build(*kv, CFG))
-            alone.append(kind.build(*kv, CFG))
+            pooled.append(kind.build(*kv, cfg))
+            alone.append(kind.build(*kv, cfg))
             pooled[-1].adopt_meta(pool)
         for a, b in zip(pooled, alone, strict=True):
             kv = _kv(h, 1, d, g)
@@ -148,13 +153,19 @@ def test_indexes_in_a_layer_pool_decode_as_standalone_ones(kind):
             b.append(*kv)
         generations.add(pool.generation)
         q = torch.randn(len(pooled), 4, d, generator=g)
-        got = decode_batch(pooled, q, d ** -0.5)
-        want = decode_batch(alone, q, d ** -0.5)
+        got = decode_batch(pooled, q, d ** -0.5, cache=views[0])
+        want = decode_batch(alone, q, d ** -0.5, cache=views[1])
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}")
         for a, b in zip(pooled, alone, strict=True):
             assert torch.equal(a.sizes, b.sizes)
             assert torch.equal(a.centroids, b.centroids)
     assert sum(i.num_updates for i in pooled) >= 10 and len(generations) > 1
+    if kind is WaveIndex:  # the padded view: gathered from the pool, as copied row by row
+        assert all(i.meta_place()[0] is pool for i in pooled)
+        assert all(i.meta_place() is None for i in alone)
+        a, b = padded_meta(pooled), padded_meta(alone)
+        for name in ("centroids", "value_sums", "sizes", "spreads", "deviates", "empty"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
     for index in pooled:
         index.free()
     assert pool.nbytes() == 0

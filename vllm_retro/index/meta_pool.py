@@ -276,6 +276,11 @@ class MetaRows:
             self._views[name] = v
         return v
 
+    def shared_start(self) -> int | None:
+        """The extent's first row in a layer's pool; None while the pool is the index's
+        own or it holds no extent."""
+        return None if self.own or self.handle is None else self.pool.table.start(self.handle)
+
     def capacity(self) -> int:
         """Rows of the extent (0: none)."""
         return 0 if self.handle is None else self.pool.table.length(self.handle)

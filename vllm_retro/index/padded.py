@@ -191,6 +191,30 @@ def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
     return out.flatten(0, 1)
 
 
+def _pool_rows(indexes: list[WaveIndex], counts: list[int], width: int
+               ) -> Callable[[str], torch.Tensor] | None:
+    """When every index's meta rows are in one layer pool: a field's rows of all of them,
+    [B * H, width, ...] zero-padded, by one gather from the pool at the rows' extents (an
+    integer table of B x width pool rows); else None."""
+    places = [i.meta_place() for i in indexes]
+    pool = places[0][0] if places[0] is not None else None
+    if pool is None or any(p is None or p[0] is not pool for p in places):
+        return None
+    dev = pool.device
+    col = torch.arange(width, device=dev)
+    valid = col[None, :] < torch.tensor(counts, device=dev)[:, None]  # [B, width]
+    starts = torch.tensor([s for _, s in places], device=dev)
+    at = torch.where(valid, starts[:, None] + col[None, :], 0).flatten()
+
+    def rows(name: str) -> torch.Tensor:
+        x = pool.tensors[name]  # [H, capacity, *trail]
+        got = x[:, at].unflatten(1, valid.shape).transpose(0, 1)  # [B, H, width, *trail]
+        keep = valid[:, None].reshape(*valid.shape[:1], 1, width, *[1] * (x.dim() - 2))
+        return torch.where(keep, got, torch.zeros((), dtype=x.dtype, device=dev)).flatten(0, 1)
+
+    return rows
+
+
 def _view_key(indexes: list[WaveIndex]) -> tuple[tuple[int, int], ...]:
     return tuple((i.uid, i.meta_generation) for i in indexes)
 
@@ -207,8 +231,10 @@ def padded_meta(indexes: list[WaveIndex], key: tuple[tuple[int, int], ...] | Non
     n_est = [cfg.num_estimation(c) for c in counts]
     top_k = max(r + e for r, e in zip(n_ret, n_est, strict=True))
     r_max, e_max = max(n_ret), max(n_est)
-    centroids = _pad([i.centroids for i in indexes], width)
-    sizes = _pad([i.sizes for i in indexes], width)
+    rows = _pool_rows(indexes, counts, width) or (
+        lambda name: _pad([getattr(i, name) for i in indexes], width))
+    centroids = rows("centroids")
+    sizes = rows("sizes")
     in_row = (torch.arange(width, device=dev)[None, :]
               < torch.tensor(counts, device=dev).repeat_interleave(h)[:, None])
     per_row = torch.tensor(n_ret, device=dev).repeat_interleave(h)
@@ -219,10 +245,10 @@ def padded_meta(indexes: list[WaveIndex], key: tuple[tuple[int, int], ...] | Non
         key=key if key is not None else _view_key(indexes),
         centroids=centroids,
         scoring=centroids.float() if torch_scoring else centroids,
-        value_sums=_pad([i.value_sums for i in indexes], width),
+        value_sums=rows("value_sums"),
         sizes=sizes, empty=in_row & (sizes == 0),
-        spreads=_pad([i.spreads for i in indexes], width),
-        deviates=_pad([i.deviates for i in indexes], width),
+        spreads=rows("spreads"),
+        deviates=rows("deviates"),
         profile=torch.cat([i.residuals.profile for i in indexes]),
         key_factor=torch.cat([i.residuals.key_factor for i in indexes]),
         value_factor=torch.cat([i.residuals.value_factor for i in indexes]),

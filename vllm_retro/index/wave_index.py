@@ -348,6 +348,12 @@ class WaveIndex:
         self._meta.adopt(pool)
         self.fused_view = None
 
+    def meta_place(self) -> tuple[MetaPool, int] | None:
+        """(the layer's meta pool, the first row of this index's extent in it), or None
+        while the index keeps its rows in a pool of its own (or has none)."""
+        start = self._meta.shared_start()
+        return None if start is None else (self._meta.pool, start)
+
     @property
     def meta_storage(self) -> int:
         """Changes whenever the meta rows' storage moves (the pool's generation): views
