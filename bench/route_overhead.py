@@ -10,7 +10,8 @@ Qwen2.5-0.5B's layer shape by default: 2 KV heads, 7 query heads each, head_dim 
 take one step after another, each layer right after the previous one's kernel call, as in a
 model. Printed per batch and revision, microseconds per layer call (medians over
 ``--steps``): the append, ``decode_batch`` less the kernel call, and the kernel call itself
-(binding its arguments included).
+(binding its arguments included); and the Python function calls one layer call makes
+(append + decode), counted by ``sys.setprofile`` over one more step, in all and by module.
 
 Each revision runs in a process of its own on its own checkout (a temporary ``git
 worktree``; its extension is built on first use), the two in alternating order for
@@ -92,7 +93,36 @@ def worker(args: argparse.Namespace) -> dict:
         per = [statistics.median(r[i] for r in res) * 1e6 / args.layers for i in range(3)]
         out[str(batch)] = dict(zip(("append_us", "decode_python_us", "kernel_us"), per,
                                    strict=True))
+        out[str(batch)]["calls"] = count_calls(layers, caches, k_new, q, o, d ** -0.5)
     return out
+
+
+def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[str, float]:
+    """Python function calls per layer call (append + decode, C functions not counted) of
+    one more step over all layers, in all (``"total"``) and by the module file that defines
+    them (``vllm_retro/...`` relative)."""
+    from vllm_retro.index.batched import append_batch, decode_batch
+
+    counts: dict[str, int] = {}
+
+    def prof(frame, event, _arg):
+        if event == "call":
+            name = frame.f_code.co_filename
+            key = name.split("vllm_retro/", 1)[-1] if "vllm_retro/" in name else \
+                pathlib.Path(name).name
+            counts[key] = counts.get(key, 0) + 1
+
+    rows = None
+    sys.setprofile(prof)
+    try:
+        for row, cache in zip(layers, caches, strict=True):
+            _, rows = append_batch(row, k_new, k_new, rows)
+            decode_batch(row, q, scale, out=o, cache=cache)
+    finally:
+        sys.setprofile(None)
+    per = {k: round(v / len(layers), 1) for k, v in counts.items()}
+    return {"total": round(sum(per.values()), 1),
+            **dict(sorted(per.items(), key=lambda x: -x[1]))}
 
 
 def checkout(rev: str) -> tuple[str, pathlib.Path]:
@@ -148,11 +178,14 @@ def main() -> None:
     for batch in map(str, args.batches):
         case = result["cases"][batch] = {}
         for name, rr in runs.items():
-            case[name] = {k: statistics.median(x[batch][k] for x in rr) for k in rr[0][batch]}
+            case[name] = {k: statistics.median(x[batch][k] for x in rr) for k in rr[0][batch]
+                          if k != "calls"}
             c = case[name]
+            c["calls"] = rr[0][batch].get("calls", {})
             print(f"batch {batch} {name:>8}: append {c['append_us']:6.1f} us, decode_batch "
                   f"less kernel {c['decode_python_us']:6.1f} us, kernel call "
-                  f"{c['kernel_us']:7.1f} us per layer", flush=True)
+                  f"{c['kernel_us']:7.1f} us per layer; "
+                  f"{c['calls'].get('total', '?')} Python calls", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -21,8 +21,10 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
    of the execution buffer (the layer's own) into the layer's block pool (a store joins a
    pending update itself before any other read of it).
 
-The padded view is a copy of the batch's meta indexes, built when the batch's set of indexes
-or any of their meta indexes (:attr:`WaveIndex.meta_generation`) changes — a request joining
+The padded view is a copy of the batch's meta indexes (gathered from the layer's meta pool by
+one integer table of pool rows when the indexes are in one, as served; else copied row by
+row), built when the batch's set of indexes or any of their meta indexes
+(:attr:`WaveIndex.meta_generation`) changes — a request joining
 or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
 the caller holds per layer. What stays per request in steps 3 and 6 is host-side table work
 (a lookup and an update per request, each one call into the C++ extension) and the
