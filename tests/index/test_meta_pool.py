@@ -84,7 +84,7 @@ def test_rows_survive_every_move_of_a_shared_pool():
         assert pool.table.used <= pool.capacity
         for rows, want in live.values():
             for k, v in want.items():
-                assert rows.count(k) == v.shape[1]
+                assert rows.counts[k] == v.shape[1]
                 assert torch.equal(rows.view(k), v), f"step {step}, field {k}"
     assert len(generations) > 10  # the rows did move, many times
     for rows, _ in live.values():
@@ -96,7 +96,7 @@ def test_an_own_pool_holds_what_growing_buffers_did():
     rows = MetaRows(MetaPool(2, FIELDS, "cpu"), own=True)
     for _ in range(20):
         rows.append({"c": torch.ones(2, 7, 3), "n": torch.ones(2, 7, dtype=torch.int32)}, 4)
-        assert rows.pool.capacity <= int(1.5 * (rows.count("c") + 4)) + 1
+        assert rows.pool.capacity <= int(1.5 * (rows.counts["c"] + 4)) + 1
         assert rows.pool.capacity == rows.capacity()
     with pytest.raises(ValueError, match=r"meta fields \['x'\]; accepted: \['c', 'n'\]"):
         rows.append({"x": torch.ones(2, 1)})

@@ -264,7 +264,7 @@ def test_build_is_the_nearest_centroid_assignment_only():
         for b in range(C):
             rows = st.positions[h, st.offsets[h, b]:st.offsets[h, b + 1]]
             assert torch.equal(rows, 4 + (want[h] == b).nonzero()[:, 0])
-    assert index.meta_nbytes() == index._meta.pool.nbytes()
+    assert index.meta_nbytes() == index.meta_rows.pool.nbytes()
 
 
 def test_file_round_trip_and_identity_checks(tmp_path):

@@ -267,7 +267,7 @@ def test_meta_bytes_follow_the_buffers_through_growth_and_free(rng):
     meta generation) always equals the bytes of the buffers held: after build, as update
     blocks grow them, and after free."""
     def held(index):
-        return index.residuals.nbytes() + index._meta.pool.nbytes()  # its own pool
+        return index.residuals.nbytes() + index.meta_rows.pool.nbytes()  # its own pool
 
     # small update blocks: the build's headroom (4 blocks) runs out within 1200 tokens
     cfg = RetroConfig(update_rounds_per_step=0, update_segment=128, update_clusters=8)

@@ -68,7 +68,7 @@ def _rows_readable(index: WaveIndex, dtype: torch.dtype) -> bool:
     addressed = _ROW_ADDRESSED.get(kind)
     if addressed is None:
         addressed = _ROW_ADDRESSED[kind] = isinstance(index.store, RowAddressedStore)
-    return addressed and dtype == index.centroids.dtype
+    return addressed and dtype == index.meta_dtype
 
 
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
@@ -97,7 +97,8 @@ def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
     (:attr:`WaveIndex.fused_view`) until its meta index changes or moves, its store replaces
     its pools (then the old pools are released) or its steady pool is replaced, so a decode
     step does no per-row Python work beyond the lookup."""
-    generation = (index.store.layout_generation, index.steady.generation, index.meta_storage)
+    generation = (index.store.layout_generation, index.steady.generation,
+                  index.meta_rows.pool.generation)
     view = index.fused_view
     if view is None or view[0] != generation:
         row = decode_row(index)

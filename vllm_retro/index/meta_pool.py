@@ -259,9 +259,6 @@ class MetaRows:
         self._views: dict[str, torch.Tensor] = {}
         self._views_at = -1  # the pool generation the views were read at
 
-    def count(self, name: str) -> int:
-        return self.counts.get(name, 0)
-
     def view(self, name: str) -> torch.Tensor:
         """[H, n, *trail]: the filled rows of field ``name`` (a view of the pool)."""
         if self._views_at != self.pool.generation:

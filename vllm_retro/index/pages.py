@@ -81,7 +81,7 @@ class PageIndex(WaveIndex):
         # only the page sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self._meta.append({"sizes": clusters.sizes}, 4 * self._block_pages)
+        self.meta_rows.append({"sizes": clusters.sizes}, 4 * self._block_pages)
 
     @property
     def _block_pages(self) -> int:
@@ -123,7 +123,7 @@ class QuestIndex(PageIndex):
     @property
     def page_bounds(self) -> torch.Tensor:
         """[H, P, 2D] each page's per-dimension max of its keys, then min (keys' dtype)."""
-        return self._meta.view("page_bounds")
+        return self.meta_rows.view("page_bounds")
 
     @property
     def page_max(self) -> torch.Tensor:
@@ -143,7 +143,7 @@ class QuestIndex(PageIndex):
         first = keys[:, :1].expand(h, p * self.page_size - m, d)  # a real key: bounds kept
         pages = torch.cat([first, keys], dim=1).reshape(h, p, self.page_size, d)
         bounds = torch.cat([pages.amax(2), pages.amin(2)], dim=2)
-        self._meta.append({"page_bounds": bounds}, 4 * self._block_pages)
+        self.meta_rows.append({"page_bounds": bounds}, 4 * self._block_pages)
 
     def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
         """The page bounds [H, P, 2D], which the fused CPU kernel scores as

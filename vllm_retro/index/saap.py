@@ -138,7 +138,7 @@ class SaapIndex(WaveIndex):
         # only the cluster sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self._meta.append({"sizes": clusters.sizes}, self.num_buckets)
+        self.meta_rows.append({"sizes": clusters.sizes}, self.num_buckets)
 
     def meta_nbytes(self) -> int:
         """Bytes of the per-cluster sizes (with room for a later block); the trained routing

@@ -80,7 +80,7 @@ class TokenIndex(WaveIndex):
         # only the block sizes: no centroids, value sums or residual model to keep
         self.fused_view = None
         self.meta_generation += 1
-        self._meta.append({"sizes": clusters.sizes}, 4)
+        self.meta_rows.append({"sizes": clusters.sizes}, 4)
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:

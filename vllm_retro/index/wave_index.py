@@ -334,64 +334,61 @@ class WaveIndex:
         base = self._base_fields(dtype)
         absent = {name: torch.empty(h, 0, *trail, dtype=dt, device=device)
                   for name, (trail, dt) in base.items() if name not in fields}
-        self._meta_layout = (dtype, torch.device(device))
-        self._meta = MetaRows(MetaPool(h, fields, device), own=True, absent=absent)
+        self.meta_dtype = dtype
+        """The dtype of the centroids and value sums (the KV's)."""
+        self._meta_device = torch.device(device)
+        self.meta_rows = MetaRows(MetaPool(h, fields, device), own=True, absent=absent)
+        """The per-cluster rows (:attr:`centroids` .. :attr:`deviates` are views of them)."""
 
     def meta_pool_layout(self) -> tuple[int, dict[str, FieldSpec], torch.device]:
         """(heads, fields, device) of a pool that can hold this index's meta rows."""
-        dtype, device = self._meta_layout
+        dtype, device = self.meta_dtype, self._meta_device
         return self.num_kv_heads, self.meta_fields(dtype), device
 
     def adopt_meta(self, pool: MetaPool) -> None:
         """Move the meta rows into ``pool`` (a layer's shared pool, of
         :meth:`meta_pool_layout`), releasing the index's own."""
-        self._meta.adopt(pool)
+        self.meta_rows.adopt(pool)
         self.fused_view = None
 
     def meta_place(self) -> tuple[MetaPool, int] | None:
         """(the layer's meta pool, the first row of this index's extent in it), or None
         while the index keeps its rows in a pool of its own (or has none)."""
-        start = self._meta.shared_start()
-        return None if start is None else (self._meta.pool, start)
-
-    @property
-    def meta_storage(self) -> int:
-        """Changes whenever the meta rows' storage moves (the pool's generation): views
-        read before are stale then."""
-        return self._meta.pool.generation
+        start = self.meta_rows.shared_start()
+        return None if start is None else (self.meta_rows.pool, start)
 
     @property
     def centroids(self) -> torch.Tensor:
         """[H, C, D] cluster centroids (the keys' dtype; a view of the meta pool)."""
-        return self._meta.view("centroids")
+        return self.meta_rows.view("centroids")
 
     @property
     def value_sums(self) -> torch.Tensor:
         """[H, C, D] per-cluster sums of the values (the values' dtype)."""
-        return self._meta.view("value_sums")
+        return self.meta_rows.view("value_sums")
 
     @property
     def sizes(self) -> torch.Tensor:
         """[H, C] int32 tokens per cluster."""
-        return self._meta.view("sizes")
+        return self.meta_rows.view("sizes")
 
     @property
     def spreads(self) -> torch.Tensor:
         """[H, C] fp32 per-cluster key spread (the tilted estimator's)."""
-        return self._meta.view("spreads")
+        return self.meta_rows.view("spreads")
 
     @property
     def deviates(self) -> torch.Tensor:
         """[H, C] fp32 expected largest deviate of a cluster's size (the tilted
         estimator's)."""
-        return self._meta.view("deviates")
+        return self.meta_rows.view("deviates")
 
     def _add_meta(self, clusters: Clusters) -> None:
         """Append a block's clusters to the meta index (its KV is already in the store),
         in place: a growth leaves room for a few more update blocks."""
         self.fused_view = None
         self.meta_generation += 1
-        self._meta.append({"centroids": clusters.centroids, "value_sums": clusters.value_sums,
+        self.meta_rows.append({"centroids": clusters.centroids, "value_sums": clusters.value_sums,
                            "sizes": clusters.sizes, "spreads": clusters.spreads.float(),
                            "deviates": expected_max_deviate(clusters.sizes)},
                           4 * self.config.update_clusters)
@@ -400,7 +397,7 @@ class WaveIndex:
     def _own_meta_nbytes(self) -> int:
         """Bytes of the meta rows when their pool is this index's own (else 0: the layer
         counts its pool)."""
-        return self._meta.pool.nbytes() if self._meta.own else 0
+        return self.meta_rows.pool.nbytes() if self.meta_rows.own else 0
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Add decoded tokens. key, value: [H_kv, n, D] (n >= 1) post-RoPE.
@@ -526,7 +523,7 @@ class WaveIndex:
     @property
     def num_clusters(self) -> int:
         """Clusters per KV head (empty ones included)."""
-        return self._meta.count("sizes")
+        return self.meta_rows.counts["sizes"]
 
     @property
     def num_steady(self) -> int:
@@ -554,8 +551,8 @@ class WaveIndex:
         self.store.free()
         self._pending = self._landing = self.fused_view = self._pending_block = None
         self.meta_generation += 1
-        self._meta.release()
-        self._new_meta(*self._meta_layout)
+        self.meta_rows.release()
+        self._new_meta(self.meta_dtype, self._meta_device)
         if self._own_steady:
             self.steady.release()
         self.num_sinks = self.num_tokens = self.window_start = 0
@@ -572,7 +569,7 @@ class WaveIndex:
         shared pool is counted by its owner)."""
         # counted once per meta_generation (every change of these buffers bumps it) and
         # pool: the runtime's gauges ask every live index at every step
-        at = (self.meta_generation, self._meta.own)
+        at = (self.meta_generation, self.meta_rows.own)
         counted, nbytes = self._meta_nbytes
         if counted != at:
             nbytes = self.residuals.nbytes() + self._own_meta_nbytes()
