@@ -100,7 +100,8 @@ def worker(args: argparse.Namespace) -> dict:
 def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[str, float]:
     """Python function calls per layer call (append + decode, C functions not counted) of
     one more step over all layers, in all (``"total"``) and by the module file that defines
-    them (``vllm_retro/...`` relative)."""
+    them (``vllm_retro/...`` relative; ``route_overhead.py``: this harness's timing wrapper
+    of the kernel call)."""
     from vllm_retro.index.batched import append_batch, decode_batch
 
     counts: dict[str, int] = {}

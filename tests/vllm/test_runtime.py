@@ -148,3 +148,38 @@ def test_an_idle_engine_drops_the_decode_state_and_trims_whichever_request_ends_
     rt.begin_step(RetroStepMetadata())  # idle, nothing new released
     assert trims == [1]
     rt.close()
+
+
+def test_a_layers_indexes_keep_their_meta_rows_in_the_layers_pool():
+    """Each layer's indexes hold their centroids, value sums, sizes, ... in extents of one
+    meta pool the layer owns (counted once, by the layer); a request leaving gives its
+    extent back and the others read their rows unchanged; the last one leaving empties
+    it."""
+    cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
+    rt = RetroRuntime()
+    rt.attach(object(), cfg)
+    g = torch.Generator().manual_seed(4)
+    kv = {rid: [torch.randn(2, n, 32, generator=g) for _ in range(2)]
+          for rid, n in (("x", 700), ("y", 300), ("z", 500))}
+    for rid, (k, v) in kv.items():
+        for layer in ("l0", "l1"):
+            rt.build_index(rid, layer, k, v)
+    for layer in ("l0", "l1"):
+        pool = rt.layer(layer).meta
+        places = [rt.index(rid, layer).meta_place() for rid in kv]
+        assert all(p is not None and p[0] is pool for p in places)
+        assert len(pool.table) == 3 and pool.nbytes() > 0
+    alone = rt.index("y", "l0").build(*kv["y"], cfg)  # the same rows, kept by the index
+    meta_free = rt.index("y", "l0").meta_nbytes()
+    assert meta_free < alone.meta_nbytes()  # the pool's bytes are the layer's to count
+    host_before = rt.live_bytes()[0]
+    rt.free_request("x")
+    assert rt.live_bytes()[0] <= host_before
+    y = rt.index("y", "l0")
+    for name in ("centroids", "value_sums", "sizes", "spreads", "deviates"):
+        assert torch.equal(getattr(y, name), getattr(alone, name)), name
+    rt.free_request("y")
+    rt.free_request("z")
+    assert all(rt.layer(layer).meta.nbytes() == 0 for layer in ("l0", "l1"))
+    assert rt.live_bytes() == (0, 0)
+    rt.close()
