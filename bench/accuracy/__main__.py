@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(runs, args.tasks)
         title = f"accuracy at {ctx} tokens ({args.samples} samples/task)"
         print(table(summary, f"\n{title}\n"))
+        for c, missed in summary.get("missed_where_full_right", {}).items():
+            print(f"{c}: wrong on {len(missed)} sample(s) full attention answers right"
+                  + (f" ({', '.join(missed)})" if missed else ""))
         print("wall time per config: " + ", ".join(
             f"{r['config']} {r['wall_s']:.0f} s" for r in runs))
         result = {

@@ -24,7 +24,18 @@ def summarize(runs: Sequence[dict[str, Any]], tasks: Sequence[str]) -> dict[str,
     out: dict[str, Any] = {"accuracy": acc, "mean": mean}
     if "full" in mean:
         out["delta_vs_full"] = {c: round(mean[c] - mean["full"], 4) for c in configs}
+        out["missed_where_full_right"] = paired_misses(runs)
     return out
+
+
+def paired_misses(runs: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+    """Per configuration, the samples (``task:seed``) that ``full`` answers fully right and
+    it does not."""
+    by = {run["config"]: {(r["task"], r["seed"]): r["score"] for r in run["samples"]}
+          for run in runs}
+    right = {k for k, s in by.get("full", {}).items() if s >= 1.0}
+    return {c: [f"{t}:{s}" for (t, s) in sorted(right) if scores.get((t, s), 0.0) < 1.0]
+            for c, scores in by.items() if c != "full"}
 
 
 def table(summary: dict[str, Any], title: str = "") -> str:

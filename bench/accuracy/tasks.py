@@ -293,6 +293,40 @@ def passage_qa(target: int, seed: int, render: Render, count_tokens: CountTokens
     return Sample("passage_qa", seed, target, prompt, n, question, (facts[asked],),
                   depths=(depth,), max_tokens=24, meta={"asked": asked, "passage": passage})
 
+def _near_misses(rng: random.Random, value: str, n: int) -> list[str]:
+    """``n`` distinct numbers of ``value``'s length that differ from it in two digits (the
+    leading digit never 0): what a blend of neighbouring values would write."""
+    out: list[str] = []
+    while len(out) < n:
+        digits = list(value)
+        for i in rng.sample(range(len(digits)), 2):
+            choices = [c for c in "0123456789" if c != digits[i] and (i or c != "0")]
+            digits[i] = rng.choice(choices)
+        v = "".join(digits)
+        if v != value and v not in out:
+            out.append(v)
+    return out
+
+
+def long_number(target: int, seed: int, render: Render, count_tokens: CountTokens
+                ) -> Sample:
+    """Copying a long number: the asked needle's value has 7 to 10 digits (``7 + seed % 4``),
+    at ``DEPTHS[seed]``; three needles with other keys hold near misses of it (two digits
+    changed), so an answer blending nearby values writes a wrong or a forbidden number."""
+    rng = _rng("long_number", seed)
+    depth = DEPTHS[seed % len(DEPTHS)]
+    keys = _keys(rng, 4)
+    value = _number(rng, 7 + seed % 4)
+    values = [value, *_near_misses(rng, value, 3)]
+    depths = [depth] + [rng.uniform(0.05, 0.95) for _ in range(3)]
+    question = (f"What is the special magic number for {keys[0]} mentioned in the document? "
+                "Answer with the number only.")
+    inserts = [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values, strict=True)]
+    prompt, n = _haystack_prompt(rng, inserts, question, target, render, count_tokens)
+    return Sample("long_number", seed, target, prompt, n, question, (value,),
+                  forbidden=tuple(values[1:]), depths=tuple(depths), max_tokens=20,
+                  meta={"keys": keys, "digits": len(value)})
+
 
 Generator = Callable[[int, int, Render, CountTokens], Sample]
 TASKS: dict[str, Generator] = {
@@ -303,6 +337,7 @@ TASKS: dict[str, Generator] = {
     "common_words": common_words,
     "ruler_cwe": ruler_cwe,
     "passage_qa": passage_qa,
+    "long_number": long_number,
 }
 
 

@@ -165,13 +165,29 @@ def test_score_on_hand_made_answers():
 
 
 def test_summary_and_table():
-    runs = [{"config": "full", "samples": [{"task": "a", "score": 1.0},
-                                           {"task": "b", "score": 0.5}]},
-            {"config": "retro", "samples": [{"task": "a", "score": 0.0},
-                                            {"task": "b", "score": 0.5}]}]
+    runs = [{"config": "full", "samples": [{"task": "a", "seed": 0, "score": 1.0},
+                                           {"task": "b", "seed": 0, "score": 0.5}]},
+            {"config": "retro", "samples": [{"task": "a", "seed": 0, "score": 0.0},
+                                            {"task": "b", "seed": 0, "score": 0.5}]}]
     s = summarize(runs, ["a", "b"])
     assert s["accuracy"] == {"a": {"full": 1.0, "retro": 0.0}, "b": {"full": 0.5, "retro": 0.5}}
     assert s["mean"] == {"full": 0.75, "retro": 0.25}
     assert s["delta_vs_full"] == {"full": 0.0, "retro": -0.5}
+    assert s["missed_where_full_right"] == {"retro": ["a:0"]}  # b: full only half right
     text = table(s)
     assert "| a | 1.00 | 0.00 |" in text and "| delta vs full | +0.000 | -0.500 |" in text
+
+
+def test_long_numbers_have_7_to_10_digits_and_near_miss_distractors():
+    seen = set()
+    for seed in range(8):
+        s = generate("long_number", 3000, seed, _render, _count)
+        value = s.expected[0]
+        assert len(value) == 7 + seed % 4 == s.meta["digits"] and value[0] != "0"
+        seen.add(len(value))
+        assert len(set(s.forbidden)) == 3
+        for miss in s.forbidden:  # the same length, two digits changed
+            assert len(miss) == len(value) and miss[0] != "0"
+            assert sum(a != b for a, b in zip(miss, value, strict=True)) == 2
+        assert s.meta["keys"][0] in s.question
+    assert seen == {7, 8, 9, 10}
