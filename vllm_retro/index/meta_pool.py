@@ -26,6 +26,7 @@ storage, which they keep alive), and caches holding views key on it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -52,9 +53,6 @@ class ExtentTable:
 
     def __len__(self) -> int:
         return len(self._extents)
-
-    def __contains__(self, handle: int) -> bool:
-        return handle in self._extents
 
     @property
     def used(self) -> int:
@@ -168,7 +166,7 @@ class MetaPool:
 
     def row_bytes(self) -> int:
         """Bytes of one row of every field (all heads)."""
-        return sum(self.num_heads * dtype.itemsize * _numel(trail)
+        return sum(self.num_heads * dtype.itemsize * math.prod(trail)
                    for trail, dtype in self.fields.values())
 
     def nbytes(self) -> int:
@@ -230,8 +228,7 @@ class MetaPool:
         new = self._empty(capacity)
         for name, x in self.tensors.items():
             for h, (src, length) in old.items():
-                if length:
-                    new[name][:, starts[h]:starts[h] + length] = x[:, src:src + length]
+                new[name][:, starts[h]:starts[h] + length] = x[:, src:src + length]
         self.tensors = new
         self.generation += 1
 
@@ -338,9 +335,3 @@ class MetaRows:
         """Bytes of the extent (its filled rows and its room)."""
         return self.capacity() * self.pool.row_bytes()
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
