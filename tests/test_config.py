@@ -80,6 +80,22 @@ def test_budget_counts():
     assert half.num_estimation(3) == 1
 
 
+def test_the_device_cache_keeps_the_papers_ratio_to_the_retrieval_zone():
+    """cache_fraction of the tokens (5%, the paper's), never less than 5/1.8 times the
+    retrieval zone's floor of 16 clusters x 16 tokens (712 tokens), never more than all."""
+    c = RetroConfig()
+    assert c.cache_tokens(4096) == 712  # 5% would be 205, less than the zone's 256
+    assert c.cache_tokens(14336) == 717  # from ~14.2K tokens on, 5% again
+    assert c.cache_tokens(131072) == 6554
+    assert c.cache_tokens(500) == 500 and c.cache_tokens(0) == 0
+    assert RetroConfig(min_retrieval_clusters=0).cache_tokens(4096) == 205
+    assert RetroConfig(cache_fraction=0.0).cache_tokens(4096) == 0
+    assert RetroConfig(cache_pages=10).cache_tokens(4096) == 80
+    for tokens in (1000, 4096, 8192, 13000):  # the ratio to the zone the cache serves
+        zone = c.num_retrieval(tokens // c.cluster_size) * c.cluster_size
+        assert c.cache_tokens(tokens) / zone == pytest.approx(0.05 / 0.018, rel=0.01)
+
+
 def test_table_threads_default_depends_on_the_device():
     assert RetroConfig().table_threads_on("cpu") == 1
     cuda = RetroConfig().table_threads_on("cuda")

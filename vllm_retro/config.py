@@ -193,7 +193,9 @@ class RetroConfig:
     page_size: int = 8
     """Tokens per page of the host tier and of the device block cache."""
     cache_fraction: float = 0.05
-    """Device block cache size as a fraction of the indexed KV (ignored if cache_pages set)."""
+    """Device block cache size as a fraction of the indexed KV (ignored if cache_pages set),
+    and never less than the same multiple of the retrieval zone's floor (see
+    :meth:`cache_tokens`)."""
     cache_pages: int | None = None
     """Device block cache size in pages; overrides ``cache_fraction`` when set."""
     cache_policy: str = "lru"
@@ -353,6 +355,27 @@ class RetroConfig:
         """Clusters in the estimation zone for ``num_clusters`` clusters."""
         rest = num_clusters - self.num_retrieval(num_clusters)
         return max(0, min(rest, math.ceil(self.estimation_budget * num_clusters - 1e-9)))
+
+    def cache_tokens(self, tokens: int) -> int:
+        """Device block cache budget, in tokens, of one KV head with ``tokens`` indexed
+        tokens: ``cache_pages`` pages when set; else ``cache_fraction`` of the tokens, but
+        at least ``cache_fraction / retrieval_budget`` times the retrieval zone's floor
+        (``min_retrieval_clusters`` clusters of ``cluster_size``), at most all of them.
+
+        The paper sizes the cache against the retrieval zone it serves (5% of the KV for a
+        1.8% zone: 2.8x). Below ~14K tokens the floor makes the zone larger than 1.8% of the
+        KV, and a cache of 5% would then hold less than the zone (205 tokens at 4K against
+        its 256), so the cache keeps that ratio to the zone instead (711 tokens at the
+        defaults); from where the floor stops binding on, it is ``cache_fraction``'s."""
+        if self.cache_pages is not None:
+            return self.cache_pages * self.page_size
+        tokens = max(0, int(tokens))
+        by_fraction = math.ceil(self.cache_fraction * tokens - 1e-9)
+        if self.retrieval_budget <= 0:
+            return by_fraction
+        by_floor = math.ceil(self.cache_fraction / self.retrieval_budget
+                             * self.min_retrieval_clusters * self.cluster_size - 1e-9)
+        return max(by_fraction, min(tokens, by_floor))
 
     def replace(self, **changes: Any) -> RetroConfig:
         """A copy with ``changes`` applied (validated)."""

@@ -17,6 +17,13 @@ from vllm_retro.config import RetroConfig
 from vllm_retro.kernels import cpu_ext
 
 TABLE = ("page_start", "n_pages", "size", "cached", "last_access", "reads")
+NO_FLOOR = dict(min_retrieval_clusters=0)
+"""Caches sized by ``cache_fraction`` alone: these stores are small, and the retrieval
+floor's minimum cache (:meth:`RetroConfig.cache_tokens`) would hold all of them."""
+
+
+def _fraction_cfg(fraction: float) -> RetroConfig:
+    return RetroConfig(page_size=4, cache_fraction=fraction, **NO_FLOOR)
 
 
 def _state(buf) -> dict:
@@ -76,7 +83,7 @@ def test_the_extension_builds():
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("cache", [dict(cache_pages=0), dict(cache_pages=2),
                                    dict(cache_pages=9), dict(cache_pages=40),
-                                   dict(cache_fraction=0.1)])
+                                   dict(cache_fraction=0.1, **NO_FLOOR)])
 def test_lookup_and_update_equal_the_reference(policy, cache, rng):
     """Random steps of 1-15 clusters per head over a store whose cache ranges from none to
     room for most reads (so admissions are skipped as too big, admitted greedily, and made
@@ -148,7 +155,7 @@ def test_one_lookup_call_for_a_layer_equals_each_stores_own(threads, rng):
     closed up) gives every store what its own buffer_lookup gives at its place in the plan:
     runs, cached, begins, totals, counts; random store counts, retrieval widths, steady
     zones and buffer widths, over steps whose updates make caches mixed."""
-    mgr, stores = _layer_stores(RetroConfig(page_size=4, cache_fraction=0.3), 5, 2, rng)
+    mgr, stores = _layer_stores(_fraction_cfg(0.3), 5, 2, rng)
     mod = stores[0].compiled
     assert mod is not None
     mixed = 0
@@ -184,7 +191,7 @@ def test_one_lookup_call_for_a_layer_equals_each_stores_own(threads, rng):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_layers_lookup_call_rejects_bad_batches_clearly(threads, rng):
-    mgr, stores = _layer_stores(RetroConfig(page_size=4, cache_fraction=0.3), 3, 2, rng)
+    mgr, stores = _layer_stores(_fraction_cfg(0.3), 3, 2, rng)
     mod, tables, pb = stores[0].compiled, [st.table for st in stores], stores[0].host.page_block
     c = min(t.num_clusters for t in tables)
     ids = [_ids(c, 3, 2, rng).numpy() for _ in stores]
@@ -229,7 +236,7 @@ def _layer_state(stores) -> list[np.ndarray]:
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("cache", [dict(cache_pages=3, cache_policy="lru"),
                                    dict(cache_pages=7, cache_policy="lfu"),
-                                   dict(cache_fraction=0.3)])
+                                   dict(cache_fraction=0.3, **NO_FLOOR)])
 def test_one_update_call_for_a_layer_equals_the_stores_updates_in_order(threads, cache):
     """buffer_update_batch (each store's stamps and evictions in parallel, the shared free
     stack given and taken in store order, the admissions in parallel) leaves the layer's
@@ -281,7 +288,7 @@ def test_a_store_failing_in_the_layers_update_call_fails_alone():
     """A store whose update cannot be made (here: it reads every cluster and may take more
     blocks than the pool has, as if budgets were overcommitted) gets its own error; the
     stores after it are updated, as separate updates would be."""
-    cfg = RetroConfig(page_size=4, cache_fraction=0.3)
+    cfg = _fraction_cfg(0.3)
     mgr, stores = _layer_stores(cfg, 3, 2, torch.Generator().manual_seed(7))
     sts = [stores[2], stores[0], stores[1]]
     pool, mod = sts[0].pool, sts[0].compiled

@@ -142,12 +142,20 @@ def test_first_step_matches_sparse_attention(rng):
     mgr.close()
 
 
-def test_cache_size_follows_the_fraction(rng):
-    cfg = RetroConfig(cache_fraction=0.1)
+@pytest.mark.parametrize("floor", [0, 16])
+def test_cache_size_follows_the_fraction(floor, rng):
+    """cache_fraction of each head's pages; with the retrieval floor (the default), never
+    less than cache_fraction / retrieval_budget times the floor's tokens, at most all."""
+    cfg = RetroConfig(cache_fraction=0.1, min_retrieval_clusters=floor, page_size=4)
     mgr, buf, _, _ = _stores(cfg, 2, 800, 50, 32, rng)
     buf.check_invariants()
     for i in range(2):
-        assert buf.capacity[i] == int(np.ceil(0.1 * buf.table.n_pages[i].sum()))
+        pages = int(buf.table.n_pages[i].sum())
+        by_fraction = int(np.ceil(0.1 * pages))
+        want = min(pages, max(by_fraction, int(np.ceil(0.1 / 0.018 * 16 * 16 / 4)))) \
+            if floor else by_fraction
+        assert buf.capacity[i] == want
+    assert floor == 0 or buf.capacity.min() > int(np.ceil(0.1 * buf.table.n_pages.sum(1).max()))
     mgr.close()
 
 

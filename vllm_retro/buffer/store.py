@@ -25,7 +25,6 @@ At prefill (and at every index update) ``stage`` starts moving the block's KV to
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -214,10 +213,8 @@ class WaveBufferStore:
         cfg = self.config
         self._host_pages += new_pages
         for h in range(self.num_heads):
-            if cfg.cache_pages is not None:
-                target = cfg.cache_pages
-            else:
-                target = math.ceil(cfg.cache_fraction * int(self._host_pages[h]) - 1e-9)
+            tokens = int(self._host_pages[h]) * self.page_size
+            target = -(-cfg.cache_tokens(tokens) // self.page_size)
             grow = max(0, target - int(self.capacity[h]))
             self.blocks.reserve(grow)
             self.capacity[h] += grow

@@ -116,11 +116,8 @@ def cache_block_size(cluster_size: int) -> int:
 def cache_blocks_for(config: RetroConfig, tokens: int, block_tokens: int) -> int:
     """Blocks per (slot, KV head) of an in-place layer's cluster cache for rows of at most
     ``tokens`` indexed tokens: the wave buffer's device cache budget
-    (``config.cache_pages`` pages per head when set, else ``config.cache_fraction`` of the
-    tokens) in blocks of ``block_tokens``; 0 for no cache."""
-    budget = config.cache_pages * config.page_size if config.cache_pages is not None \
-        else config.cache_fraction * tokens
-    return -(-int(budget) // block_tokens) if budget >= 1 else 0
+    (:meth:`RetroConfig.cache_tokens`) in blocks of ``block_tokens``; 0 for no cache."""
+    return -(-config.cache_tokens(tokens) // block_tokens)
 
 
 def readable_in_place(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> bool:
