@@ -123,6 +123,8 @@ def main() -> None:
                     help="time the prefill layer only up to this context (the layer's causal "
                     "attention takes tens of minutes per repeat at 64K+ on a few CPU cores); "
                     "longer rows report build times without a share")
+    ap.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS),
+                    help="implementations to time (default all; ratios need 'before')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=pathlib.Path, default=None)
@@ -136,21 +138,23 @@ def main() -> None:
         timed = args.layer_max is None or n <= args.layer_max
         layer = prefill_layer_s(n, device, args.repeat) if timed else None
         row = {"context": n, "prefill_layer_s": layer}
-        for impl in IMPLS:
+        for impl in args.impls:
             tol = args.tol if impl.endswith("_tol") else 0.0
             s, rounds = build_s(keys, values, impl, tol, args.iters, device, args.repeat)
             row[f"{impl}_s"], row[f"{impl}_rounds"] = s, rounds
             row[f"{impl}_share_of_layer"] = s / layer if layer else None
-        row["speedup_exact"] = row["before_s"] / row["after_s"]
-        row["speedup_tol"] = row["before_s"] / row["after_tol_s"]
-        row["speedup_fused"] = row["before_s"] / row["fused_s"]
-        row["speedup_fused_tol"] = row["before_s"] / row["fused_tol_s"]
+        before = row.get("before_s")
+        for name, impl in (("exact", "after"), ("tol", "after_tol"), ("fused", "fused"),
+                           ("fused_tol", "fused_tol")):
+            if before and f"{impl}_s" in row:
+                row[f"speedup_{name}"] = before / row[f"{impl}_s"]
         rows.append(row)
         print(f"ctx {n:>6}: layer " + (f"{layer:.3f} s" if layer else "not timed"), flush=True)
-        for impl in IMPLS:
+        for impl in args.impls:
             share = row[f"{impl}_share_of_layer"]
-            print(f"    {impl:>9}: {row[f'{impl}_s']:8.3f} s, {row[f'{impl}_rounds']:2d} rounds, "
-                  f"{row['before_s'] / row[f'{impl}_s']:5.2f}x the reference"
+            print(f"    {impl:>9}: {row[f'{impl}_s'] * 1e3:9.2f} ms, "
+                  f"{row[f'{impl}_rounds']:2d} rounds"
+                  + (f", {before / row[f'{impl}_s']:5.2f}x the reference" if before else "")
                   + (f", {share:6.1%} of the layer" if share is not None else ""), flush=True)
     out = args.out or ROOT / "bench" / "results" / f"kmeans_cost_{device.type}.json"
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"

@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from vllm_retro.kernels._common import take_rows
+from vllm_retro.kernels._common import take_rows, upload
 from vllm_retro.kernels.cluster_cache import (
     ClusterCache,
     cache_lookup_torch,
@@ -65,6 +65,7 @@ __all__ = [
     "scatter_sum",
     "select_zones",
     "take_rows",
+    "upload",
     "top_clusters",
     "tripartite_decode",
 ]
@@ -91,24 +92,26 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def kmeans_assign(x: Tensor, centroids: Tensor, n_valid: Tensor, k_valid: Tensor,
-                  backend: str = "auto") -> Tensor:
+                  backend: str = "auto", stop: Tensor | None = None) -> Tensor:
     """Dispatching :func:`kernels.kmeans.kmeans_assign_ref`: 'auto' on CPU runs the fused C++
     kernel (:func:`kernels.kmeans.kmeans_assign_cpu`, equal up to ties within rounding) when
     the extension is built; the torch backend runs the reference's faster, bit-identical
-    :func:`kernels.kmeans.kmeans_assign_torch`."""
+    :func:`kernels.kmeans.kmeans_assign_torch`. ``stop``: a device flag; when it is set the
+    result is unspecified (the Triton kernel skips its work; the others compute anyway)."""
     if resolve_backend(backend, x.device) == "triton":
-        return kmeans_assign_triton(x, centroids, n_valid, k_valid)
+        return kmeans_assign_triton(x, centroids, n_valid, k_valid, stop)
     if backend == "auto" and x.device.type == "cpu" and available_cpu():
         return kmeans_assign_cpu(x, centroids, n_valid, k_valid)
     return kmeans_assign_torch(x, centroids, n_valid, k_valid)
 
 
 def scatter_sum(x: Tensor, assign: Tensor, num_clusters: int,
-                backend: str = "auto") -> tuple[Tensor, Tensor]:
+                backend: str = "auto", stop: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Dispatching :func:`kernels.kmeans.scatter_sum_ref` (the torch backend runs its faster,
-    bit-identical :func:`kernels.kmeans.scatter_sum_torch`)."""
+    bit-identical :func:`kernels.kmeans.scatter_sum_torch`). ``stop``: as
+    :func:`kmeans_assign`'s."""
     if resolve_backend(backend, x.device) == "triton":
-        return scatter_sum_triton(x, assign, num_clusters)
+        return scatter_sum_triton(x, assign, num_clusters, stop)
     return scatter_sum_torch(x, assign, num_clusters)
 
 

@@ -65,6 +65,18 @@ def tensor_cores_16bit(*tensors: torch.Tensor) -> bool:
             and all(t.dtype == dtype for t in tensors))
 
 
+def upload(values: list, device: torch.device, dtype: torch.dtype = torch.int64
+           ) -> torch.Tensor:
+    """``values`` (host integers, nested lists allowed) as a tensor on ``device``. On CUDA
+    the copy goes from pinned memory without waiting for the device (a plain
+    ``torch.tensor(values, device=...)`` copies from pageable memory, which synchronises the
+    stream); the pinned block is kept until the copy has run (torch's host allocator)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def take_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-row selection along dim 1: x [H, C, *F], ids [H, R] (valid, any int) -> [H, R, *F].
 

@@ -3,14 +3,15 @@
 Both work on a batch of independent problems ``S`` (one per (KV head, segment)), each with
 its own number of valid points ``n_valid[s]`` and valid centroids ``k_valid[s]``; padding
 beyond those is ignored. Similarity is the inner product (spherical k-means passes unit
-vectors). All arithmetic is fp32 whatever the input dtype.
+vectors). Sums are fp32 whatever the input dtype; the Triton assignment multiplies 16-bit
+operands on tensor cores (exact products) and fp32 ones in IEEE fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_retro.kernels._common import block_size, check_float, tl, triton
+from vllm_retro.kernels._common import block_size, check_float, tensor_cores_16bit, tl, triton
 
 
 def _valid_masks(
@@ -70,13 +71,19 @@ def kmeans_assign_torch(
     dev = x.device
     k_valid = k_valid.to(dev)
     n_valid = n_valid.to(dev)
-    if k and bool((k_valid < k).any()):
+    if k and _some_below(k_valid, k):
         cmask = torch.arange(k, device=dev)[None, :] >= k_valid[:, None]
         sims.masked_fill_(cmask[:, None, :], float("-inf"))
     assign = sims.argmax(dim=2)
-    if n and bool((n_valid < n).any()):
+    if n and _some_below(n_valid, n):
         assign.masked_fill_(torch.arange(n, device=dev)[None, :] >= n_valid[:, None], -1)
     return assign
+
+
+def _some_below(counts: torch.Tensor, width: int) -> bool:
+    """Whether some set has fewer than ``width`` valid entries, so a mask is needed: read
+    on the CPU; on a GPU assumed (reading it would make the host wait for the device)."""
+    return counts.device.type == "cuda" or bool((counts < width).any())
 
 
 def kmeans_assign_cpu(
@@ -113,7 +120,8 @@ def scatter_sum_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`scatter_sum_ref`'s result (bit for bit: each sum adds its members in token
     order), built for speed: one row-wise ``index_add_`` over all sets (padding goes to a
-    dump row) and one ``bincount``, instead of an element-wise scatter."""
+    dump row) and one for the counts, instead of an element-wise scatter (no ``bincount``,
+    which reads its largest value back on a GPU)."""
     s, n, f = x.shape
     k = num_clusters
     base = torch.arange(s, device=x.device)[:, None] * k
@@ -121,21 +129,28 @@ def scatter_sum_torch(
     idx = torch.where(assign >= 0, assign + base, torch.full_like(assign, dump)).reshape(-1)
     sums = torch.zeros(dump + 1, f, dtype=torch.float32, device=x.device)
     sums.index_add_(0, idx, x.reshape(s * n, f).float())
-    counts = torch.bincount(idx, minlength=dump + 1)[:dump].to(torch.float32)
+    counts = torch.zeros(dump + 1, dtype=torch.float32, device=x.device)
+    counts.index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32, device=x.device))
+    counts = counts[:dump]
     return sums[:dump].reshape(s, k, f), counts.reshape(s, k)
 
 
 @triton.jit
 def _kmeans_assign_kernel(
-    X, CEN, NV, KV, OUT,
+    X, CEN, NV, KV, OUT, STOP,
     N, D,
     sx_s, sx_n, sc_s, sc_k, so_s,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT16: tl.constexpr,
+    HAS_STOP: tl.constexpr,
 ):
     s = tl.program_id(0)
     nb = tl.program_id(1)
     nv = tl.load(NV + s)
     kv = tl.load(KV + s)
+    if HAS_STOP:  # a stopped k-means: no loads, no products, -1 written
+        live = tl.load(STOP) == 0
+        nv = tl.where(live, nv, 0)
+        kv = tl.where(live, kv, 0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -143,7 +158,7 @@ def _kmeans_assign_kernel(
     x = tl.load(
         X + s * sx_s + offs_n[:, None] * sx_n + offs_d[None, :],
         mask=nmask[:, None] & dmask[None, :], other=0.0,
-    ).to(tl.float32)
+    )
     best = tl.full([BLOCK_N], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK_N], tl.int32)
     for k0 in range(0, kv, BLOCK_K):
@@ -152,8 +167,11 @@ def _kmeans_assign_kernel(
         c = tl.load(
             CEN + s * sc_s + offs_k[:, None] * sc_k + offs_d[None, :],
             mask=kmask[:, None] & dmask[None, :], other=0.0,
-        ).to(tl.float32)
-        sim = tl.dot(x, tl.trans(c), input_precision="ieee")
+        )
+        if DOT16:  # 16-bit operands: tensor-core products (exact in fp32), fp32 sums
+            sim = tl.dot(x, tl.trans(c), out_dtype=tl.float32)
+        else:
+            sim = tl.dot(x.to(tl.float32), tl.trans(c.to(tl.float32)), input_precision="ieee")
         sim = tl.where(kmask[None, :], sim, float("-inf"))
         bmax = tl.max(sim, axis=1)
         barg = tl.argmax(sim, axis=1).to(tl.int32) + k0
@@ -165,9 +183,15 @@ def _kmeans_assign_kernel(
 
 
 def kmeans_assign_triton(
-    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor
+    x: torch.Tensor, centroids: torch.Tensor, n_valid: torch.Tensor, k_valid: torch.Tensor,
+    stop: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kmeans_assign_ref` (same arguments and result)."""
+    """Triton version of :func:`kmeans_assign_ref` (same arguments and result, up to ties
+    within rounding). Points and centroids of one 16-bit dtype multiply on tensor cores with
+    fp32 sums on CUDA (:func:`~vllm_retro.kernels._common.tensor_cores_16bit`), anything
+    else in IEEE fp32. ``stop`` (a device scalar, read by the kernel): when nonzero the
+    kernel does nothing and the result is unspecified (a k-means that stopped on the device
+    skips its remaining rounds' work without the host knowing)."""
     check_float("x", x)
     check_float("centroids", centroids)
     x = x.contiguous()
@@ -181,23 +205,26 @@ def kmeans_assign_triton(
     grid = (s, triton.cdiv(n, block_n))
     _kmeans_assign_kernel[grid](
         x, centroids, n_valid.to(x.device, torch.int32), k_valid.to(x.device, torch.int32), out,
-        n, d,
+        out if stop is None else stop, n, d,
         x.stride(0), x.stride(1), centroids.stride(0), centroids.stride(1), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=32, BLOCK_D=block_d,
+        DOT16=tensor_cores_16bit(x, centroids), HAS_STOP=stop is not None,
     )
     return out
 
 
 @triton.jit
 def _scatter_sum_kernel(
-    X, A, SUMS, CNT,
+    X, A, SUMS, CNT, STOP,
     N, K, F,
     sx_s, sx_n, sa_s,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, HAS_STOP: tl.constexpr,
 ):
     s = tl.program_id(0)
     nb = tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_STOP:  # a stopped k-means: nothing read or added
+        N = tl.where(tl.load(STOP) == 0, N, 0)
     nmask = offs_n < N
     a = tl.load(A + s * sa_s + offs_n, mask=nmask, other=-1)
     valid = nmask & (a >= 0)
@@ -212,10 +239,12 @@ def _scatter_sum_kernel(
 
 
 def scatter_sum_triton(
-    x: torch.Tensor, assign: torch.Tensor, num_clusters: int
+    x: torch.Tensor, assign: torch.Tensor, num_clusters: int,
+    stop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`scatter_sum_ref` (same arguments and result; fp32 atomics, so
-    the summation order, and the last bits, may vary between runs on a GPU)."""
+    the summation order, and the last bits, may vary between runs on a GPU). ``stop``: as
+    :func:`kmeans_assign_triton`'s (nonzero: nothing summed, zeros returned)."""
     check_float("x", x)
     x = x.contiguous()
     assign = assign.contiguous().to(torch.int64)
@@ -227,8 +256,8 @@ def scatter_sum_triton(
     block_n = 64
     grid = (s, triton.cdiv(n, block_n))
     _scatter_sum_kernel[grid](
-        x, assign, sums, counts, n, num_clusters, f,
+        x, assign, sums, counts, counts if stop is None else stop, n, num_clusters, f,
         x.stride(0), x.stride(1), assign.stride(0),
-        BLOCK_N=block_n, BLOCK_F=min(128, block_size(f)),
+        BLOCK_N=block_n, BLOCK_F=min(128, block_size(f)), HAS_STOP=stop is not None,
     )
     return sums, counts

@@ -9,7 +9,7 @@ number of device operations per step. What it treats as a synchronisation:
   ``float()``, ``bool()`` of a tensor, ``if tensor:``) and ``aten.is_nonzero``;
 - operations whose output size depends on the data: ``nonzero``, ``masked_select``,
   indexing with a boolean mask, ``unique`` (all variants), ``repeat_interleave`` without
-  ``output_size``;
+  ``output_size``, ``bincount``;
 - moving device data to the host: ``Tensor.cpu()``, ``.numpy()``, ``.tolist()``;
 - turning host data into a tensor inside the step (``torch.tensor(list)``: ``lift_fresh``),
   a blocking host->device copy on CUDA (a step takes its integers as tensors made before it).
@@ -65,6 +65,7 @@ _SYNC_OPS = {
     aten.unique_dim.default: "unique (output size depends on the data)",
     aten.unique_consecutive.default: "unique_consecutive (output size depends on the data)",
     aten.lift_fresh.default: "makes a tensor from host data inside the step",
+    aten.bincount.default: "bincount (reads the largest value back to size its output)",
 }
 
 _ALLOC_OPS = {
@@ -102,8 +103,12 @@ class SyncCheck(TorchDispatchMode):
     like the mode itself, the patches check only the thread that entered it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, uploads: bool = False) -> None:
+        """``uploads``: allow tensors made from host data (``torch.tensor(list)``), which on
+        CUDA copy to the device without waiting for it; code run once per request (an
+        index build) may upload integers the host knows, a decode step may not."""
         super().__init__()
+        self.uploads = uploads
         self.launches = 0
         self.ops: Counter[str] = Counter()
         self._saved: list[tuple[Any, str, Any]] = []
@@ -155,6 +160,8 @@ class SyncCheck(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         why = _SYNC_OPS.get(func)
+        if func is aten.lift_fresh.default and self.uploads:
+            why = None
         if why is None and func in (aten.index.Tensor, aten.index_put.default,
                                     aten.index_put_.default, aten._index_put_impl_.default) \
                 and _has_bool_index(args):

@@ -142,3 +142,62 @@ def test_early_stop_at_zero_tolerance_is_exact(rng):
     _, exact_rounds = kmeans_with_stop(x, nv, kv, 50, "torch", 0.0)
     _, loose_rounds = kmeans_with_stop(x, nv, kv, 50, "torch", 0.05)
     assert loose_rounds < exact_rounds <= 50
+
+
+@pytest.mark.parametrize("tol", [0.0, 0.01, 0.3, -1.0])
+def test_the_stop_decided_on_the_device_gives_the_same_clusters(tol, rng):
+    """With the early stop decided on the device (as on CUDA: every round runs, rounds after
+    the stop leave the centroids alone) the clusters are exactly the host-decided stop's."""
+    keys, values = torch.randn(2, 1100, 64, generator=rng), torch.randn(2, 1100, 64, generator=rng)
+    host = cluster_block(keys, values, 512, None, 16, 12, "torch", tol, device_stop=False)
+    dev = cluster_block(keys, values, 512, None, 16, 12, "torch", tol, device_stop=True)
+    assert dev.iterations == 12 and (host.iterations < 12) == (tol >= 0)
+    for name in ("order", "sizes", "centroids", "value_sums", "spreads", "offsets", "key_sq",
+                 "cross"):
+        assert torch.equal(getattr(host, name), getattr(dev, name)), name
+
+
+def test_a_device_build_never_waits_on_the_device(rng):
+    """The block's clustering as a GPU runs it (Triton kernels), held on CPU tensors to the
+    device contract: no operation that would make the host wait for the device (no scalar
+    read back, no boolean-mask indexing, nothing copied to the host), with its launches per
+    round counted; only integers the host knows are uploaded."""
+    backend = "triton"
+    from vllm_retro.kernels.sync_check import HostSyncError, SyncCheck
+
+    keys, values = torch.randn(2, 1100, 64, generator=rng), torch.randn(2, 1100, 64, generator=rng)
+    want = cluster_block(keys, values, 512, None, 16, 3, backend, 0.01, device_stop=False)
+    launches = []
+    for iters in (2, 3):
+        with SyncCheck(uploads=True) as check:
+            got = cluster_block(keys, values, 512, None, 16, iters, backend, 0.01,
+                                device_stop=True)
+        launches.append(check.launches)
+    for name in ("order", "sizes", "centroids", "value_sums", "spreads", "offsets"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    per_round = launches[1] - launches[0]
+    # the assignment and scatter-sum kernels, the moved count and stop flag, the update
+    assert per_round <= 15, check.ops
+    # the host-decided stop reads the moved count back
+    with pytest.raises(HostSyncError, match="device scalar"), SyncCheck(uploads=True):
+        cluster_block(keys, values, 512, None, 16, 3, backend, 0.01, device_stop=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_build_never_syncs_and_gives_the_host_stops_clusters():
+    """On a GPU (bf16 keys, Triton kernels, tensor-core assignment): no host sync
+    (``set_sync_debug_mode("error")``) and the clusters of the host-decided stop exactly."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(4, 20000, 128, generator=g).to("cuda", torch.bfloat16)
+    values = torch.randn(4, 20000, 128, generator=g).to("cuda", torch.bfloat16)
+    host = cluster_block(keys, values, 8192, None, 16, 30, "auto", 0.01, device_stop=False)
+    cluster_block(keys, values, 8192, None, 16, 30, "auto", 0.01)  # compile, warm the pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dev = cluster_block(keys, values, 8192, None, 16, 30, "auto", 0.01)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for name in ("order", "sizes", "centroids", "value_sums", "spreads", "offsets"):
+        assert torch.equal(getattr(host, name), getattr(dev, name)), name
+    assert host.iterations < 30 and host.iterations < dev.iterations <= 30

@@ -45,7 +45,7 @@ def test_assign_ref_matches_naive_loop(rng):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_assign_triton_matches_ref(shape, dtype, rng, triton_device):
     s, n, k, d = shape
     x = torch.randn(s, n, d, generator=rng).to(dtype)
@@ -172,3 +172,24 @@ def test_dispatch_runs_the_fused_kernel_on_cpu(rng, monkeypatch):
     assert torch.equal(kernels.kmeans_assign(x, c, nv, kv, backend="torch"),
                        kmeans_assign_ref(x, c, nv, kv))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_triton_kernels_skip_their_work_once_stopped(flag, rng, triton_device):
+    """A k-means stopped on the device hands its kernels the flag: unset they compute as
+    without it; set the assignment writes -1 and the scatter adds nothing."""
+    s, n, k, d = 3, 100, 13, 64
+    x = torch.randn(s, n, d, generator=rng).to(triton_device)
+    c = torch.randn(s, k, d, generator=rng).to(triton_device)
+    n_valid, k_valid = _ragged(s, n, k, rng)
+    stop = torch.tensor(flag, dtype=torch.int32, device=triton_device)
+    plain = kmeans_assign_triton(x, c, n_valid, k_valid)
+    got = kmeans_assign_triton(x, c, n_valid, k_valid, stop)
+    sums, counts = scatter_sum_triton(x, plain, k, stop)
+    if flag:
+        assert (got == -1).all() and not sums.any() and not counts.any()
+    else:
+        assert torch.equal(got, plain)
+        want_sums, want_counts = scatter_sum_ref(x.cpu(), plain.cpu(), k)
+        torch.testing.assert_close(sums.cpu(), want_sums, rtol=1e-5, atol=1e-5)
+        assert torch.equal(counts.cpu(), want_counts)

@@ -31,7 +31,7 @@ from vllm_retro.index.padded import (
 )
 from vllm_retro.index.store import RowAddressedStore
 from vllm_retro.index.wave_index import WaveIndex
-from vllm_retro.kernels import cpu_decode
+from vllm_retro.kernels import cpu_decode, upload
 from vllm_retro.kernels.cpu_decode import fused_path
 
 _ROW_ADDRESSED: dict[type, bool] = {}
@@ -129,11 +129,8 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
         key = tuple((i.slot, i.num_tokens) for i in indexes)
         if rows is None or rows[0] != key:
             slots, ring = [s for s, _ in key], [i.next_ring_row() for i in indexes]
-            if pool.device.type == "cuda":  # copied from pinned memory, not waited for
-                dev = torch.tensor([slots, ring]).pin_memory().to(pool.device, non_blocking=True)
-                rows = (key, dev[0], dev[1])
-            else:
-                rows = (key, torch.tensor(slots), torch.tensor(ring))
+            dev = upload([slots, ring], pool.device)  # on CUDA not waited for
+            rows = (key, dev[0], dev[1])
         pool.write(rows[1], rows[2], keys, values)
         return _each(indexes, lambda b, i: i.appended(1), failed), rows
     return _each(indexes, lambda b, i: i.append(keys[b, :, None], values[b, :, None]),

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 
 from vllm_retro import kernels
-from vllm_retro.kernels import take_rows
+from vllm_retro.kernels import take_rows, upload
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class Clusters:
     offsets: torch.Tensor
     """[H, C + 1] int64 start of each cluster's run in ``order``."""
     iterations: int = 0
-    """k-means rounds (centroid updates) run; fewer than asked when it stopped early."""
+    """k-means rounds run; fewer than asked when it stopped early (with the stop decided on
+    the device, as on CUDA, the rounds queued until the host heard of it: see
+    :func:`kmeans_rounds`)."""
 
     @property
     def num_clusters(self) -> int:
@@ -140,34 +142,104 @@ def kmeans_rounds(
     iters: int,
     backend: str = "auto",
     tol: float = 0.0,
+    kmax: int | None = None,
+    device_stop: bool | None = None,
 ) -> Generator[None, None, tuple[torch.Tensor, int]]:
     """:func:`kmeans_with_stop` as a generator that yields after every round, so a caller can
-    spread the rounds over several decode steps; returns what it returns."""
+    spread the rounds over several decode steps; returns what it returns.
+
+    ``kmax``: the largest of ``k_valid`` when the caller knows it (else it is read from the
+    tensor: a host sync on a GPU). ``device_stop`` (default: on CUDA) decides the early stop
+    on the device, without waiting for it: rounds after the stop leave the centroids as
+    they were (their Triton kernels read the flag and skip their work), so the assignments
+    are exactly the host-decided stop's. The host, which queues rounds ahead of the device,
+    ends the loop once it hears of the stop (the flag is copied back without blocking,
+    :class:`_LateStop`: between rounds spread over decode steps it has), else after all
+    ``iters`` rounds. On CUDA, 16-bit points are assigned in their own dtype (tensor-core
+    products, fp32 sums; :func:`assign_dtype`)."""
     s, n, d = x.shape
     dev = x.device
+    if device_stop is None:
+        device_stop = dev.type == "cuda"
     n_valid = n_valid.to(dev, torch.int64)
     k_valid = k_valid.to(dev, torch.int64)
     pmask = torch.arange(n, device=dev)[None, :] < n_valid[:, None]
     xf = x.float() * pmask[..., None]
     mean = xf.sum(1, keepdim=True) / n_valid.clamp_min(1)[:, None, None]
     xn = torch.nn.functional.normalize((xf - mean) * pmask[..., None], dim=2, eps=1e-12)
-    kmax = int(k_valid.max().item()) if s else 0
+    if kmax is None:
+        kmax = int(k_valid.max().item()) if s else 0
     i = torch.arange(kmax, device=dev)[None, :]
     init = (i * n_valid[:, None]) // k_valid.clamp_min(1)[:, None]
     init = torch.minimum(init, (n_valid - 1).clamp_min(0)[:, None])
     cen = take_rows(xn, init)
-    allowed = tol * float(n_valid.sum().item()) if s else 0.0
+    points = xn.to(assign_dtype(x))
+    n32, k32 = n_valid.to(torch.int32), k_valid.to(torch.int32)  # the kernels' (once)
+
+    def assign_to(centroids: torch.Tensor, stop: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.kmeans_assign(points, centroids.to(points.dtype), n32, k32,
+                                     backend=backend, stop=stop)
+
+    if device_stop:
+        allowed = tol * n_valid.sum()
+        stopped = torch.zeros((), dtype=torch.int32, device=dev)  # the kernels' flag
+        late = _LateStop(dev)
+    else:
+        allowed = tol * float(n_valid.sum().item()) if s else 0.0
     prev = None
     for it in range(iters):
-        assign = kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend)
-        if prev is not None and int((assign != prev).sum().item()) <= allowed:
-            return assign, it
-        sums, counts = kernels.scatter_sum(xn, assign, kmax, backend=backend)
+        if device_stop and late.seen():
+            return assign_to(cen), it
+        assign = assign_to(cen, stopped if device_stop else None)
+        keep = None
+        if prev is not None:
+            moved = (assign != prev).sum()
+            if device_stop:
+                stopped = stopped | (moved <= allowed)
+                keep = stopped
+                late.post(stopped)
+            elif int(moved.item()) <= allowed:
+                return assign, it
+        sums, counts = kernels.scatter_sum(xn, assign, kmax, backend=backend,
+                                           stop=keep)
         new = torch.nn.functional.normalize(sums, dim=2, eps=1e-12)
-        cen = torch.where((counts > 0)[..., None], new, cen)
+        update = (counts > 0)[..., None]
+        cen = torch.where(update if keep is None else update & (keep == 0), new, cen)
         prev = assign
         yield
-    return kernels.kmeans_assign(xn, cen, n_valid, k_valid, backend=backend), iters
+    return assign_to(cen), iters
+
+
+class _LateStop:
+    """A device-side stop flag the host reads without waiting: each :meth:`post` copies it
+    into pinned memory behind the work that computed it; :meth:`seen` is True once such a
+    copy has landed with the flag set. Never True off CUDA (nothing to read without a wait
+    there is not a device's)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.zeros((), dtype=torch.int32, pin_memory=True)
+            self.event = torch.cuda.Event()
+            self.posted = False
+
+    def post(self, flag: torch.Tensor) -> None:
+        if self.cuda:
+            self.host.copy_(flag, non_blocking=True)
+            self.event.record()
+            self.posted = True
+
+    def seen(self) -> bool:
+        return self.cuda and self.posted and self.event.query() and bool(self.host)
+
+
+def assign_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype k-means assigns points of dtype ``x.dtype`` on ``x.device`` in: 16-bit
+    points on CUDA in their own dtype (their products are exact in fp32: tensor cores, fp32
+    sums, ~1e-3 relative off the fp32-normalised points' similarities), else fp32."""
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        return x.dtype
+    return torch.float32
 
 
 def cluster_block(
@@ -179,6 +251,7 @@ def cluster_block(
     iters: int,
     backend: str = "auto",
     tol: float = 0.0,
+    device_stop: bool | None = None,
 ) -> Clusters:
     """Cluster a block of tokens, per KV head, in independent segments.
 
@@ -186,10 +259,11 @@ def cluster_block(
     ``segment_size`` tokens (the last may be shorter); segment j gets ``clusters_for[j]``
     clusters, or one per ``tokens_per_cluster`` tokens when ``clusters_for`` is None.
     At most ``iters`` k-means rounds, fewer once a round moves at most ``tol`` of the keys
-    (:func:`kmeans_with_stop`). Returns the block's :class:`Clusters`.
+    (:func:`kmeans_with_stop`; ``device_stop``: see :func:`kmeans_rounds`). Returns the
+    block's :class:`Clusters`.
     """
     return run_steps(cluster_block_steps(keys, values, segment_size, clusters_for,
-                                         tokens_per_cluster, iters, backend, tol))
+                                         tokens_per_cluster, iters, backend, tol, device_stop))
 
 
 def cluster_block_steps(
@@ -201,9 +275,13 @@ def cluster_block_steps(
     iters: int,
     backend: str = "auto",
     tol: float = 0.0,
+    device_stop: bool | None = None,
 ) -> Generator[None, None, Clusters]:
     """:func:`cluster_block` as a generator yielding after every k-means round (the same
-    arithmetic, so the same clusters); returns the :class:`Clusters`."""
+    arithmetic, so the same clusters); returns the :class:`Clusters`. Nothing in it makes
+    the host wait for the device (a GPU build never waits on its own work): it reads no
+    device data back and uploads the integers the host knows (segment lengths, cluster
+    counts) without waiting (:func:`~vllm_retro.kernels.upload`)."""
     h, m, d = keys.shape
     dev = keys.device
     seg = min(segment_size, m)
@@ -215,23 +293,24 @@ def cluster_block_steps(
     ks = [min(k, n) for k, n in zip(ks, seg_lens, strict=False)]
     pad = n_seg * seg - m
     kp = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
-    n_valid = torch.tensor(seg_lens * h, device=dev)
-    k_valid = torch.tensor(ks * h, device=dev)
-    assign, rounds = yield from kmeans_rounds(kp, n_valid, k_valid, iters, backend, tol)
+    n_valid = upload(seg_lens * h, dev)
+    k_valid = upload(ks * h, dev)
     kmax = max(ks)
+    assign, rounds = yield from kmeans_rounds(kp, n_valid, k_valid, iters, backend, tol, kmax,
+                                              device_stop)
     vp = torch.nn.functional.pad(values, (0, 0, 0, pad)).reshape(h * n_seg, seg, d)
     sums, counts = kernels.scatter_sum(torch.cat([kp, vp], dim=2), assign, kmax, backend=backend)
     means = sums / counts.clamp_min(1.0)[..., None]
     spread, key_sq, cross = residual_moments(kp, vp, assign, means[..., :d], means[..., d:])
-    # keep each segment's first k_j slots: [H, n_seg, kmax] -> [H, C]
-    slot = torch.arange(kmax, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
+    # keep each segment's first k_j slots: [H, n_seg * kmax] -> [H, C]
+    slot = upload([j * kmax + i for j, k in enumerate(ks) for i in range(k)], dev)
     c_total = sum(ks)
-    counts = counts.reshape(h, n_seg, kmax)[:, slot].reshape(h, c_total)
-    sums = sums.reshape(h, n_seg, kmax, 2 * d)[:, slot].reshape(h, c_total, 2 * d)
-    spread = spread.reshape(h, n_seg, kmax)[:, slot].reshape(h, c_total)
+    counts = counts.reshape(h, n_seg * kmax).index_select(1, slot)
+    sums = sums.reshape(h, n_seg * kmax, 2 * d).index_select(1, slot)
+    spread = spread.reshape(h, n_seg * kmax).index_select(1, slot)
     centroids = sums[..., :d] / counts.clamp_min(1.0)[..., None]
     # global (block-local) cluster id of every token, then a stable sort gives the layout
-    seg_base = torch.tensor([0] + ks[:-1], device=dev).cumsum(0)  # [n_seg]
+    seg_base = upload([0] + ks[:-1], dev).cumsum(0)  # [n_seg]
     gid = assign.reshape(h, n_seg, seg) + seg_base[None, :, None]
     gid = gid.reshape(h, n_seg * seg)[:, :m]
     order = torch.argsort(gid, dim=1, stable=True)
