@@ -76,7 +76,9 @@ def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
     row over pools of their own: the same outputs over 80 steps crossing update blocks,
     with a request leaving and another joining in its freed pages and blocks; the pools
     stay consistent and are released with the last request."""
-    cfg = _cfg(cache_fraction=0.3)
+    # caches of 30% of these short rows, small enough to evict (without the retrieval
+    # floor's minimum cache, RetroConfig.cache_tokens, they would hold every row whole)
+    cfg = _cfg(cache_fraction=0.3, min_retrieval_clusters=0)
     h, d, group = 2, 64, 4
     mgr, own_mgr = WaveBufferManager(cfg), WaveBufferManager(cfg)
     g = torch.Generator().manual_seed(11)
