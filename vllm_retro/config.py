@@ -365,7 +365,7 @@ class RetroConfig:
         The paper sizes the cache against the retrieval zone it serves (5% of the KV for a
         1.8% zone: 2.8x). Below ~14K tokens the floor makes the zone larger than 1.8% of the
         KV, and a cache of 5% would then hold less than the zone (205 tokens at 4K against
-        its 256), so the cache keeps that ratio to the zone instead (711 tokens at the
+        its 256), so the cache keeps that ratio to the zone instead (712 tokens at the
         defaults); from where the floor stops binding on, it is ``cache_fraction``'s."""
         if self.cache_pages is not None:
             return self.cache_pages * self.page_size
