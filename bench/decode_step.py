@@ -133,7 +133,7 @@ def retro_bytes(index: WaveIndex, n_exact: torch.Tensor, elem: int) -> int:
 def pq_bytes(index: PQIndex, elem: int) -> int:
     """Bytes one PQCache step reads: every indexed token's codes (one byte per sub-space),
     the fp32 codebooks, and the K/V rows of the steady zone and the chosen tokens."""
-    m = index.config.pq_subspaces
+    m = index.config.pq.subspaces
     books = 0 if index.pq is None else index.pq.codebooks.numel() * 4
     exact = HKV * (index.num_steady + index.token_budget()) * 2 * D * elem
     return HKV * index.num_indexed * m + books + exact

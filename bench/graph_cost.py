@@ -71,13 +71,13 @@ def build_case(shape: str, n: int, train_tokens: int) -> dict:
     mid = keys[:, cfg.sink_tokens:n - cfg.local_window]
     spec = gr.GraphSpec.make(hkv, hq, False)
     t0 = time.perf_counter()
-    knn, entries = gr.build_inputs(mid, queries, spec, cfg.graph_knn, cfg.graph_train_queries,
+    knn, entries = gr.build_inputs(mid, queries, spec, cfg.graph.knn, cfg.graph.train_queries,
                                    NUM_ENTRIES)
     knn_s = time.perf_counter() - t0
     m = mid.shape[1]
     pool, rows = mid.reshape(hkv * m, d), torch.arange(hkv * m).reshape(hkv, m)
     t0 = time.perf_counter()
-    adj = gr.build_graphs(pool, rows, knn, spec.graph_head, entries, cfg.graph_degree, BUILD_EF,
+    adj = gr.build_graphs(pool, rows, knn, spec.graph_head, entries, cfg.graph.degree, BUILD_EF,
                           gr.inverse_norms(mid))
     graph_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -116,9 +116,9 @@ def recall_case(ef_list: list[int]) -> dict:
         per: dict = {}
         for name, train in (("queries", dd["q"][:, :192]), ("keys", None)):
             spec = gr.GraphSpec.make(hk, hq, False)
-            knn, ent = gr.build_inputs(keys, train, spec, cfg.graph_knn, cfg.graph_train_queries,
+            knn, ent = gr.build_inputs(keys, train, spec, cfg.graph.knn, cfg.graph.train_queries,
                                        NUM_ENTRIES)
-            adj = gr.build_graphs(pool, rows, knn, spec.graph_head, ent, cfg.graph_degree,
+            adj = gr.build_graphs(pool, rows, knn, spec.graph_head, ent, cfg.graph.degree,
                                   BUILD_EF, gr.inverse_norms(keys))
             per[name] = {}
             for ef in ef_list:

@@ -1,9 +1,9 @@
-"""``--retro-*`` command-line options: one per :class:`~vllm_retro.config.RetroConfig` field."""
+"""``--retro-*`` command-line options: one per setting of
+:class:`~vllm_retro.config.RetroConfig` (its flat names: :meth:`RetroConfig.flat_names`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 from typing import Any
 
@@ -11,6 +11,8 @@ from vllm_retro.config import (
     CACHE_POLICIES,
     DEVICE_RESIDENT,
     ESTIMATORS,
+    FLAGS,
+    GROUPS,
     INDEXES,
     KERNEL_BACKENDS,
     RetroConfig,
@@ -19,14 +21,16 @@ from vllm_retro.config import (
 _CHOICES = {"cache_policy": CACHE_POLICIES, "kernel_backend": KERNEL_BACKENDS,
             "estimator": ESTIMATORS, "index": INDEXES, "device_resident": DEVICE_RESIDENT}
 _DEST = "retro__"
+_GROUP_LABEL = {"pq": "PQCache", "saap": "SAAP", "graph": "Graph"}
+"""The policy a group's help texts start with (the page group's name theirs)."""
 
 
-def _field_docs() -> dict[str, str]:
-    """Each field's attribute docstring (the line after it in config.py), for ``--help``."""
+def _class_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring in ``cls`` (the line after it in config.py)."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(RetroConfig))
+    tree = ast.parse(inspect.getsource(cls))
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     for stmt, nxt in zip(body, body[1:], strict=False):
@@ -36,27 +40,44 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
+def _flags() -> list[tuple[str, Any, Any, str]]:
+    """(flat name, type, default, docstring) of every setting, as
+    :meth:`RetroConfig.flat_names` orders them: the wave index's and buffer's fields, and
+    each policy group's fields under their flat names (:data:`FLAGS`)."""
+    hints = {None: typing.get_type_hints(RetroConfig)}
+    docs = {None: _class_docs(RetroConfig)}
+    defaults = {None: RetroConfig()}
+    for group, cls in GROUPS.items():
+        hints[group], docs[group] = typing.get_type_hints(cls), _class_docs(cls)
+        defaults[group] = cls()
+    out = []
+    for flat in RetroConfig.flat_names():
+        group, name = FLAGS.get(flat, (None, flat))
+        doc = docs[group].get(name, "")
+        out.append((flat, hints[group][name], getattr(defaults[group], name),
+                    f"{_GROUP_LABEL[group]}: {doc}" if group in _GROUP_LABEL else doc))
+    return out
+
+
 def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--retro-<field>`` for every RetroConfig field (``--retro-enabled`` /
-    ``--no-retro-enabled`` style for booleans). Options not given keep the config's value."""
+    """Add ``--retro-<name>`` for every setting (:meth:`RetroConfig.flat_names`;
+    ``--retro-enabled`` / ``--no-retro-enabled`` style for booleans). Options not given keep
+    the config's value."""
     group = parser.add_argument_group(
         "Retro", "RetroInfer wave index / wave buffer settings (override "
         "--additional-config '{\"retro\": {...}}')")
-    hints = typing.get_type_hints(RetroConfig)
-    docs = _field_docs()
-    for f in dataclasses.fields(RetroConfig):
-        flag = "--retro-" + f.name.replace("_", "-")
-        kind = hints[f.name]
+    for name, kind, default, doc in _flags():
+        flag = "--retro-" + name.replace("_", "-")
         # argparse %-formats help texts: a literal % in a docstring must be doubled
-        help_ = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        help_ = f"{doc} (default: {default})".replace("%", "%%")
         # SUPPRESS: an option not given leaves no attribute (and no "(default: None)").
-        kwargs: dict[str, Any] = {"dest": _DEST + f.name, "default": argparse.SUPPRESS,
+        kwargs: dict[str, Any] = {"dest": _DEST + name, "default": argparse.SUPPRESS,
                                   "help": help_}
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        if f.name in _CHOICES:
-            kwargs["choices"] = _CHOICES[f.name]
+        if name in _CHOICES:
+            kwargs["choices"] = _CHOICES[name]
         elif kind in (float, float | None):
             kwargs.update(type=float, metavar="FLOAT")
         elif kind in (str, str | None):  # a path (saap_file)
@@ -67,7 +88,8 @@ def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def retro_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``--retro-*`` values given on the command line, keyed by RetroConfig field."""
+    """The ``--retro-*`` values given on the command line, keyed by flat name
+    (:meth:`RetroConfig.from_dict` takes them)."""
     return {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
 
 

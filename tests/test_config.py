@@ -1,11 +1,10 @@
 """vllm_retro.config: defaults from the design, validation naming field, value and range."""
 
-import dataclasses
 import os
 
 import pytest
 
-from vllm_retro.config import ConfigError, RetroConfig
+from vllm_retro.config import FLAGS, ConfigError, GraphConfig, PQConfig, RetroConfig
 
 
 def test_shortest_indexed_context_is_the_steady_zone_and_an_update_block():
@@ -41,6 +40,14 @@ def test_shortest_indexed_context_is_the_steady_zone_and_an_update_block():
     ("estimator", "paper", "one of 'tilted', 'centroid', 'auto'"),
     ("enabled", "yes", "true or false"),
     ("retrieval_budget", True, "a number in (0.0, 1.0]"),
+    # a policy group's fields are named by their flat keys, as users set them
+    ("pq_bits", 9, "an integer in [1, 8]"),
+    ("pq_token_ratio", 0.0, "a number in (0.0, 1.0]"),
+    ("saap_probes", 0, "an integer in [1, 65536]"),
+    ("saap_file", "", "a file path (a non-empty string)"),
+    ("graph_degree", 1, "an integer in [2, 256]"),
+    ("quest_page_size", 0, "an integer in [1, 65536]"),
+    ("streaming_tokens", -1, "an integer in [0, 1073741824]"),
 ])
 def test_bad_values_name_field_value_and_range(field, value, accepted):
     with pytest.raises(ConfigError) as err:
@@ -61,6 +68,29 @@ def test_from_dict_and_unknown_keys():
         RetroConfig.from_dict({"retreival_budget": 0.05})
     c = RetroConfig()
     assert RetroConfig.from_dict(c.to_dict()) == c
+
+
+def test_policy_settings_are_grouped_and_set_by_their_flat_names():
+    """Each policy's settings live in its group (``cfg.pq.bits``); users set them by the flat
+    names they always had (``pq_bits``), which round-trip through the flat dict."""
+    flat = {"pq_bits": 4, "pq_block_tokens": 64, "graph_top_k": 50, "saap_probes": 8,
+            "quest_page_size": 8, "quest_token_budget": 512, "streaming_tokens": 256}
+    c = RetroConfig.from_dict(flat)
+    assert c.pq == PQConfig(bits=4, block_tokens=64)
+    assert c.graph == GraphConfig(top_k=50)
+    assert c.saap.probes == 8 and c.saap.file is None
+    assert (c.pages.page_tokens, c.pages.quest_tokens, c.pages.streaming_tokens) == (8, 512, 256)
+    assert {k: c.to_dict()[k] for k in flat} == flat and RetroConfig.from_dict(c.to_dict()) == c
+    assert set(FLAGS) <= set(RetroConfig.flat_names())
+    assert not {"pq", "saap", "graph", "pages"} & set(c.to_dict())  # groups never flat keys
+    # a whole group, with flat names given alongside overriding its fields
+    assert RetroConfig(pq=PQConfig(bits=3), pq_subspaces=4).pq == PQConfig(subspaces=4, bits=3)
+    assert c.replace(pq_bits=5).pq == PQConfig(bits=5, block_tokens=64)
+    assert c.replace(cluster_size=8).pages == c.pages
+    with pytest.raises(ConfigError, match=r"pq=4 is invalid; accepted: a PQConfig"):
+        RetroConfig(pq=4)
+    with pytest.raises(TypeError, match="'pq_bitz'"):
+        RetroConfig(pq_bitz=4)
 
 
 def test_budget_counts():
@@ -144,7 +174,7 @@ PINNED = {**ANSWER_DEFAULTS, **PLACEMENT_DEFAULTS}
 
 def test_every_default_is_classified():
     """A new field is placed on one side: changes answers (pinned below) or only placement."""
-    names = {f.name for f in dataclasses.fields(RetroConfig)}
+    names = set(RetroConfig.flat_names())
     assert set(ANSWER_DEFAULTS).isdisjoint(PLACEMENT_DEFAULTS)
     assert names == set(PINNED), (
         f"unclassified: {sorted(names - set(PINNED))}; gone: {sorted(set(PINNED) - names)}")
@@ -155,7 +185,7 @@ def test_defaults_change_only_with_their_measurement(name):
     """A default changes visibly: an answer-changing one with its end-to-end A/B (see
     :data:`ANSWER_DEFAULTS`), a placement one with its benchmark."""
     pinned = PINNED[name]
-    got = getattr(RetroConfig(), name)
+    got = RetroConfig().get(name)
     assert got == pinned, (
         f"RetroConfig.{name} default is {got!r}, pinned {pinned!r}: "
         + ("an answer-changing default needs end-to-end answers before/after in one run "

@@ -46,24 +46,141 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def _check_saap_file(path: Any, index: str) -> None:
+def _check_saap_file(path: str | None, index: str) -> None:
+    """SAAP's file, required with index='saap' (its type is :class:`SAAPConfig`'s check)."""
     if path is None:
         if index == "saap":
             _fail("saap_file", path, "the path of a file written by `vllm-retro calibrate "
                   "MODEL --out FILE` (required with index='saap')")
         return
-    if not isinstance(path, str) or not path:
-        _fail("saap_file", path, "a file path (a non-empty string)")
     if index == "saap" and not os.path.isfile(os.path.expanduser(path)):
         _fail("saap_file", path, "an existing file written by `vllm-retro calibrate MODEL "
               "--out FILE` (no such file)")
 
 
 @dataclass(frozen=True, slots=True)
+class PQConfig:
+    """PQCache (index='pqcache'; defaults from the PQCache paper, LongBench). Each field is
+    the flag ``pq_<field>``."""
+
+    subspaces: int = 2
+    """Sub-spaces the head dimension is cut into (m; must divide head_dim)."""
+    bits: int = 6
+    """Bits per code (b): 2**b k-means codewords per sub-space, fitted at prefill."""
+    token_ratio: float = 0.2
+    """Tokens attended per decode step as a fraction of the context, steady zone included
+    (the paper's 1/5); the rest of the budget is the top indexed tokens by
+    product-quantised score. 1.0 attends every token (full attention)."""
+    block_tokens: int = 128
+    """Tokens per block of the device cache (consecutive positions; the paper's 128)."""
+
+    def __post_init__(self) -> None:
+        _check_int("pq_subspaces", self.subspaces, 1, 256)
+        _check_int("pq_bits", self.bits, 1, 8)
+        _check_float("pq_token_ratio", self.token_ratio, 0.0, 1.0, lo_open=True)
+        _check_int("pq_block_tokens", self.block_tokens, 1, 1 << 16)
+
+
+@dataclass(frozen=True, slots=True)
+class SAAPConfig:
+    """SAAP (index='saap'; Mazare et al., 2025). Each field is the flag ``saap_<field>``."""
+
+    file: str | None = None
+    """The file `vllm-retro calibrate MODEL --out FILE` trained for the served model (per
+    layer and KV head: key centroids and the query classifier); required with
+    index='saap'."""
+    probes: int = 16
+    """Buckets (l) each decode query visits, out of the file's C (256 by default) per
+    (layer, KV head): every indexed token of those buckets is read exactly; l = C reads every
+    token (full attention). Measured on Qwen2.5-0.5B (held-out text, 64-token window): l = 16
+    reads 11% of the indexed keys and holds 52% of the attention beyond the window; 8 (the
+    paper's l / C = 32 / 1024) 7% and 40%; 32, 19% and 66%."""
+
+    def __post_init__(self) -> None:
+        _check_int("saap_probes", self.probes, 1, 1 << 16)
+        if self.file is not None and (not isinstance(self.file, str) or not self.file):
+            _fail("saap_file", self.file, "a file path (a non-empty string)")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphConfig:
+    """RetrievalAttention's graph index (index='graph'; Liu et al.). Each field is the flag
+    ``graph_<field>``."""
+
+    top_k: int = 100
+    """Keys each query head retrieves per decode step by its graph search (the paper's
+    top-100); a KV head reads its query heads' union exactly, with the steady zone. At least
+    the indexed tokens: every token is read (full attention)."""
+    search_ef: int = 128
+    """Candidate pool of each decode search (at least top_k is used); larger finds more of
+    the true top-k and scores more keys."""
+    degree: int = 16
+    """Out-edges per key from the query projection, and as many more from the connectivity
+    enhancement (RoarGraph's M; 2 x 16 int32 per key and KV head)."""
+    knn: int = 100
+    """Exact nearest keys of each training (prefill) query linked at build (RoarGraph's
+    N_q)."""
+    train_queries: int = 4096
+    """At most this many prefill queries (of all query heads of a KV head's group, evenly
+    spaced) train each KV head's graph; the exact kNN costs this x context x head_dim per KV
+    head."""
+    block_tokens: int = 128
+    """Tokens per block of the device cache (consecutive positions)."""
+
+    def __post_init__(self) -> None:
+        _check_int("graph_top_k", self.top_k, 1, 1 << 20)
+        _check_int("graph_search_ef", self.search_ef, 1, 1 << 20)
+        _check_int("graph_degree", self.degree, 2, 256)
+        _check_int("graph_knn", self.knn, 2, 4096)
+        _check_int("graph_train_queries", self.train_queries, 1, 1 << 22)
+        _check_int("graph_block_tokens", self.block_tokens, 1, 1 << 16)
+
+
+@dataclass(frozen=True, slots=True)
+class PageConfig:
+    """The page policies (index='quest' / 'streaming'; Quest, Tang et al. 2024;
+    StreamingLLM). Flags: ``quest_page_size`` (:attr:`page_tokens`), ``quest_token_budget``
+    (:attr:`quest_tokens`), ``streaming_tokens``."""
+
+    page_tokens: int = 16
+    """Quest and streaming: tokens per page, the unit read (Quest's 16)."""
+    quest_tokens: int = 1024
+    """Quest: indexed tokens read exactly per decode step and KV head, in whole pages, with
+    the steady zone (the paper evaluates 256-4096). At least the context: full attention."""
+    streaming_tokens: int = 1024
+    """Streaming: the most recent indexed tokens read per decode step, in whole pages,
+    beyond the sinks and the local window (StreamingLLM's cache is sinks + recent window)."""
+
+    def __post_init__(self) -> None:
+        _check_int("quest_page_size", self.page_tokens, 1, 1 << 16)
+        _check_int("quest_token_budget", self.quest_tokens, 0, 1 << 30)
+        _check_int("streaming_tokens", self.streaming_tokens, 0, 1 << 30)
+
+
+GROUPS: dict[str, type] = {"pq": PQConfig, "saap": SAAPConfig, "graph": GraphConfig,
+                           "pages": PageConfig}
+""":class:`RetroConfig`'s policy groups: its attribute -> the group's class."""
+
+FLAGS: dict[str, tuple[str, str]] = {
+    **{f"{group}_{f.name}": (group, f.name) for group in ("pq", "saap", "graph")
+       for f in dataclasses.fields(GROUPS[group])},
+    "quest_page_size": ("pages", "page_tokens"),
+    "quest_token_budget": ("pages", "quest_tokens"),
+    "streaming_tokens": ("pages", "streaming_tokens"),
+}
+"""The flat name users set (an ``additional_config`` key, ``--retro-<name>``) of each group
+field: flat name -> (group attribute, field)."""
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class RetroConfig:
-    """Configuration of the wave index and the wave buffer.
+    """Configuration of the wave index and the wave buffer, and of the other policies in
+    one group each (:attr:`pq`, :attr:`saap`, :attr:`graph`, :attr:`pages`).
 
     Token counts are in tokens, budgets are fractions of a (request, layer, KV head)'s clusters.
+    Constructed from keyword arguments: the wave index's and buffer's fields by name, a
+    group's fields by their flat names (:data:`FLAGS`, e.g. ``pq_bits=4``) or as a whole
+    group (``pq=PQConfig(bits=4)``; flat names given with it override its fields).
     """
 
     enabled: bool = True
@@ -134,60 +251,16 @@ class RetroConfig:
     None: 16 on CUDA, 0 on CPU, where the engine's threads already use every core and a
     background build slows the steps it overlaps (see :meth:`build_steps_on`)."""
 
-    # --- pqcache index (index='pqcache'; defaults from the PQCache paper, LongBench) ----------
-    pq_subspaces: int = 2
-    """PQCache: sub-spaces the head dimension is cut into (m; must divide head_dim)."""
-    pq_bits: int = 6
-    """PQCache: bits per code (b): 2**b k-means codewords per sub-space, fitted at prefill."""
-    pq_token_ratio: float = 0.2
-    """PQCache: tokens attended per decode step as a fraction of the context, steady zone
-    included (the paper's 1/5); the rest of the budget is the top indexed tokens by
-    product-quantised score. 1.0 attends every token (full attention)."""
-    pq_block_tokens: int = 128
-    """PQCache: tokens per block of the device cache (consecutive positions; the paper's 128)."""
-
-    # --- saap index (index='saap'; SAAP, Mazare et al., 2025) --------------------------------
-    saap_file: str | None = None
-    """SAAP: the file `vllm-retro calibrate MODEL --out FILE` trained for the served model
-    (per layer and KV head: key centroids and the query classifier); required with
-    index='saap'."""
-    saap_probes: int = 16
-    """SAAP: buckets (l) each decode query visits, out of the file's C (256 by default) per
-    (layer, KV head): every indexed token of those buckets is read exactly; l = C reads every
-    token (full attention). Measured on Qwen2.5-0.5B (held-out text, 64-token window): l = 16
-    reads 11% of the indexed keys and holds 52% of the attention beyond the window; 8 (the
-    paper's l / C = 32 / 1024) 7% and 40%; 32, 19% and 66%."""
-
-    # --- graph index (index='graph'; RetrievalAttention, Liu et al.) --------------------------
-    graph_top_k: int = 100
-    """Graph: keys each query head retrieves per decode step by its graph search (the
-    paper's top-100); a KV head reads its query heads' union exactly, with the steady zone.
-    At least the indexed tokens: every token is read (full attention)."""
-    graph_search_ef: int = 128
-    """Graph: candidate pool of each decode search (at least graph_top_k is used); larger
-    finds more of the true top-k and scores more keys."""
-    graph_degree: int = 16
-    """Graph: out-edges per key from the query projection, and as many more from the
-    connectivity enhancement (RoarGraph's M; 2 x 16 int32 per key and KV head)."""
-    graph_knn: int = 100
-    """Graph: exact nearest keys of each training (prefill) query linked at build
-    (RoarGraph's N_q)."""
-    graph_train_queries: int = 4096
-    """Graph: at most this many prefill queries (of all query heads of a KV head's group,
-    evenly spaced) train each KV head's graph; the exact kNN costs this x context x
-    head_dim per KV head."""
-    graph_block_tokens: int = 128
-    """Graph: tokens per block of the device cache (consecutive positions)."""
-
-    # --- page policies (index='quest' / 'streaming'; Quest, Tang et al. 2024; StreamingLLM) --
-    quest_page_size: int = 16
-    """Quest and streaming: tokens per page, the unit read (Quest's 16)."""
-    quest_token_budget: int = 1024
-    """Quest: indexed tokens read exactly per decode step and KV head, in whole pages, with
-    the steady zone (the paper evaluates 256-4096). At least the context: full attention."""
-    streaming_tokens: int = 1024
-    """Streaming: the most recent indexed tokens read per decode step, in whole pages,
-    beyond the sinks and the local window (StreamingLLM's cache is sinks + recent window)."""
+    # --- the other policies' settings, one group each (flags stay flat: see FLAGS) --------
+    pq: PQConfig = PQConfig()
+    """PQCache's settings (index='pqcache'); flags ``pq_*``."""
+    saap: SAAPConfig = SAAPConfig()
+    """SAAP's settings (index='saap'); flags ``saap_*``."""
+    graph: GraphConfig = GraphConfig()
+    """RetrievalAttention's graph settings (index='graph'); flags ``graph_*``."""
+    pages: PageConfig = PageConfig()
+    """The page policies' settings (index='quest' / 'streaming'); flags ``quest_page_size``,
+    ``quest_token_budget``, ``streaming_tokens``."""
 
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
@@ -239,26 +312,31 @@ class RetroConfig:
     cache serve it; 'on' (copied) and 'in_place' on any device (tests, benchmarks); 'off'
     never."""
 
+    def __init__(self, **values: Any) -> None:
+        groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for flat in [k for k in values if k in FLAGS]:
+            group, name = FLAGS[flat]
+            groups[group][name] = values.pop(flat)
+        for f in dataclasses.fields(self):
+            value = values.pop(f.name, f.default)
+            if f.name in groups and groups[f.name]:
+                base = value if isinstance(value, GROUPS[f.name]) else GROUPS[f.name]()
+                value = dataclasses.replace(base, **groups[f.name])
+            object.__setattr__(self, f.name, value)
+        if values:
+            raise TypeError(f"RetroConfig got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, sorted(values)))}")
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         for name in ("enabled", "async_updates"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
         _check_choice("index", self.index, INDEXES)
-        _check_int("pq_subspaces", self.pq_subspaces, 1, 256)
-        _check_int("pq_bits", self.pq_bits, 1, 8)
-        _check_float("pq_token_ratio", self.pq_token_ratio, 0.0, 1.0, lo_open=True)
-        _check_int("pq_block_tokens", self.pq_block_tokens, 1, 1 << 16)
-        _check_int("saap_probes", self.saap_probes, 1, 1 << 16)
-        _check_saap_file(self.saap_file, self.index)
-        _check_int("graph_top_k", self.graph_top_k, 1, 1 << 20)
-        _check_int("graph_search_ef", self.graph_search_ef, 1, 1 << 20)
-        _check_int("graph_degree", self.graph_degree, 2, 256)
-        _check_int("graph_knn", self.graph_knn, 2, 4096)
-        _check_int("graph_train_queries", self.graph_train_queries, 1, 1 << 22)
-        _check_int("graph_block_tokens", self.graph_block_tokens, 1, 1 << 16)
-        _check_int("quest_page_size", self.quest_page_size, 1, 1 << 16)
-        _check_int("quest_token_budget", self.quest_token_budget, 0, 1 << 30)
-        _check_int("streaming_tokens", self.streaming_tokens, 0, 1 << 30)
+        for name, kind in GROUPS.items():  # each group checked its own fields
+            if not isinstance(getattr(self, name), kind):
+                _fail(name, getattr(self, name), f"a {kind.__name__}")
+        _check_saap_file(self.saap.file, self.index)
         _check_int("cluster_size", self.cluster_size, 1, 4096)
         _check_int("segment_size", self.segment_size, 16, 1 << 20)
         if self.segment_size < self.cluster_size:
@@ -303,13 +381,13 @@ class RetroConfig:
         with ``index`` (default: :attr:`index`): ``pq_subspaces`` must divide it for
         'pqcache'; for 'saap' the file must be a SAAP file for ``head_dim`` with at least
         ``saap_probes`` buckets."""
-        if (index or self.index) == "pqcache" and head_dim % self.pq_subspaces:
-            _fail("pq_subspaces", self.pq_subspaces,
+        if (index or self.index) == "pqcache" and head_dim % self.pq.subspaces:
+            _fail("pq_subspaces", self.pq.subspaces,
                   f"a divisor of the model's head_dim {head_dim}")
-        if (index or self.index) == "saap" and self.saap_file is not None:
+        if (index or self.index) == "saap" and self.saap.file is not None:
             from vllm_retro.index.saap_model import load_saap  # reads the file once
 
-            load_saap(self.saap_file).check_serving(None, head_dim, self.saap_probes)
+            load_saap(self.saap.file).check_serving(None, head_dim, self.saap.probes)
 
     def build_steps_on(self, device_type: str) -> int:
         """``build_steps`` on a device type ('cuda', 'cpu', ...), the default resolved:
@@ -378,14 +456,36 @@ class RetroConfig:
         return max(by_fraction, min(tokens, by_floor))
 
     def replace(self, **changes: Any) -> RetroConfig:
-        """A copy with ``changes`` applied (validated)."""
+        """A copy with ``changes`` applied (validated; flat names as :meth:`from_dict`'s, or
+        whole groups)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def flat_names(cls) -> list[str]:
+        """Every key :meth:`from_dict` accepts, in declaration order: the wave index's and
+        buffer's fields, and each group's fields by their flat names (:data:`FLAGS`)."""
+        flat_of = {(group, name): flat for flat, (group, name) in FLAGS.items()}
+        names: list[str] = []
+        for f in dataclasses.fields(cls):
+            if f.name in GROUPS:
+                names += [flat_of[f.name, g.name] for g in dataclasses.fields(GROUPS[f.name])]
+            else:
+                names.append(f.name)
+        return names
+
+    def get(self, flat: str) -> Any:
+        """The value of the flat key ``flat`` (a :meth:`flat_names` entry)."""
+        if flat in FLAGS:
+            group, name = FLAGS[flat]
+            return getattr(getattr(self, group), name)
+        return getattr(self, flat)
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> RetroConfig:
-        """Build from a mapping (e.g. vLLM's ``additional_config["retro"]``); unknown keys fail."""
+        """Build from a flat mapping (e.g. vLLM's ``additional_config["retro"]``, keys as
+        :meth:`flat_names`); unknown keys fail."""
         values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(cls.flat_names())
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
@@ -395,5 +495,6 @@ class RetroConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a plain dict."""
-        return dataclasses.asdict(self)
+        """Every setting under its flat key (:meth:`flat_names`), as :meth:`from_dict` takes
+        it."""
+        return {name: self.get(name) for name in self.flat_names()}

@@ -37,10 +37,10 @@ def reference_selection(index: GraphIndex, keys: torch.Tensor, query: torch.Tens
     ascending token indices (indexed position - sinks)."""
     n, sinks = index.num_indexed, index.num_sinks
     cfg = index.config
-    k = cfg.graph_top_k if budget is None else budget
+    k = cfg.graph.top_k if budget is None else budget
     if k >= n:
         return [list(range(n))] * H
-    ef = max(cfg.graph_search_ef, k)
+    ef = max(cfg.graph.search_ef, k)
     indexed = keys[:, sinks:sinks + n]
     ids = torch.full((H, G, ef), -1, dtype=torch.int64)
     for h in range(H):
@@ -106,7 +106,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed, backend, rng
         got = [[v for v in row if v >= 0] for row in res.selection.retrieval_ids.tolist()]
         want = reference_selection(index, keys, q, None)
         assert got == want
-        assert all(CFG.graph_top_k <= len(w) <= G * CFG.graph_top_k for w in want)
+        assert all(CFG.graph.top_k <= len(w) <= G * CFG.graph.top_k for w in want)
         torch.testing.assert_close(res.output, reference_attention(index, keys, values, q, got),
                                    atol=1e-5, rtol=1e-5)
         assert torch.isfinite(res.lse).all()

@@ -81,7 +81,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed, backend):
         res = index.decode(q, D ** -0.5, return_positions=True)
         score = reference_scores(index, q, D ** -0.5)
         got = res.selection.retrieval_ids
-        k = math.ceil(index.config.pq_token_ratio * index.num_indexed - 1e-9)
+        k = math.ceil(index.config.pq.token_ratio * index.num_indexed - 1e-9)
         assert got.shape == (H, k) and all(row.unique().numel() == k for row in got)
         # the top k by the reference's score (tokens with equal codes tie exactly: any of
         # them may take the last places)

@@ -178,7 +178,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed):
     assert int(index.sizes.sum()) == H * (1500 - 4 - 32)
     # 300 steps: two update blocks (128 tokens) join as 2 x C more clusters
     decode_steps(index, keys, values, H * G, 300, gen,
-        lambda k, v, q: check_step(m, 1, index, k, v, q, CFG.saap_probes), every=3)
+        lambda k, v, q: check_step(m, 1, index, k, v, q, CFG.saap.probes), every=3)
     assert index.num_updates == 2 and index.num_blocks == 3 and index.num_clusters == 3 * C
     if backed == "buffer":
         index.store.check_invariants()
@@ -209,7 +209,7 @@ def test_decode_matches_the_reference_on_real_qwen_data(qwen_capture):
             assert index.num_tokens - 1 == int(positions[j])
             # fp32 against float64 on Qwen's magnitudes (outputs up to ~4): 5e-5 absolute
             check_step(m, layer, index, k[:, :p0 + j + 1], v[:, :p0 + j + 1], q[:, j],
-                       cfg.saap_probes, atol=5e-5)
+                       cfg.saap.probes, atol=5e-5)
 
 
 def test_every_bucket_is_full_attention():
@@ -240,10 +240,10 @@ def test_a_dense_layer_visits_every_bucket():
     keys, values = torch.randn(H, 600, D), torch.randn(H, 600, D)
     dense = SaapIndex.build(keys, values, CFG, model=m, layer=0)
     sparse = SaapIndex.build(keys, values, CFG, model=m, layer=1)
-    assert dense.probes == C and sparse.probes == CFG.saap_probes
+    assert dense.probes == C and sparse.probes == CFG.saap.probes
     q = torch.randn(H * G, D)
     assert dense.select(q, 0.125).retrieval_ids.shape == (H, C)
-    assert sparse.select(q, 0.125).retrieval_ids.shape == (H, CFG.saap_probes)
+    assert sparse.select(q, 0.125).retrieval_ids.shape == (H, CFG.saap.probes)
 
 
 def test_short_context_is_dense_until_indexed():
@@ -395,4 +395,4 @@ def test_a_token_budget_visits_the_bucket_count_closest_to_it():
         assert float(read) == pytest.approx(float(held[want - 1]))
     index.set_token_budget(None)
     index.decode(q)
-    assert index.probes == CFG.saap_probes
+    assert index.probes == CFG.saap.probes

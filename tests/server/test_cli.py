@@ -5,7 +5,6 @@ No server is started: the parser and the functions ``serve`` chains are called d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -87,17 +86,19 @@ def test_no_retro_options_gives_defaults(parser: argparse.ArgumentParser) -> Non
 
 
 def test_every_field_has_an_option(serve_parser: argparse.ArgumentParser) -> None:
-    """Every RetroConfig field has ``--retro-<field-with-dashes>`` (booleans also
-    ``--no-retro-...``), and there is no ``--retro-*`` option for anything else."""
+    """Every RetroConfig setting has ``--retro-<flat-name-with-dashes>`` (booleans also
+    ``--no-retro-...``; a policy group's fields by their flat names, e.g.
+    ``--retro-pq-bits``), and there is no ``--retro-*`` option for anything else."""
     options = {s: a for a in serve_parser._actions for s in a.option_strings}
     retro = {s for s in options if s.startswith(("--retro-", "--no-retro-"))}
     expected = set()
-    for f in dataclasses.fields(RetroConfig):
-        flag = "--retro-" + f.name.replace("_", "-")
+    for name in RetroConfig.flat_names():
+        flag = "--retro-" + name.replace("_", "-")
         expected.add(flag)
-        assert options[flag].dest == "retro__" + f.name
-        if isinstance(f.default, bool):
+        assert options[flag].dest == "retro__" + name
+        if isinstance(RetroConfig().get(name), bool):
             expected.add("--no-" + flag[2:])
+    assert {"--retro-pq-bits", "--retro-quest-page-size", "--retro-saap-file"} <= expected
     assert retro == expected
 
 
@@ -338,8 +339,8 @@ def test_help_exits_zero_and_lists_retro_group(parser: argparse.ArgumentParser,
         _serve(parser, "--help=Retro")
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for f in dataclasses.fields(RetroConfig):
-        assert "--retro-" + f.name.replace("_", "-") in out
+    for name in RetroConfig.flat_names():
+        assert "--retro-" + name.replace("_", "-") in out
     assert "(default: 0.018)" in out
 
 

@@ -97,7 +97,7 @@ class GraphIndex(TokenIndex):
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None,
                  queries: torch.Tensor | None = None, per_query_head: bool = False):
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store,
-                         config.graph_block_tokens)
+                         config.graph.block_tokens)
         if queries is not None and (queries.dim() != 3 or queries.shape[2] != head_dim
                                     or queries.shape[0] % num_kv_heads):
             raise ValueError(f"queries of shape {tuple(queries.shape)}; accepted: [num_heads, "
@@ -139,7 +139,7 @@ class GraphIndex(TokenIndex):
             self.adj.append(grown, headroom=4 * cfg.update_segment)
             pool, rows = self._key_rows()
             insert_nodes(self.adj.buf, pool, rows, self.spec.graph_head, self.entries, n_old,
-                         cfg.graph_degree, BUILD_EF, inv)
+                         cfg.graph.degree, BUILD_EF, inv)
         self.build_seconds += time.perf_counter() - t0
 
     def _build_graphs(self, keys: torch.Tensor, inv: torch.Tensor) -> None:
@@ -149,11 +149,11 @@ class GraphIndex(TokenIndex):
         hq = self.queries.shape[0] if self.queries is not None else h
         spec = GraphSpec.make(h, hq, self.per_query_head)
         queries = None if self.queries is None else self.queries.to(keys.device)
-        knn, entries = build_inputs(keys, queries, spec, cfg.graph_knn,
-                                    cfg.graph_train_queries, NUM_ENTRIES)
+        knn, entries = build_inputs(keys, queries, spec, cfg.graph.knn,
+                                    cfg.graph.train_queries, NUM_ENTRIES)
         pool = keys.detach().to("cpu").reshape(h * m, d)
         rows = torch.arange(h * m).reshape(h, m)
-        adj = build_graphs(pool, rows, knn, spec.graph_head, entries, cfg.graph_degree,
+        adj = build_graphs(pool, rows, knn, spec.graph_head, entries, cfg.graph.degree,
                            BUILD_EF, inv)
         self.adj = GrowingRows(adj[:, :0])
         self.adj.append(adj, headroom=4 * cfg.update_segment)
@@ -213,7 +213,7 @@ class GraphIndex(TokenIndex):
         different counts). All of them when the budget covers every indexed token."""
         h, n = self.num_kv_heads, self.num_indexed
         budget, cfg = self._fixed_budget, self.config
-        k = cfg.graph_top_k if budget is None else budget
+        k = cfg.graph.top_k if budget is None else budget
         if n == 0 or k == 0 or self.spec is None:
             return torch.zeros(h, 0, dtype=torch.int64)
         if k >= n:
@@ -221,7 +221,7 @@ class GraphIndex(TokenIndex):
         if self.spec.num_graphs not in (h, query.shape[0]):
             raise ValueError(f"query of {query.shape[0]} heads; this index's graphs are per "
                              f"query head of {self.spec.num_graphs}")
-        ef = max(cfg.graph_search_ef, k)
+        ef = max(cfg.graph.search_ef, k)
         pool, rows = self._key_rows()
         q = query.detach().float().cpu()
         ids = search_graphs([q], [self.adj.buf], [pool], [rows], [self.entries], ef)[0][0]
@@ -295,7 +295,7 @@ class GraphIndex(TokenIndex):
     def token_budget(self) -> int:
         """Indexed tokens read per query head's search (``graph_top_k``), or per KV head
         as set by :meth:`set_token_budget`; at most the indexed tokens."""
-        k = self.config.graph_top_k if self._fixed_budget is None else self._fixed_budget
+        k = self.config.graph.top_k if self._fixed_budget is None else self._fixed_budget
         return min(k, self.num_indexed)
 
 
@@ -311,7 +311,7 @@ def decode_graph(indexes: list[GraphIndex], query: torch.Tensor, scale: float,
     ext = graph_cpu.load()
     args: dict[str, list] = {k: [] for k in ("q", "adj", "ent", "rows", "kp", "vp", "sk", "sv",
                                              "k", "budget")}
-    ef = indexes[0].config.graph_search_ef
+    ef = indexes[0].config.graph.search_ef
     for b, index in enumerate(indexes):
         keys, values, rows = index._pools()
         h = index.num_kv_heads
@@ -328,7 +328,7 @@ def decode_graph(indexes: list[GraphIndex], query: torch.Tensor, scale: float,
         args["sk"].append([k for k, _ in parts])
         args["sv"].append([v for _, v in parts])
         budget = index._fixed_budget
-        args["k"].append(index.config.graph_top_k)
+        args["k"].append(index.config.graph.top_k)
         args["budget"].append(-1 if budget is None else budget)
     res, lse, counts, chosen = ext.graph_decode(
         args["q"], args["adj"], args["ent"], args["rows"], args["kp"], args["vp"], args["sk"],

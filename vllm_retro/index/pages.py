@@ -59,7 +59,7 @@ class PageIndex(WaveIndex):
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, store: ClusterStore | None = None):
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
-        self.page_size = config.quest_page_size
+        self.page_size = config.pages.page_tokens
         self.num_pages = math.ceil(self.default_budget(config) / self.page_size)
         """Pages read exactly per decode step and KV head."""
 
@@ -115,7 +115,7 @@ class QuestIndex(PageIndex):
 
     @staticmethod
     def default_budget(config: RetroConfig) -> int:
-        return config.quest_token_budget
+        return config.pages.quest_tokens
 
     def meta_fields(self, dtype: torch.dtype) -> dict[str, FieldSpec]:
         return super().meta_fields(dtype) | {"page_bounds": ((2 * self.head_dim,), dtype)}
@@ -162,7 +162,7 @@ class StreamingIndex(PageIndex):
 
     @staticmethod
     def default_budget(config: RetroConfig) -> int:
-        return config.streaming_tokens
+        return config.pages.streaming_tokens
 
     def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The page's position: [H, P] fp32 (the newest page highest)."""

@@ -110,10 +110,10 @@ class PQIndex(TokenIndex):
         config = config.replace(**overrides) if overrides else config
         config.check_head_dim(head_dim, index="pqcache")
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store,
-                         config.pq_block_tokens)
+                         config.pq.block_tokens)
         self.pq: ProductQuantizer | None = None
         """The codebooks, fitted on the prefill's indexed keys."""
-        self._codes = GrowingRows(torch.empty(num_kv_heads, 0, config.pq_subspaces,
+        self._codes = GrowingRows(torch.empty(num_kv_heads, 0, config.pq.subspaces,
                                               dtype=torch.uint8, device=device))
         self.codes = self._codes.buf
         """[H, N, m] uint8 codes of the N indexed tokens (positions sink .. window start)."""
@@ -124,15 +124,15 @@ class PQIndex(TokenIndex):
         n = self.num_indexed
         if self._fixed_budget is not None:
             return min(n, self._fixed_budget)
-        return min(n, math.ceil(self.config.pq_token_ratio * n - 1e-9))
+        return min(n, math.ceil(self.config.pq.token_ratio * n - 1e-9))
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,
                    clusters: Clusters) -> None:
         super()._add_block(keys, values, start, clusters)
         cfg = self.config
         if self.pq is None:
-            self.pq = fit_pq(keys, cfg.pq_subspaces, cfg.pq_bits, cfg.kmeans_iters,
-                             sample=FIT_SAMPLE_PER_CODEWORD << cfg.pq_bits)
+            self.pq = fit_pq(keys, cfg.pq.subspaces, cfg.pq.bits, cfg.kmeans_iters,
+                             sample=FIT_SAMPLE_PER_CODEWORD << cfg.pq.bits)
         self.codes = self._codes.append(pq_encode(self.pq, keys).to(torch.uint8),
                                         headroom=4 * cfg.update_segment)
 
@@ -199,8 +199,8 @@ def pq_row(index: PQIndex) -> cpu_decode.PQRow:
         keys, values, starts, head_rows, mult = st.cluster_rows()
         pq = index.pq
         books = pq.codebooks.contiguous() if pq is not None else torch.zeros(
-            index.num_kv_heads, index.config.pq_subspaces, 1,
-            index.head_dim // index.config.pq_subspaces)
+            index.num_kv_heads, index.config.pq.subspaces, 1,
+            index.head_dim // index.config.pq.subspaces)
         win_k, win_v, _, _ = index.window_ring()
         row = cpu_decode.PQRow(
             index.codes, books, torch.from_numpy(index.token_cluster),
@@ -240,7 +240,7 @@ class PQView:
 def pq_view(indexes: list[PQIndex], key: tuple[tuple[int, int], ...]) -> PQView:
     """Build the padded view of ``indexes`` (one layer)."""
     first = indexes[0]
-    h, m, dev = first.num_kv_heads, first.config.pq_subspaces, first.codes.device
+    h, m, dev = first.num_kv_heads, first.config.pq.subspaces, first.codes.device
     ds = first.head_dim // m
     width = max(i.num_indexed for i in indexes)
     k_max = max((i.pq.num_codewords for i in indexes if i.pq is not None), default=1)

@@ -85,7 +85,7 @@ class SaapIndex(WaveIndex):
     """The SAAP index of one (request, layer); see the module docstring. Built, appended to
     and decoded like :class:`WaveIndex`.
 
-    ``model``: the trained routing (default: ``config.saap_file``, loaded once per process);
+    ``model``: the trained routing (default: ``config.saap.file``, loaded once per process);
     ``layer``: the decoder layer index, or a vLLM attention layer name holding it.
     """
 
@@ -105,11 +105,11 @@ class SaapIndex(WaveIndex):
                  model: SaapModel | None = None, layer: int | str = 0):
         super().__init__(config, num_kv_heads, head_dim, dtype, device, store)
         if model is None:
-            if config.saap_file is None:
+            if config.saap.file is None:
                 raise ValueError("SaapIndex needs a SAAP model: pass model= or set "
-                                 "config.saap_file")
-            model = load_saap(config.saap_file)
-        model.check_serving(num_kv_heads, head_dim, config.saap_probes)
+                                 "config.saap.file")
+            model = load_saap(config.saap.file)
+        model.check_serving(num_kv_heads, head_dim, config.saap.probes)
         self.model = model
         """The trained routing (shared by every index of the process)."""
         self.layer = layer_number(layer)
@@ -117,7 +117,7 @@ class SaapIndex(WaveIndex):
         self.routing = model.layer(self.layer, device)
         self.num_buckets = model.num_buckets
         """C: clusters per block."""
-        self.probes = self.num_buckets if self.routing.dense else config.saap_probes
+        self.probes = self.num_buckets if self.routing.dense else config.saap.probes
         """l: buckets visited per decode query (all of them in a dense layer)."""
         self.token_budget: int | None = None
         """Indexed tokens to read per KV head and step instead (:meth:`set_token_budget`)."""
@@ -172,7 +172,7 @@ class SaapIndex(WaveIndex):
         ``saap_probes``."""
         self.token_budget = None if tokens is None else max(0, int(tokens))
         if tokens is None:
-            self.probes = self.num_buckets if self.routing.dense else self.config.saap_probes
+            self.probes = self.num_buckets if self.routing.dense else self.config.saap.probes
 
     def _probes_for(self, scores: torch.Tensor, tokens: int) -> int:
         """The bucket count whose top buckets by ``scores`` ([H, C]) hold, on average over

@@ -155,7 +155,7 @@ class RouteImplMixin:
         if cfg.index == "saap":  # the trained file must be the served model's: say so now
             from vllm_retro.index.saap_model import load_saap
 
-            load_saap(cfg.saap_file, vllm_config.model_config.hf_config)
+            load_saap(cfg.saap.file, vllm_config.model_config.hf_config)
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
             "logits soft-capping": bool(logits_soft_cap),
@@ -215,7 +215,7 @@ class RouteImplMixin:
                 # at most as many positions as the build uses (evenly spaced), a copy
                 s, e = b.query_rows
                 group = query.shape[1] // key.shape[1]
-                step = max(1, -(-(e - s) * group // rt.config.graph_train_queries))
+                step = max(1, -(-(e - s) * group // rt.config.graph.train_queries))
                 queries = query[s:e:step].transpose(0, 1).contiguous()
             elif rt.config.estimator == "auto" and b.query_rows is not None:
                 # the prompt's last queries judge each head's estimator ([Hq, T, D]), scaled

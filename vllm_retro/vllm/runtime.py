@@ -198,7 +198,7 @@ class RetroRuntime:
         store = self.manager.store(request_id, keys.shape[0], keys.shape[2], keys.dtype,
                                    keys.device, layer=layer)
         if self.config.index == "saap":  # the trained routing, checked against the model
-            model = load_saap(self.config.saap_file,
+            model = load_saap(self.config.saap.file,
                               getattr(getattr(self._engine, "model_config", None), "hf_config",
                                       None))
             index = SaapIndex.build(keys, values, self.config, store=store, model=model,

@@ -29,7 +29,8 @@ def kv_transfer_config() -> dict[str, Any]:
 
 def engine_kwargs(**retro: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that run retro with ``retro``
-    settings (any :class:`RetroConfig` field), validated here so a bad value fails early.
+    settings (any :class:`RetroConfig` setting by its flat name, e.g. ``pq_bits``),
+    validated here so a bad value fails early.
 
     Example: ``LLM(model, **engine_kwargs(retrieval_budget=0.05))``; then
     ``llm.collective_rpc("retro_stats")`` reports each worker's counters and live bytes.
