@@ -93,7 +93,8 @@ def run(context: int, steps: int, seed: int = 0, sweep_mb: int = 64) -> dict:
     out["plan_runs_per_step"] = round(float(n_runs) / steps, 1)
     out["plan_tokens_per_step"] = round(float(n_tokens) / steps, 1)
     for name in IMPLS:
-        out[name] = {"pages_evicted": managers[name].stats.snapshot()["pages_evicted"]}
+        evicted = managers[name].stats.snapshot()["device_cache_evicted_pages"]
+        out[name] = {"device_cache_evicted_pages": evicted}
         for phase, ts in times[name].items():
             ms = [x * 1e3 for x in ts[steps // 10:]]
             out[name][f"{phase}_median_ms"] = round(statistics.median(ms), 4)
@@ -102,7 +103,8 @@ def run(context: int, steps: int, seed: int = 0, sweep_mb: int = 64) -> dict:
     for phase in ("lookup", "update"):
         out[f"{phase}_speedup"] = round(out["numpy"][f"{phase}_median_ms"]
                                         / out["compiled"][f"{phase}_median_ms"], 2)
-    out["same_decisions"] = out["compiled"]["pages_evicted"] == out["numpy"]["pages_evicted"]
+    out["same_decisions"] = (out["compiled"]["device_cache_evicted_pages"]
+                             == out["numpy"]["device_cache_evicted_pages"])
     return out
 
 
@@ -123,7 +125,8 @@ def main() -> None:
             x = row[name]
             print(f"    {name:>8}: lookup {x['lookup_median_ms']:.3f} ms median "
                   f"({x['lookup_p90_ms']:.3f} p90), update {x['update_median_ms']:.3f} ms "
-                  f"({x['update_p90_ms']:.3f} p90); {x['pages_evicted']} pages evicted")
+                  f"({x['update_p90_ms']:.3f} p90); "
+                  f"{x['device_cache_evicted_pages']} pages evicted")
         print(f"    gather plan: {row['plan_runs_per_step']:.0f} runs for "
               f"{row['plan_tokens_per_step']:.0f} tokens per step")
         print(f"    compiled / numpy: lookup {row['lookup_speedup']:.1f}x, update "

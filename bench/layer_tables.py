@@ -199,7 +199,7 @@ def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 
     a, b = (layers[v][1] for v in VARIANTS)
     for x, y in zip(a, b, strict=True):
         assert np.array_equal(x.table.records, y.table.records), "tables differ"
-    evicted = layers["one_call"][0].stats.snapshot()["pages_evicted"]
+    evicted = layers["one_call"][0].stats.snapshot()["device_cache_evicted_pages"]
     out: dict = {"context": context, "batch": batch, "threads": threads,
                  "pages_evicted_per_layer_step": round(evicted / steps, 1)}
     for variant, ts in times.items():

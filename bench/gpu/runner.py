@@ -186,7 +186,7 @@ def _decode(n: int, batch: int, opts: CaseOptions, syn: SyntheticStack, dense: D
     steps = len(dense_t)
     d = lambda key: _stat_delta(before, after, key)
     hit_tok, miss_tok = d("hit_tokens"), d("miss_tokens")
-    hit_cl, miss_cl = d("cluster_hits"), d("cluster_misses")
+    hit_cl, miss_cl = d("device_cache_hit_clusters"), d("device_cache_miss_clusters")
     err = torch.stack(errs)
     dense_ms, retro_ms = 1e3 * statistics.median(dense_t), 1e3 * statistics.median(retro_t)
     elem = dense.k[0].element_size()
@@ -202,7 +202,7 @@ def _decode(n: int, batch: int, opts: CaseOptions, syn: SyntheticStack, dense: D
         "retro_tokens_per_s": batch * steps / sum(retro_t),
         "dense_kv_bytes_read_per_step": 2 * s.layers * batch * s.kv_heads * s.head_dim * elem
         * (n + opts.warmup + (steps + 1) / 2),
-        "h2d_bytes_per_step": d("bytes_h2d") / steps,
+        "h2d_bytes_per_step": d("host_to_device_bytes") / steps,
         "d2d_bytes_per_step": d("bytes_d2d") / steps,
         "cluster_hit_ratio": hit_cl / max(1, hit_cl + miss_cl),
         "token_hit_ratio": hit_tok / max(1, hit_tok + miss_tok),

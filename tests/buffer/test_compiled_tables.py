@@ -50,7 +50,7 @@ def _assert_same(before: dict, a: dict, b: dict, msg: str) -> None:
     statistics by what each added: they are cumulative)."""
     for key in a:
         if key == "stats":
-            for s in ("pages_admitted", "pages_evicted"):
+            for s in ("device_cache_admitted_pages", "device_cache_evicted_pages"):
                 assert a[key][s] - before[key][s] == b[key][s] - a[key][s], f"{msg}: {s}"
         else:
             assert np.array_equal(a[key], b[key]), f"{msg}: {key}"
@@ -130,7 +130,8 @@ def test_lookup_and_update_equal_the_reference(policy, cache, rng):
             assert np.array_equal(p, q), f"step {step}: plan"
         buf.check_invariants()
         admitted += plan[0].size
-        evicted += compiled["stats"]["pages_evicted"] - before["stats"]["pages_evicted"]
+        evicted += (compiled["stats"]["device_cache_evicted_pages"]
+                    - before["stats"]["device_cache_evicted_pages"])
     if cache.get("cache_pages", 1) > 0:
         assert admitted > 0 and mixed > 0
     if cache.get("cache_pages") in (2, 9):
@@ -274,10 +275,10 @@ def test_one_update_call_for_a_layer_equals_the_stores_updates_in_order(threads,
         for x, y in zip(_layer_state(a), _layer_state(b), strict=True):
             assert np.array_equal(x, y), f"step {step}: tables"
         snap_a, snap_b = mgr_a.stats.snapshot(), mgr_b.stats.snapshot()
-        for key in ("pages_admitted", "pages_evicted"):
+        for key in ("device_cache_admitted_pages", "device_cache_evicted_pages"):
             assert snap_a[key] == snap_b[key], key
-        evicted += snap_a["pages_evicted"] - before["pages_evicted"]
-    assert evicted > 0 and mgr_a.stats.pages_admitted > 0
+        evicted += snap_a["device_cache_evicted_pages"] - before["device_cache_evicted_pages"]
+    assert evicted > 0 and mgr_a.stats.device_cache_admitted_pages > 0
     a[0].check_invariants()
     b[0].check_invariants()
     mgr_a.close()

@@ -225,7 +225,7 @@ def test_batch_gather_is_one_gather_and_one_update_job_per_layer_step(async_upda
         stores[0].pool.join_batch(stores)  # joined by their own reads already: no-op
         stores[0].pool.gather_batch(stores, ids, n_steady, exec_k, exec_v)
         stores[0].pool.join_batch(stores)
-    assert mgr.stats.hit_tokens > 0 and mgr.stats.pages_admitted > 0
+    assert mgr.stats.hit_tokens > 0 and mgr.stats.device_cache_admitted_pages > 0
     stores[0].check_invariants()
     mgr.close()
     assert mgr.live_bytes() == (0, 0)

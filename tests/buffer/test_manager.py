@@ -60,9 +60,10 @@ def test_async_worker_equals_synchronous_run():
             assert torch.equal(av[i, :an[i]], sv[i, :sn[i]])
     for (ac, ab, af), (sc, sb, sf) in zip(a_tables, s_tables, strict=True):
         assert np.array_equal(ac, sc) and np.array_equal(ab, sb) and af == sf
-    for key in ("cluster_hits", "cluster_misses", "pages_admitted", "pages_evicted"):
+    for key in ("device_cache_hit_clusters", "device_cache_miss_clusters",
+                "device_cache_admitted_pages", "device_cache_evicted_pages"):
         assert a_stats[key] == s_stats[key]
-    assert a_stats["cluster_hits"] > 0 and a_stats["pages_evicted"] > 0
+    assert a_stats["device_cache_hit_clusters"] > 0 and a_stats["device_cache_evicted_pages"] > 0
     assert a_stats["updates_done"] == a_stats["updates_submitted"]
 
 

@@ -52,11 +52,11 @@ def test_execution_buffer_equals_direct_gather(cache_pages, dtype, rng):
         buf.step_done()
         buf.check_invariants()
     snap = mgr.stats.snapshot()
-    assert snap["cluster_hits"] + snap["cluster_misses"] > 0
+    assert snap["device_cache_hit_clusters"] + snap["device_cache_miss_clusters"] > 0
     if cache_pages == 0:
-        assert snap["cluster_hits"] == 0
+        assert snap["device_cache_hit_clusters"] == 0
     if cache_pages == 10_000:
-        assert snap["cluster_hits"] > 0
+        assert snap["device_cache_hit_clusters"] > 0
     mgr.close()
 
 
@@ -126,7 +126,7 @@ def test_decode_through_buffer_is_bit_exact(dtype, hq, hkv, d, rng):
     assert buf.num_updates == dense.num_updates == 1
     for a, b in outs:
         assert torch.equal(a, b)
-    assert mgr.stats.cluster_hits > 0  # the cache was really in use
+    assert mgr.stats.device_cache_hit_clusters > 0  # the cache was really in use
     buf.store.check_invariants()
     mgr.close()
 
@@ -269,7 +269,7 @@ def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at,
             assert not buf.table.cached.any()
             assert all((buf.host.page_block[f:f + n] < 0).all() for f, n in buf._extents)
             assert sorted(buf.blocks.free_blocks) == list(range(buf.blocks.num_blocks))
-    assert mgr.stats.update_failures == 1
+    assert mgr.stats.buffer_update_failures == 1
     assert buf.table.cached.any()  # refilled since
     assert "its device cache is dropped" in caplog.text
     buf.free()
@@ -297,7 +297,7 @@ def test_a_failed_room_growth_is_logged_and_the_next_layout_grows_the_pool(rng, 
     monkeypatch.setattr(HostTier, "ensure_room", ensure_room)
     mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=0), h, m, c, d, rng)
     buf.settle()  # does not raise
-    assert mgr.stats.update_failures == 1
+    assert mgr.stats.buffer_update_failures == 1
     assert "growing the host pool for request req failed" in caplog.text
     keys, values = torch.randn(h, m, d, generator=rng), torch.randn(h, m, d, generator=rng)
     cl = random_clusters(h, m, c, rng)

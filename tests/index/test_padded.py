@@ -112,7 +112,7 @@ def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
                                    msg=f"step {step}")
     stats = mgr.stats.snapshot()
-    assert stats["hit_tokens"] > 0 and stats["pages_evicted"] > 0
+    assert stats["hit_tokens"] > 0 and stats["device_cache_evicted_pages"] > 0
     assert len({id(i.store.pool) for i in pooled}) == 1
     cache.join()
     for index in pooled:
@@ -243,7 +243,7 @@ def test_unjoined_step_is_dropped_when_its_store_is_freed():
     assert all(i.store._step is not None for i in indexes)  # left for the next call
     for i in indexes:  # the plans run on the worker thread: wait for them (not a join)
         i.store._pending.result()
-    assert mgr.stats.snapshot()["pages_admitted"] > 0
+    assert mgr.stats.snapshot()["device_cache_admitted_pages"] > 0
     for i in indexes:
         i.free()
     cache.join()  # nothing left to join

@@ -101,8 +101,8 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed, backend):
         st = index.store
         st.check_invariants()
         s = mgr.stats
-        assert s.hit_tokens > 0 and s.miss_tokens > 0 and s.pages_admitted > 0
-        assert s.pages_evicted > 0  # the 10% cache is full after a few steps
+        assert s.hit_tokens > 0 and s.miss_tokens > 0 and s.device_cache_admitted_pages > 0
+        assert s.device_cache_evicted_pages > 0  # the 10% cache is full after a few steps
     index.free()
     mgr.close()
     assert mgr.live_bytes() == (0, 0)

@@ -78,9 +78,9 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
         # those of the layer replaced at the growth included
         last = cache.resident.layer.cache.counts.sum(0).tolist()
         snap = mgr.stats.snapshot()
-        assert snap["hit_tokens"] > last[0] and snap["cluster_hits"] > last[2] > 0
-        assert snap["cluster_misses"] > last[3] > 0
-        assert snap["bytes_h2d"] == snap["miss_tokens"] * 2 * d * torch.empty(
+        assert snap["hit_tokens"] > last[0] and snap["device_cache_hit_clusters"] > last[2] > 0
+        assert snap["device_cache_miss_clusters"] > last[3] > 0
+        assert snap["host_to_device_bytes"] == snap["miss_tokens"] * 2 * d * torch.empty(
             0, dtype=dtype).element_size()
     else:
         assert cache.resident.layer.cache is None
@@ -184,8 +184,8 @@ def test_cache_counts_reach_the_statistics_without_waiting(device):
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
-    assert sink.totals == {"hit_tokens": 15, "miss_tokens": 21, "cluster_hits": 6,
-                           "cluster_misses": 9, "bytes_h2d": 21 * 2 * 16 * 2}
+    assert sink.totals == {"hit_tokens": 15, "miss_tokens": 21, "device_cache_hit_clusters": 6,
+                           "device_cache_miss_clusters": 9, "host_to_device_bytes": 21 * 2 * 16 * 2}
     cache.counts[0, 0] += 1
     counts.report(cache, wait=True)
     assert sink.totals["hit_tokens"] == 16 and sink.totals["miss_tokens"] == 21

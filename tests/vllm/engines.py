@@ -87,7 +87,7 @@ def full_budget_matches_stock(model: Path | str, retro: dict[str, Any]) -> None:
         got = generate_tokens(llm, LENGTHS, MAX_TOKENS)
         rt = get_runtime()
         c = rt.counters
-        assert c.requests_indexed == 5 and c.index_updates > 0
+        assert c.indexed_requests == 5 and c.index_updates > 0
         assert c.retro_decode_tokens > 2 * 4 * 90
         finish_step(llm)
         assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)

@@ -42,7 +42,7 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
         # Every request but the 30-token one (50 tokens in all) reaches 84 tokens and is
         # indexed: the long prompts when their prefill completes, the 60-token one during
         # decoding; 2 layers each.
-        assert c.requests_indexed == 5
+        assert c.indexed_requests == 5
         assert c.indexes_built == 10
         assert c.retro_decode_tokens > 2 * 4 * 90
         assert c.kv_heads == 2
@@ -168,7 +168,7 @@ def test_a_failed_background_build_leaves_the_request_dense_for_life(tiny_model_
     with engine(tiny_model_dir, retro={**retro, "build_steps": 4}) as llm:
         out = generate_tokens(llm, [1500], [30])
         c = get_runtime().counters
-        assert c.requests_indexed == 0 and c.indexes_built == 0 and c.requests_demoted == 1
+        assert c.indexed_requests == 0 and c.indexes_built == 0 and c.dense_fallback_requests == 1
         assert c.dense_decode_tokens == 29 and c.sparse_decode_tokens == 0
         finish_step(llm)
         assert get_runtime().live_bytes() == (0, 0)
@@ -182,7 +182,7 @@ def test_a_request_that_ends_within_build_steps_is_never_indexed(tiny_model_dir)
         c = get_runtime().counters
         # 9 tokens: 1 from the prompt step + 8 dense, then done: no build at all. 10: built,
         # and its last token goes through the index.
-        assert c.requests_indexed == 1 and c.sparse_decode_tokens == 1
+        assert c.indexed_requests == 1 and c.sparse_decode_tokens == 1
         assert c.dense_decode_tokens == 8 + 8
 
 
@@ -200,7 +200,7 @@ def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}, **kw) as llm:
         retro = generate_tokens(llm, prompts, params)
         retro_peak = get_runtime().counters.peak_decode_rows
-        assert get_runtime().counters.requests_indexed == 4
+        assert get_runtime().counters.indexed_requests == 4
     assert [len(o) for o in stock] == [len(o) for o in retro] == params
     assert stock_peak == 1
     assert retro_peak == 4
@@ -225,7 +225,7 @@ def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
         assert get_runtime().live_bytes() == (0, 0)
     after = schedule_state.num_preempted()
     assert after[1] - before[1] >= 1  # the indexed request was preempted ...
-    assert c.requests_indexed >= 2 and c.indexes_built >= 4  # ... and indexed again
+    assert c.indexed_requests >= 2 and c.indexes_built >= 4  # ... and indexed again
     assert out == stock
 
 

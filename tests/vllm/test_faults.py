@@ -71,8 +71,8 @@ def test_a_failed_index_build_leaves_its_request_dense_and_the_others_unchanged(
         ids = ["a", f"b-{faults.MARK}{site}", "c"]
         got = plain(run(llm, ids))
         c = get_runtime().counters
-        assert c.requests_demoted == 1 and c.requests_failed == 0
-        assert c.requests_indexed == 2  # a and c
+        assert c.dense_fallback_requests == 1 and c.failed_requests == 0
+        assert c.indexed_requests == 2  # a and c
         assert_all_freed(llm, ids)
     assert got["b"] == stock["b"]  # dense for its whole life: stock vLLM's answer
     assert got["a"] == clean["a"] and got["c"] == clean["c"]
@@ -90,7 +90,7 @@ def test_a_request_whose_index_breaks_fails_alone_with_an_error(tiny_model_dir, 
         ids = ["a", f"b-{faults.MARK}{site}", "c"]
         got = plain(run(llm, ids))
         c = get_runtime().counters
-        assert c.requests_failed == 1 and c.requests_indexed == 3
+        assert c.failed_requests == 1 and c.indexed_requests == 3
         assert_all_freed(llm, ids)
         after = run(llm, ["d"], [1800], [70])  # the engine goes on serving
         assert after["d"][1] == "length" and len(after["d"][0]) == 70
@@ -118,8 +118,8 @@ def test_failed_update_worker_jobs_change_no_answer(tiny_model_dir, faults_on, b
         ids = ["a", f"b-{faults.MARK}update_worker", "c"]
         got = plain(run(llm, ids))
         rt = get_runtime()
-        assert rt.manager.stats.update_failures > 0
-        assert rt.counters.requests_failed == 0 and rt.counters.requests_demoted == 0
+        assert rt.manager.stats.buffer_update_failures > 0
+        assert rt.counters.failed_requests == 0 and rt.counters.dense_fallback_requests == 0
         assert_all_freed(llm, ids)
     assert got == clean
     if backend == "torch":
@@ -133,7 +133,7 @@ def test_faults_are_off_unless_the_server_switches_them_on(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}) as llm:
         got = run(llm, [f"a-{faults.MARK}kernel_row"], [1500], [70])
         c = get_runtime().counters
-        assert c.requests_failed == 0 and c.requests_demoted == 0
+        assert c.failed_requests == 0 and c.dense_fallback_requests == 0
     assert got[f"a-{faults.MARK}kernel_row"][1] == "length"
 
 
@@ -157,7 +157,7 @@ def test_a_request_whose_append_raises_fails_alone_with_an_error(tiny_model_dir,
     monkeypatch.setattr(WaveIndex, "appended", appended)
     with engine(tiny_model_dir, retro=retro) as llm:
         got = run(llm, ids)
-        assert get_runtime().counters.requests_failed == 1
+        assert get_runtime().counters.failed_requests == 1
         assert_all_freed(llm, ids)
     assert got["b"][1] == "error" and 30 <= len(got["b"][0]) < MAX_TOKENS[1]
     assert got["a"] == clean["a"] and got["c"] == clean["c"]

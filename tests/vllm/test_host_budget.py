@@ -118,7 +118,7 @@ def test_requests_wait_for_room_in_order_and_answer_as_alone(tiny_model_dir):
                                   "host_budget_dense_requests": 0}
     assert {k: gauges[k] for k in ("host_budget_bytes", "host_reserved_bytes")} == {
         "host_budget_bytes": conn.budget.limit_bytes, "host_reserved_bytes": 0}
-    assert c.requests_indexed == 6  # three alone, three together
+    assert c.indexed_requests == 6  # three alone, three together
     assert c.dense_decode_tokens == 0
 
 
@@ -132,7 +132,7 @@ def test_a_request_larger_than_the_budget_decodes_densely_like_stock(tiny_model_
         counts = _connector(llm).budget_counts
         c = get_runtime().counters
     assert outs == stock
-    assert c.requests_indexed == 0 and c.retro_decode_tokens == 0
+    assert c.indexed_requests == 0 and c.retro_decode_tokens == 0
     assert c.dense_decode_tokens > 0
     assert counts == {"host_budget_waited_requests": 0, "host_budget_dense_requests": 3}
 

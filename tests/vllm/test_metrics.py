@@ -3,6 +3,7 @@ the aggregated per-rank payloads vLLM hands to ``observe``, read back from a reg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -12,7 +13,9 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
+from vllm_retro.buffer.stats import BufferStats  # noqa: E402
 from vllm_retro.vllm.connector import RetroConnector  # noqa: E402
+from vllm_retro.vllm.counters import BUFFER_EXPORTED, EXPORTED, RetroCounters  # noqa: E402
 from vllm_retro.vllm.metrics import (  # noqa: E402
     BUILD_BUCKETS_S,
     FAMILIES,
@@ -71,10 +74,11 @@ def _step(ranks: dict[int, tuple[dict, dict, list[float]]]) -> dict:
 
 def _counters(hits: int, misses: int, h2d: int, indexed: int, sparse: int,
               dense: int) -> dict:
-    return {"cache_hit_clusters": hits, "cache_miss_clusters": misses,
+    return {"device_cache_hit_clusters": hits, "device_cache_miss_clusters": misses,
             "host_to_device_bytes": h2d, "indexed_requests": indexed,
             "indexed_tokens": 600 * indexed, "index_updates": 1, "sparse_decode_tokens": sparse,
-            "dense_decode_tokens": dense, "cache_admitted_pages": 2, "cache_evicted_pages": 0}
+            "dense_decode_tokens": dense, "device_cache_admitted_pages": 2,
+            "device_cache_evicted_pages": 0}
 
 
 def _gauges(live: int, clusters: int, host: int, device: int) -> dict:
@@ -178,6 +182,24 @@ def test_family_names_types_help_and_units(reg: CollectorRegistry,
     bounds = sorted({s.labels["le"] for s in hist.samples if s.name.endswith("_bucket")},
                     key=float)
     assert [float(b) for b in bounds] == [*BUILD_BUCKETS_S, float("inf")]
+
+
+def test_every_exported_counter_has_one_name() -> None:
+    """A counter a worker keeps (:class:`RetroCounters`, the wave buffer's
+    :class:`BufferStats`) goes out under its own field name: the payload key, and the metric
+    ``vllm_retro:<name>_total`` (the decode-token route counters share one labelled
+    metric)."""
+    fields = {f.name for cls in (RetroCounters, BufferStats) for f in dataclasses.fields(cls)}
+    exported = set(EXPORTED) | set(BUFFER_EXPORTED)
+    assert exported <= fields
+    counters = {fam.key: fam for fam in FAMILIES if fam.kind == "counter"}
+    assert exported <= set(counters)
+    for key in exported:
+        fam = counters[key]
+        if fam.route is None:
+            assert fam.name == f"{PREFIX}{key}_total", (key, fam.name)
+        else:
+            assert key == f"{fam.route}_{fam.name.removeprefix(PREFIX).removesuffix('_total')}"
 
 
 def test_build_prom_metrics_only_with_retro() -> None:

@@ -47,7 +47,7 @@ def test_compiled_multiprocess_engine_uses_retro(tiny_model_dir, stock_outputs):
     assert worker["pid"] != os.getpid()
     assert worker["enabled"]
     c = worker["counters"]
-    assert c["requests_indexed"] == 3 and c["indexes_built"] == 6
+    assert c["indexed_requests"] == 3 and c["indexes_built"] == 6
     assert c["retro_decode_tokens"] > 0
     # The engine core ran the step that delivers the finished ids by itself.
     assert worker["live_requests"] == [] and worker["live_host_bytes"] == 0

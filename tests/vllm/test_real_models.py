@@ -58,7 +58,7 @@ def test_qwen_needle_and_continuation_match_stock(qwen_model_dir):
     assert all("amber-falcon-7391" in a for a in stock_answers), stock_answers
     # ... and answers exactly the same under retro at default budgets.
     assert retro_answers == stock_answers
-    assert counters.requests_indexed == 4 and counters.indexes_built == 4 * 24
+    assert counters.indexed_requests == 4 and counters.indexes_built == 4 * 24
     assert counters.retro_decode_tokens > 0
     agree = next((i for i, (a, b) in enumerate(zip(stock_cont, retro_cont, strict=True))
                   if a != b), len(stock_cont))
@@ -92,7 +92,7 @@ def test_gemma3_hybrid_sliding_window_mqa_head_dim_256(gemma_model_dir):
     ids, texts, c = _gemma_run(gemma_model_dir, {})
     # Only the 3 full-attention layers (5, 11, 17) of the long request are indexed; the 15
     # sliding-window layers and the short request stay on vLLM's path.
-    assert c.requests_indexed == 1 and c.indexes_built == 3
+    assert c.indexed_requests == 1 and c.indexes_built == 3
     assert c.kv_heads == 1  # MQA
     # 31 decode steps, the first build_steps on the paged KV while the index builds
     assert c.retro_decode_tokens == 3 * (31 - RetroConfig().build_steps_on("cpu"))

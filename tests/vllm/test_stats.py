@@ -29,7 +29,7 @@ def _worker(rank: int, hits: int, h2d: int, live: int, host: int,
     """One worker's payload for one step, shaped like ``RetroRuntime.take_stats``'s."""
     r = str(rank)
     return RetroConnectorStats(data={
-        COUNTERS: {r: {"cache_hit_clusters": hits, "host_to_device_bytes": h2d,
+        COUNTERS: {r: {"device_cache_hit_clusters": hits, "host_to_device_bytes": h2d,
                        "indexed_requests": indexed, "sparse_decode_tokens": sparse}},
         GAUGES: {r: {"live_requests": live, "host_tier_bytes": host}},
         BUILD_SECONDS: {r: list(builds)} if builds else {},
@@ -71,11 +71,12 @@ def test_two_ranks_sum_worker_level_and_read_request_level_once() -> None:
     assert set(acc.data[COUNTERS]) == {"0", "1"}
     assert acc.data[BUILD_SECONDS] == {"0": [0.5], "1": [0.25]}
     reduced = acc.reduce()
-    assert reduced == {"cache_hit_clusters": 7, "host_to_device_bytes": 400,
+    assert reduced == {"device_cache_hit_clusters": 7, "host_to_device_bytes": 400,
                        "indexed_requests": 1, "sparse_decode_tokens": 5,
                        "live_requests": 2, "host_tier_bytes": 4000}
     assert {"indexed_requests", "sparse_decode_tokens", "live_requests"} <= REQUEST_LEVEL
-    assert not {"cache_hit_clusters", "host_to_device_bytes", "host_tier_bytes"} & REQUEST_LEVEL
+    assert not ({"device_cache_hit_clusters", "host_to_device_bytes", "host_tier_bytes"}
+                & REQUEST_LEVEL)
 
 
 def test_request_level_read_from_lowest_rank_whatever_the_order() -> None:
@@ -86,7 +87,7 @@ def test_request_level_read_from_lowest_rank_whatever_the_order() -> None:
     reduced = acc.reduce()
     assert reduced["live_requests"] == 3
     assert reduced["indexed_requests"] == 4
-    assert reduced["cache_hit_clusters"] == 2
+    assert reduced["device_cache_hit_clusters"] == 2
     assert lowest_rank({"10": "ten", "2": "two"}) == "two"
     assert lowest_rank({}) is None
     assert combine({}) == {}
@@ -102,13 +103,13 @@ def test_aggregation_over_steps_sums_counters_keeps_latest_gauges() -> None:
                      r1=dict(hits=2, h2d=30, live=1, host=700))
     acc = step1.aggregate(step2)
     assert acc is step1
-    assert acc.data[COUNTERS]["0"]["cache_hit_clusters"] == 4
+    assert acc.data[COUNTERS]["0"]["device_cache_hit_clusters"] == 4
     assert acc.data[COUNTERS]["1"]["host_to_device_bytes"] == 330
     assert acc.data[COUNTERS]["0"]["indexed_requests"] == 2
     assert acc.data[GAUGES] == {"0": {"live_requests": 1, "host_tier_bytes": 500},
                                 "1": {"live_requests": 1, "host_tier_bytes": 700}}
     assert acc.data[BUILD_SECONDS] == {"0": [0.5, 1.5], "1": [0.25]}
-    assert acc.reduce() == {"cache_hit_clusters": 10, "host_to_device_bytes": 440,
+    assert acc.reduce() == {"device_cache_hit_clusters": 10, "host_to_device_bytes": 440,
                             "indexed_requests": 2, "sparse_decode_tokens": 10,
                             "live_requests": 1, "host_tier_bytes": 1200}
 
@@ -124,7 +125,7 @@ def test_aggregate_ignores_empty_and_none_and_does_not_alias_other() -> None:
     other = _worker(1, hits=5, h2d=5, live=1, host=5, builds=[0.2])
     acc.aggregate(other)
     acc.aggregate(_worker(1, hits=1, h2d=1, live=9, host=9, builds=[0.3]))
-    assert other.data[COUNTERS]["1"]["cache_hit_clusters"] == 5
+    assert other.data[COUNTERS]["1"]["device_cache_hit_clusters"] == 5
     assert other.data[GAUGES]["1"] == {"live_requests": 1, "host_tier_bytes": 5}
     assert other.data[BUILD_SECONDS]["1"] == [0.2]
 
@@ -142,7 +143,7 @@ def test_payload_survives_msgpack_round_trip() -> None:
     assert rebuilt.data == acc.data
     assert rebuilt.reduce() == acc.reduce()
     rebuilt.aggregate(_worker(1, hits=1, h2d=0, live=0, host=0))
-    assert rebuilt.reduce()["cache_hit_clusters"] == 8
+    assert rebuilt.reduce()["device_cache_hit_clusters"] == 8
 
 
 # ---------------------------------------------------------------------- a real runtime
@@ -195,8 +196,8 @@ def test_runtime_take_stats_deltas_gauges_and_release(runtime: RetroRuntime,
     assert updates == 1
     third = runtime.take_stats(3).data
     c3, g3 = third[COUNTERS]["3"], third[GAUGES]["3"]
-    assert c3["cache_hit_clusters"] + c3["cache_miss_clusters"] > 0
-    assert c3["cache_miss_clusters"] > 0 and c3["host_to_device_bytes"] > 0
+    assert c3["device_cache_hit_clusters"] + c3["device_cache_miss_clusters"] > 0
+    assert c3["device_cache_miss_clusters"] > 0 and c3["host_to_device_bytes"] > 0
     assert c3["index_updates"] == 1
     assert c3["indexed_requests"] == 0
     assert g3["clusters"] == index.num_clusters * h > g["clusters"]
@@ -225,7 +226,7 @@ def test_runtime_hits_plus_misses_count_every_retrieval_lookup(runtime: RetroRun
         index.append(torch.randn(h, 1, d, generator=rng), torch.randn(h, 1, d, generator=rng))
         index.decode(torch.randn(2 * h, d, generator=rng))
     c = runtime.take_stats(0).data[COUNTERS]["0"]
-    assert c["cache_hit_clusters"] + c["cache_miss_clusters"] == lookups
+    assert c["device_cache_hit_clusters"] + c["device_cache_miss_clusters"] == lookups
 
 
 def test_runtime_take_stats_none_while_retro_off() -> None:

@@ -215,7 +215,8 @@ class LayerPool:
                 fut.set_exception(exc)
             return
         admitted, evicted, kinds = admitted.tolist(), evicted.tolist(), kinds.tolist()
-        self.blocks.stats.add(pages_admitted=sum(admitted), pages_evicted=sum(evicted))
+        self.blocks.stats.add(device_cache_admitted_pages=sum(admitted),
+                              device_cache_evicted_pages=sum(evicted))
         for j, (st, ids, fut) in enumerate(zip(stores, cluster_ids, futures, strict=True)):
             kind = kinds[j]
             if faults.ENABLED and not kind:  # this store's update done, then reported failed
@@ -299,7 +300,7 @@ class LayerPool:
                                host_v if src_v is None else src_v.reshape(-1, d), host_k,
                                host_v, runs, backend)
         moved = 2 * int(np.abs(runs[:, 2]).sum()) * d * self.blocks.k.element_size()
-        self.blocks.stats.add(**({"bytes_h2d": moved} if src_k is None else
+        self.blocks.stats.add(**({"host_to_device_bytes": moved} if src_k is None else
                                  {"bytes_d2d": moved}))
 
     def check_invariants(self) -> None:

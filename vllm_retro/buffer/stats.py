@@ -10,22 +10,22 @@ from dataclasses import dataclass, field, fields
 class BufferStats:
     """Cumulative counters (``_total``-style) and current gauges of one buffer manager."""
 
-    cluster_hits: int = 0
+    device_cache_hit_clusters: int = 0
     """Retrieval clusters found in the device block cache."""
-    cluster_misses: int = 0
+    device_cache_miss_clusters: int = 0
     """Retrieval clusters read from the host tier."""
     hit_tokens: int = 0
     miss_tokens: int = 0
     pages_h2d: int = 0
     """Host pages (cache-page units, partial pages counted whole) read into the execution buffer."""
-    bytes_h2d: int = 0
+    host_to_device_bytes: int = 0
     """K+V bytes copied host -> device (misses, prefill offload excluded)."""
     bytes_d2d: int = 0
     """K+V bytes copied device -> device (steady zone, hits, admissions)."""
     bytes_offloaded: int = 0
     """K+V bytes moved to the host tier at prefill / index updates."""
-    pages_admitted: int = 0
-    pages_evicted: int = 0
+    device_cache_admitted_pages: int = 0
+    device_cache_evicted_pages: int = 0
     updates_submitted: int = 0
     updates_done: int = 0
     update_latency_s: float = 0.0
@@ -34,7 +34,7 @@ class BufferStats:
     wait_s: float = 0.0
     """Seconds the decode path spent waiting for the worker."""
     queue_depth_max: int = 0
-    update_failures: int = 0
+    buffer_update_failures: int = 0
     """Update-worker jobs that failed and were recovered, answers unchanged: a cache update
     (the store's device cache is dropped and refills from the host tier) or a host pool's
     room growth (the next layout grows the pool itself)."""
@@ -45,7 +45,8 @@ class BufferStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
-        """Add to counters / gauges atomically, e.g. ``add(cluster_hits=3, host_bytes=-4096)``."""
+        """Add to counters / gauges atomically, e.g. ``add(device_cache_hit_clusters=3,
+        host_bytes=-4096)``."""
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
@@ -71,8 +72,8 @@ class BufferStats:
     @property
     def hit_ratio(self) -> float:
         """Cluster hits / (hits + misses); 0 before any lookup."""
-        total = self.cluster_hits + self.cluster_misses
-        return self.cluster_hits / total if total else 0.0
+        total = self.device_cache_hit_clusters + self.device_cache_miss_clusters
+        return self.device_cache_hit_clusters / total if total else 0.0
 
     def snapshot(self) -> dict[str, float]:
         """All counters and gauges plus ``hit_ratio`` and ``queue_depth``, as a plain dict."""

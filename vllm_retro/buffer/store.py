@@ -172,7 +172,7 @@ class WaveBufferStore:
         except Exception as exc:
             logger.error("retro: growing the host pool for request %s failed (%s); its next "
                          "update block grows it", self.request_id, exc)
-            self.stats.add(update_failures=1)
+            self.stats.add(buffer_update_failures=1)
         finally:
             self._growing = None
 
@@ -320,13 +320,13 @@ class WaveBufferStore:
         clusters = {}
         if lk.counts is not None:  # a cluster lookup counted its reads
             hit_tok, miss_tok, cached, pages = lk.counts.tolist()
-            clusters = dict(cluster_hits=cached, cluster_misses=ids.size - cached,
-                            pages_h2d=pages)
+            clusters = dict(device_cache_hit_clusters=cached,
+                            device_cache_miss_clusters=ids.size - cached, pages_h2d=pages)
         else:  # token reads: their update counts the clusters
             hit_tok = int((lk.kind == HIT).sum())
             miss_tok = int((lk.kind == MISS).sum())
         self.stats.add(
-            hit_tokens=hit_tok, miss_tokens=miss_tok, bytes_h2d=miss_tok * row_bytes,
+            hit_tokens=hit_tok, miss_tokens=miss_tok, host_to_device_bytes=miss_tok * row_bytes,
             bytes_d2d=(hit_tok + n_steady * self.num_heads) * row_bytes, **clusters,
         )
 
@@ -397,7 +397,7 @@ class WaveBufferStore:
             self.host.page_block[runs(t.page_start[heads, cand], need)] = blocks
             t.cached[heads, cand] = True
             t.reads[heads, cand] = 1
-        self.stats.add(pages_admitted=total, pages_evicted=evicted)
+        self.stats.add(device_cache_admitted_pages=total, device_cache_evicted_pages=evicted)
         return heads, pos, cand, blocks
 
     # ------------------------------------------------------------------ token reads
@@ -463,7 +463,8 @@ class WaveBufferStore:
         want[mh, rank] = True
         protected = np.zeros(t.cached.shape, dtype=bool)
         protected[head, read] = True
-        self.stats.add(cluster_hits=int(cached.sum()), cluster_misses=int((~cached).sum()))
+        self.stats.add(device_cache_hit_clusters=int(cached.sum()),
+                       device_cache_miss_clusters=int((~cached).sum()))
         heads, _, cand, blocks = self._admit(cand, want, protected)
         which, first, rows, count = _page_plan(t.size[heads, cand], t.n_pages[heads, cand],
                                                blocks, page)
@@ -555,7 +556,7 @@ class WaveBufferStore:
             self.blocks.give(np.concatenate(freed))
         self.table.cached[:] = False
         self.table.reads[:] = 0
-        self.stats.add(update_failures=1)
+        self.stats.add(buffer_update_failures=1)
 
     def mapped_blocks(self) -> np.ndarray:
         """The device blocks this store's cached clusters hold ([n] int64)."""

@@ -178,8 +178,9 @@ class CountSink(Protocol):
 
 class CacheCounts:
     """Moves an in-place layer's cluster cache counts (:attr:`ClusterCache.counts`, on the
-    device) into the wave buffer's statistics (``cluster_hits``, ``cluster_misses``,
-    ``hit_tokens``, ``miss_tokens``, ``bytes_h2d``: the server's device cache metrics)
+    device) into the wave buffer's statistics (``device_cache_hit_clusters``,
+    ``device_cache_miss_clusters``, ``hit_tokens``, ``miss_tokens``, ``host_to_device_bytes``:
+    the server's device cache metrics)
     without waiting for the device: on CUDA each report takes the copy an earlier one
     started into pinned memory, once it has landed, and starts the next."""
 
@@ -215,6 +216,6 @@ class CacheCounts:
         self._reported = now
         if self.stats is not None and any(d):
             row = 2 * cache.keys.shape[1] * cache.keys.element_size()
-            self.stats.add(hit_tokens=d[0], miss_tokens=d[1], cluster_hits=d[2],
-                           cluster_misses=d[3], bytes_h2d=d[1] * row)
+            self.stats.add(hit_tokens=d[0], miss_tokens=d[1], device_cache_hit_clusters=d[2],
+                           device_cache_miss_clusters=d[3], host_to_device_bytes=d[1] * row)
 

@@ -35,10 +35,10 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "device_cache_hit_clusters_total", "counter",
            "Retrieval-zone clusters found in the device block cache (wave buffer), all "
-           "workers.", "cache_hit_clusters"),
+           "workers.", "device_cache_hit_clusters"),
     Family(PREFIX + "device_cache_miss_clusters_total", "counter",
            "Retrieval-zone clusters read from the host tier because the device block cache "
-           "did not hold them, all workers.", "cache_miss_clusters"),
+           "did not hold them, all workers.", "device_cache_miss_clusters"),
     Family(PREFIX + "device_cache_hit_ratio", "gauge",
            "Device block cache hits / (hits + misses) since the server started (0 before "
            "any lookup).", "hit_ratio"),
@@ -47,10 +47,10 @@ FAMILIES: tuple[Family, ...] = (
            "host_to_device_bytes"),
     Family(PREFIX + "device_cache_admitted_pages_total", "counter",
            "Pages admitted into the device block cache by cache updates.",
-           "cache_admitted_pages"),
+           "device_cache_admitted_pages"),
     Family(PREFIX + "device_cache_evicted_pages_total", "counter",
            "Pages evicted from the device block cache by cache updates.",
-           "cache_evicted_pages"),
+           "device_cache_evicted_pages"),
     Family(PREFIX + "indexed_requests_total", "counter",
            "Requests whose context was indexed (a preempted request indexed again counts "
            "again).", "indexed_requests"),
@@ -201,8 +201,8 @@ class RetroPromMetrics(KVConnectorPromMetrics):
                 child.set(gauges[fam.key])
         for seconds in lowest_rank(transfer_stats_data.get(BUILD_SECONDS, {})) or ():
             self._children[(BUILD_SECONDS, None)][engine_idx].observe(seconds)
-        hits = self._hits.get(engine_idx, 0) + counters.get("cache_hit_clusters", 0)
-        misses = self._misses.get(engine_idx, 0) + counters.get("cache_miss_clusters", 0)
+        hits = self._hits.get(engine_idx, 0) + counters.get("device_cache_hit_clusters", 0)
+        misses = self._misses.get(engine_idx, 0) + counters.get("device_cache_miss_clusters", 0)
         self._hits[engine_idx], self._misses[engine_idx] = hits, misses
         if hits + misses:
             self._children[("hit_ratio", None)][engine_idx].set(hits / (hits + misses))

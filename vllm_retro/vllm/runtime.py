@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +27,7 @@ from vllm_retro.index.saap_model import load_saap
 from vllm_retro.index.steady import SlotTable
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_ext
+from vllm_retro.vllm.counters import CounterDeltas, RetroCounters
 from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.layer_state import LayerState
@@ -35,60 +35,6 @@ from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
 logger = logging.getLogger(__name__)
-
-_BUFFER_COUNTERS = {"cluster_hits": "cache_hit_clusters", "cluster_misses": "cache_miss_clusters",
-                    "bytes_h2d": "host_to_device_bytes", "pages_admitted": "cache_admitted_pages",
-                    "pages_evicted": "cache_evicted_pages",
-                    "update_failures": "buffer_update_failures"}
-_RUNTIME_COUNTERS = {"requests_indexed": "indexed_requests", "indexed_tokens": "indexed_tokens",
-                     "index_updates": "index_updates",
-                     "sparse_decode_tokens": "sparse_decode_tokens",
-                     "dense_decode_tokens": "dense_decode_tokens",
-                     "index_step_seconds": "index_step_seconds",
-                     "requests_demoted": "dense_fallback_requests",
-                     "requests_failed": "failed_requests"}
-
-
-@dataclass
-class RetroCounters:
-    """Monotonic counters and gauges of one worker process."""
-
-    steps: int = 0
-    indexes_built: int = 0
-    """(request, layer) indexes built."""
-    requests_indexed: int = 0
-    retro_decode_tokens: int = 0
-    """(token, layer) pairs decoded through the wave index."""
-    dense_tokens: int = 0
-    """(token, layer) pairs computed by vLLM's dense kernel in retro layers."""
-    requests_released: int = 0
-    peak_live_requests: int = 0
-    peak_decode_rows: int = 0
-    """Most requests decoded (dense or retro) in one step."""
-    index_build_seconds: float = 0.0
-    """Seconds spent building indexes (reading KV back and clustering, all layers), on
-    the builder thread or in the step."""
-    index_step_seconds: float = 0.0
-    """Seconds steps spent on index builds: reading KV back, builds run in the step
-    (``build_steps`` 0), waiting at a switch for a build not yet done or for a cancelled
-    request's running build."""
-    indexed_tokens: int = 0
-    """Context tokens of the requests indexed (once per request, not per layer)."""
-    index_updates: int = 0
-    """(request, layer) update blocks clustered into an index during decoding."""
-    sparse_decode_tokens: int = 0
-    """Decoded tokens served through the wave index (once per token, not per layer)."""
-    dense_decode_tokens: int = 0
-    """Decoded tokens of retro layer groups served by vLLM's dense kernel (short requests)."""
-    kv_heads: int = 0
-    """KV heads per index on this worker (its tensor-parallel share)."""
-    requests_demoted: int = 0
-    """Requests that decode densely from their paged KV for their whole life because their
-    index build failed (:meth:`RetroRuntime.demote`)."""
-    requests_failed: int = 0
-    """Requests failed with an error to their client because their index broke while
-    decoding (:meth:`RetroRuntime.fail_request`)."""
-
 
 class RetroRuntime:
     """See module docstring."""
@@ -108,7 +54,8 @@ class RetroRuntime:
         self.step: RetroStepMetadata | None = None
         self._slot_to_req: dict[int, tuple[str, RowStep]] = {}
         self.counters = RetroCounters()
-        self._reported: dict[str, float] = {}
+        self._deltas = CounterDeltas()
+        """What :meth:`take_stats` reported last."""
         self._build_seconds: dict[str, float] = {}
         self._demoted: set[str] = set()
         """Requests decoding densely for life (their build failed), until released."""
@@ -129,7 +76,7 @@ class RetroRuntime:
             return
         self.close()
         self.counters = RetroCounters()
-        self._reported = {}
+        self._deltas = CounterDeltas()
         self._build_seconds = {}
         self._engine = engine_config
         self._device_type = getattr(getattr(engine_config, "device_config", None),
@@ -251,7 +198,7 @@ class RetroRuntime:
             self.counters.indexes_built += 1
             self.counters.kv_heads = index.num_kv_heads
             if first:  # a request more: the live count changes only now
-                self.counters.requests_indexed += 1
+                self.counters.indexed_requests += 1
                 self.counters.indexed_tokens += index.num_tokens
                 self.counters.peak_live_requests = max(self.counters.peak_live_requests,
                                                        len(self._live()))
@@ -307,7 +254,7 @@ class RetroRuntime:
         self.free_request(request_id)
         self._demoted.add(request_id)
         self._unreported.add(request_id)
-        self.counters.requests_demoted += 1
+        self.counters.dense_fallback_requests += 1
 
     def is_dense(self, request_id: str) -> bool:
         """Whether ``request_id`` decodes densely for life (demoted) or has failed."""
@@ -322,7 +269,7 @@ class RetroRuntime:
         logger.error("retro: request %s fails: %s", request_id, reason)
         self.free_request(request_id)
         self._failed[request_id] = reason
-        self.counters.requests_failed += 1
+        self.counters.failed_requests += 1
 
     def has_failed(self, request_id: str) -> bool:
         """Whether ``request_id`` failed on this worker (see :meth:`fail_request`)."""
@@ -448,12 +395,8 @@ class RetroRuntime:
         on this worker) of each request indexed since then. None while retro is off."""
         if self.config is None:
             return None
-        now = {new: getattr(self.counters, old) for old, new in _RUNTIME_COUNTERS.items()}
-        if self._manager is not None:
-            snap = self._manager.stats.snapshot()
-            now.update({new: snap[old] for old, new in _BUFFER_COUNTERS.items()})
-        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
+        deltas = self._deltas.take(self.counters, None if self._manager is None
+                                   else self._manager.stats.snapshot())
         held = self._held_indexes()
         # a request counts from the step its build starts holding memory, not from its switch
         live = len(held.keys() | set(self._manager.live_requests()
@@ -487,9 +430,7 @@ class RetroRuntime:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
-        # The next manager's counters start from zero: so must its reported baseline.
-        self._reported = {k: v for k, v in self._reported.items()
-                          if k not in _BUFFER_COUNTERS.values()}
+        self._deltas.forget_buffer()  # the next manager's counters start from zero
 
 
 _runtime: RetroRuntime | None = None
