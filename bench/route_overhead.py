@@ -138,7 +138,9 @@ def checkout(rev: str) -> tuple[str, pathlib.Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rev", default=None, help="git revision to compare with (none: tree only)")
+    ap.add_argument("--rev", default=None,
+                    help="git revision to compare with, or the directory of a checkout of it "
+                         "(none: tree only)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--batches", type=int, nargs="+", default=[3, 8])
     ap.add_argument("--context", type=int, default=2048)
@@ -155,7 +157,13 @@ def main() -> None:
         return
     roots = {"tree": ROOT}
     worktree = None
-    if args.rev:
+    if args.rev and os.path.isdir(args.rev):  # a checkout already there (its extension built)
+        path = pathlib.Path(args.rev).resolve()
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        roots[sha] = path
+        args.rev = f"{sha} ({path})"
+    elif args.rev:
         sha, worktree = checkout(args.rev)
         roots[sha] = worktree
         args.rev = sha  # recorded by its commit, not by a name that moves

@@ -91,7 +91,7 @@ def fused_path(backend: str, device: torch.device) -> bool:
             and resolve_backend("auto", device) == "torch" and cpu_ext.available())
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class PackedRow:
     """One row's argument lists for the extension, in :func:`decode_packed`'s order. Built
     by :func:`pack_row`; reusable for as long as the row's tensors stay the same objects
@@ -132,8 +132,7 @@ class PackedBatch:
 def pack_batch(rows: list[PackedRow], held: PackedBatch | None = None) -> PackedBatch:
     """The batch of ``rows``: ``held`` when it holds these very :class:`PackedRow` objects
     in this order (nothing rebuilt), else their lists concatenated anew."""
-    if held is not None and len(held.rows) == len(rows) and all(
-            a is b for a, b in zip(held.rows, rows, strict=True)):
+    if held is not None and held.rows == tuple(rows):  # the same objects (eq=False: identity)
         return held
     meta: list[torch.Tensor] = []
     tilt: list[torch.Tensor] = []

@@ -74,6 +74,39 @@ def test_falls_back_to_per_row_for_other_backends():
     torch.testing.assert_close(out[0], index.decode(q[0], 0.125).output)
 
 
+def test_a_layer_asks_its_batchs_route_once_and_again_when_the_batch_changes(monkeypatch):
+    """The layer (its :class:`MetaViewCache`) remembers whether its batch decodes through the
+    fused kernel; another batch (here one index whose backend rules the kernel out) is
+    asked again and takes its own route."""
+    from vllm_retro.index import batched
+    from vllm_retro.kernels import cpu_decode
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 600, 64, generator=g), torch.randn(2, 600, 64, generator=g)
+    fused = WaveIndex.build(k, v, _cfg())
+    plain = WaveIndex.build(k, v, _cfg(kernel_backend="torch"))
+    asked, kernel = [], []
+    fused_batch, decode_packed = batched.fused_batch, cpu_decode.decode_packed
+    monkeypatch.setattr(batched, "fused_batch",
+                        lambda *a, **kw: asked.append(1) or fused_batch(*a, **kw))
+    monkeypatch.setattr(cpu_decode, "decode_packed",
+                        lambda *a, **kw: kernel.append(1) or decode_packed(*a, **kw))
+    cache = MetaViewCache()
+    q = torch.randn(1, 4, 64, generator=g)
+    for _ in range(3):
+        torch.testing.assert_close(decode_batch([fused], q, 0.125, cache=cache)[0],
+                                   fused.decode(q[0], 0.125).output, rtol=1e-5, atol=1e-5)
+    assert len(asked) == 1 and len(kernel) == 3
+    out = decode_batch([plain], q, 0.125, cache=cache)
+    torch.testing.assert_close(out[0], plain.decode(q[0], 0.125).output, rtol=1e-5, atol=1e-5)
+    assert len(asked) == 2 and len(kernel) == 3  # asked again; not the fused kernel
+    decode_batch([fused], q, 0.125, cache=cache)
+    assert len(asked) == 3 and len(kernel) == 4
+    cache.clear()
+    decode_batch([fused], q, 0.125, cache=cache)
+    assert len(asked) == 4  # a cleared layer asks again
+
+
 @pytest.mark.parametrize("wave_buffer", [True, False])
 def test_packed_view_follows_the_index(wave_buffer):
     """The fused kernel's packed view of an index is kept across steps while only the

@@ -71,6 +71,20 @@ def _rows_readable(index: WaveIndex, dtype: torch.dtype) -> bool:
     return addressed and dtype == index.meta_dtype
 
 
+def _fused_scoring(indexes: list[WaveIndex], query: torch.Tensor,
+                   cache: MetaViewCache | None) -> bool:
+    """``fused_batch(indexes, query, scoring=True)``, asked once per batch of the layer
+    (``cache``): what it checks of an index (kernel backend, store kind, dtype, policy) never
+    changes, so while the layer decodes the same indexes for the same query dtype and device
+    the answer is its last one."""
+    if cache is None:
+        return fused_batch(indexes, query, scoring=True)
+    key = (tuple(indexes), query.dtype, query.device)
+    if cache.fused_key != key:  # the indexes compared by identity (no __eq__)
+        cache.fused_key, cache.fused_ok = key, fused_batch(indexes, query, scoring=True)
+    return cache.fused_ok
+
+
 def decode_row(index: WaveIndex) -> cpu_decode.DecodeRow:
     """The fused kernel's view of one index (tensors referenced, not copied)."""
     cfg = index.config
@@ -125,26 +139,28 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     or None). ``failed`` given: an index whose append raises is recorded there as (its
     position, the exception) and the others go on; else the first error is raised."""
     pool = indexes[0].steady
-    if all(i.steady is pool for i in indexes):
-        key = tuple((i.slot, i.num_tokens) for i in indexes)
+    # list comprehensions, not generators, here and below: one Python call for the batch
+    # rather than one per row (this runs per layer at every step)
+    if all([i.steady is pool for i in indexes]):
+        key = tuple([(i.slot, i.num_tokens) for i in indexes])
         if rows is None or rows[0] != key:
             slots, ring = [s for s, _ in key], [i.next_ring_row() for i in indexes]
             dev = upload([slots, ring], pool.device)  # on CUDA not waited for
             rows = (key, dev[0], dev[1])
         pool.write(rows[1], rows[2], keys, values)
-        return _each(indexes, lambda b, i: i.appended(1), failed), rows
+        return _each(indexes, None, failed), rows
     return _each(indexes, lambda b, i: i.append(keys[b, :, None], values[b, :, None]),
                  failed), None
 
 
 def _each(indexes: list[WaveIndex], append: Any, failed: list[tuple[int, Exception]] | None
           ) -> int:
-    """``append(b, index)`` for every index; update blocks landed. See :func:`append_batch`
-    for ``failed``."""
+    """``append(b, index)`` for every index (None: ``index.appended(1)``, its token already
+    written); update blocks landed. See :func:`append_batch` for ``failed``."""
     landed = 0
     for b, index in enumerate(indexes):
         try:
-            landed += append(b, index)
+            landed += index.appended(1) if append is None else append(b, index)
         except Exception as exc:
             if failed is None:
                 raise
@@ -182,13 +198,13 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if faults.ENABLED:
         faults.check_any("kernel_row", (getattr(i.store, "request_id", None) for i in indexes))
     first = indexes[0]
-    same = all(type(i) is type(first) for i in indexes)  # one policy
+    same = all([type(i) is type(first) for i in indexes])  # one policy
     if same and first.decode_own is not None and first.decode_own(indexes, query, scale, out,
                                                                    cache):
         return out
     if cache is not None and cache.resident.applies(indexes, query):
         return cache.resident.decode(indexes, query, scale, out)
-    if same and out.dtype == query.dtype and fused_batch(indexes, query, scoring=True):
+    if same and out.dtype == query.dtype and _fused_scoring(indexes, query, cache):
         tilted = first.selects_zones and first.config.tilted_estimation
         rows = [packed_row(i, tilted) for i in indexes]
         if cache is None:
@@ -196,7 +212,7 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         else:  # the layer's batch of its last step, unless a row changed
             batch = cache.packed = cpu_decode.pack_batch(rows, cache.packed)
         cpu_decode.decode_packed(query, batch, scale, tilted, out=out,
-                                 windows=[(i.ring_start, i.win_len) for i in indexes])
+                                 windows=[i.window_span() for i in indexes])
         return out
     if same and first.select_batch is not None:
         # clusters chosen by the policy for all rows (SAAP's trained router, StreamingLLM's
@@ -205,7 +221,7 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         if out.dtype == query.dtype and fused_batch(indexes, query):
             cpu_decode.decode_packed(
                 query, [packed_row(i, False) for i in indexes], scale, False, out=out,
-                windows=[(i.ring_start, i.win_len) for i in indexes],
+                windows=[i.window_span() for i in indexes],
                 given=[ids[j, :, :n] for j, n in enumerate(counts)])
         else:
             decode_given(indexes, query, scale, out, ids, counts, cache)

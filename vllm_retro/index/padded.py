@@ -107,6 +107,11 @@ class MetaViewCache:
         """The last fused batch's argument lists (a
         :class:`~vllm_retro.kernels.cpu_decode.PackedBatch`: references to the rows' own
         tensors, no copies), reused while the batch's rows are unchanged."""
+        self.fused_key: tuple | None = None
+        self.fused_ok = False
+        """Whether the batch ``fused_key`` (its indexes, the query's dtype and device) decodes
+        through the fused CPU kernel with its own scoring (asked once per batch:
+        :func:`vllm_retro.index.batched.decode_batch`)."""
         self._exec: tuple[torch.Tensor, torch.Tensor] | None = None
         self._unjoined: list[WaveIndex] = []
         """Indexes whose last step's cache update is still to be joined (at this layer's next
@@ -166,6 +171,7 @@ class MetaViewCache:
         self.join()
         self.view = None
         self.packed = None
+        self.fused_key = None
         self._exec = None
         self.resident.clear()
 

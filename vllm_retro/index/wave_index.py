@@ -273,6 +273,12 @@ class WaveIndex:
         """[H, n, D] values of the local window (a copy: the ring may wrap)."""
         return torch.cat([v for _, v in self.window_parts()], dim=1)
 
+    def window_span(self) -> tuple[int, int]:
+        """(:attr:`ring_start`, :attr:`win_len`) in one call: where the window starts in its
+        ring and how many tokens it holds (what the fused kernel takes per row and call)."""
+        start = self.window_start
+        return (start - self.num_sinks) % self.steady.ring, self.num_tokens - start
+
     def window_ring(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """(keys, values, start, n): the window's ring [H, ring, D] (strided views of the
         steady pool), whose rows ``(start + i) % ring`` for ``i < n`` are the window."""
@@ -432,8 +438,11 @@ class WaveIndex:
         cfg = self.config
         self.num_tokens += n
         seg = cfg.update_segment
-        landed = self._advance_update(cfg.update_rounds_per_step)
-        while self.win_len >= cfg.local_window + seg:
+        # (most steps have no block in flight: the check is inlined, as this runs per row and
+        # layer at every step)
+        landed = (self._landing is not None or self._pending is not None) and \
+            self._advance_update(cfg.update_rounds_per_step)
+        while self.num_tokens - self.window_start >= cfg.local_window + seg:
             # decoding (fewer new tokens than a block) with room for the block to wait:
             # deferred; else (a block or more at once, rounds per step 0) clustered now
             room = (cfg.update_rounds_per_step > 0 and n < seg
