@@ -21,8 +21,11 @@ lint: setup
 # TRITON_INTERPRET=1 lets the Triton kernels run on CPU tensors (no GPU here or in CI);
 # VLLM_RETRO_REQUIRE_PARTS=1 fails the run where a test skipped because a part of the install
 # is missing (vLLM, a C++ extension: tests/required_parts.py).
+# TEST_WORKERS: pytest-xdist workers (default one per core); a file's tests stay on one worker,
+# so its module fixtures (servers, engines) start once.
+TEST_WORKERS ?= auto
 test: setup lint
-	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra tests
+	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 # Every Triton kernel launch of the kernel and device-step tests compiled for an H100/H200
 # (cuda:90), no GPU needed (tests/triton_compile.py; ~5 min): with this environment's Triton,

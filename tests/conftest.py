@@ -13,7 +13,9 @@ import torch  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # pytest-xdist workers share the cores: more torch threads than cores spin and wait
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
 @pytest.fixture
