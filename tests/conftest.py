@@ -13,9 +13,8 @@ import torch  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # pytest-xdist workers share the cores: more torch threads than cores spin and wait
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
+    # every core even under pytest-xdist: a real-model file that runs last runs alone
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
 @pytest.fixture
@@ -36,3 +35,11 @@ def triton_device() -> str:
         return "cuda"
     pytest.skip("Triton needs TRITON_INTERPRET=1 or a CUDA GPU")
 pytest_plugins = ["tests.conftest_real", "tests.required_parts", "pytester"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with real-model tests first (stable otherwise): pytest-xdist hands out files in
+    this order, and a minutes-long file handed out last would run alone at the end."""
+    heavy = {item.nodeid.split("::")[0] for item in items
+             if item.get_closest_marker("real_model") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
