@@ -154,6 +154,34 @@ def test_in_place_only_over_one_pool():
     mgr.close()
 
 
+def test_a_growth_between_two_reads_is_one_pool(monkeypatch):
+    """The update worker swaps a grown pool in between the reads of two stores of one host
+    tier (a block landing as a batch loads; seen once under a loaded machine): the batch is
+    still read in place, not refused until its meta index changes."""
+    g = torch.Generator().manual_seed(14)
+    h, d = 2, 32
+    cfg = _cfg(device_resident="in_place")
+    mgr = WaveBufferManager(cfg)
+    one = random_indexes([300, 500], cfg, h, d, torch.float32, g, mgr)
+    store = one[1].store
+    read = store.cluster_rows
+
+    def before_the_swap(wait=True):  # the first unwaited read still sees the old pool
+        rows = read(wait=wait)
+        if not wait and not calls:
+            calls.append(wait)
+            return (rows[0].clone(), rows[1].clone(), *rows[2:])
+        return rows
+
+    calls: list[bool] = []
+    monkeypatch.setattr(store, "cluster_rows", before_the_swap)
+    assert in_place_capable(one, torch.device("cpu"))
+    assert calls == [False]
+    for index in one:
+        index.free()
+    mgr.close()
+
+
 class _Sink:
     def __init__(self):
         self.totals: dict[str, float] = {}

@@ -44,12 +44,18 @@ def resident_capable(index: WaveIndex) -> bool:
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
     """True when a :class:`DeviceLayer` on ``device`` can read these indexes' tokens in
-    place: one pool holds them all, on ``device`` or, for CUDA, pinned in host memory."""
-    pools = [i.store.cluster_rows(wait=False)[:2] for i in indexes]
-    k, v = pools[0]
-    if any(kk.data_ptr() != k.data_ptr() or vv.data_ptr() != v.data_ptr() for kk, vv in pools):
-        return False
-    return readable_in_place(k, v, device)
+    place: one pool holds them all, on ``device`` or, for CUDA, pinned in host memory.
+
+    The stores are read without waiting for their update work first; a growth that the
+    update worker swaps in between two of those reads shows one pool as two, so pools that
+    differ are read again after that work (rare: a block landing as a batch loads)."""
+    for wait in (False, True):
+        pools = [i.store.cluster_rows(wait=wait)[:2] for i in indexes]
+        k, v = pools[0]
+        if all(kk.data_ptr() == k.data_ptr() and vv.data_ptr() == v.data_ptr()
+               for kk, vv in pools):
+            return readable_in_place(k, v, device)
+    return False
 
 
 def placement(copy_bytes: int, meta_bytes: int, free_bytes: int, in_place_ok: bool
