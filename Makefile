@@ -22,10 +22,13 @@ lint: setup
 # VLLM_RETRO_REQUIRE_PARTS=1 fails the run where a test skipped because a part of the install
 # is missing (vLLM, a C++ extension: tests/required_parts.py).
 # TEST_WORKERS: pytest-xdist workers (default one per core); a file's tests stay on one worker,
-# so its module fixtures (servers, engines) start once.
+# so its module fixtures (servers, engines) start once. Files go out in collection order
+# (tests/conftest.py puts the minutes-long real-model files first), not reordered by
+# pytest-xdist by their number of tests (which handed those files out last).
 TEST_WORKERS ?= auto
 test: setup lint
-	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
+	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) \
+		--dist loadfile --no-loadscope-reorder tests
 
 # Every Triton kernel launch of the kernel and device-step tests compiled for an H100/H200
 # (cuda:90), no GPU needed (tests/triton_compile.py; ~5 min): with this environment's Triton,

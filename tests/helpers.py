@@ -106,3 +106,22 @@ def decode_steps(index, keys: torch.Tensor, values: torch.Tensor, query_heads: i
         else:
             index.decode(q, d ** -0.5)
     return keys, values
+
+
+def equivalence_cases(shapes: list[tuple[int, int]], stores: list) -> list:
+    """``pytest.param``s (dtype, tol, estimator, store, group, head_dim) for the decode
+    paths' equivalence tests against the per-row reference: the tilted estimator (the
+    default) in fp32 and bf16 at every (query group, head_dim) shape with every store; the
+    centroid estimator (fp32, bf16) and 'auto' (fp32; heads set apart per row, as builds
+    judge them) with every store at one shape, the middle one: the estimator's terms do not
+    depend on the shape, and the full cross ran 40 minutes of a 2-core suite."""
+    import pytest
+
+    tilted = [(torch.float32, 1e-5, "tilted"), (torch.bfloat16, 1e-2, "tilted")]
+    others = [(torch.float32, 1e-5, "centroid"), (torch.bfloat16, 1e-2, "centroid"),
+              (torch.float32, 1e-5, "auto")]
+    mid = shapes[len(shapes) // 2]
+    return [pytest.param(dtype, tol, est, store, g, d,
+                         id=f"{g}-{d}-{store}-{str(dtype).split('.')[-1]}-{est}")
+            for g, d in shapes for store in stores
+            for dtype, tol, est in tilted + (others if (g, d) == mid else [])]

@@ -118,8 +118,9 @@ def _decode_pair(cfg, hq, hkv, n, d, steps, g, dtype):
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 4, 128), (4, 1, 256)])
 def test_decode_through_buffer_is_bit_exact(dtype, hq, hkv, d, rng):
     """Through the wave buffer the decode output equals the plain index's, bit for bit,
-    across an index update (the window passes 64 + 1024 tokens)."""
-    cfg = RetroConfig()
+    across an index update (the window passes 64 + 128 tokens; the default 1024-token
+    blocks would take 6x the steps for the same path)."""
+    cfg = RetroConfig(update_segment=128, update_clusters=8)
     n = 2000
     steps = (cfg.local_window + cfg.update_segment) - (cfg.local_window) + 40  # one update
     mgr, buf, dense, outs = _decode_pair(cfg, hq, hkv, n, d, steps, rng, dtype)

@@ -5,7 +5,7 @@ device (held to it on CPU tensors under kernels.sync_check.SyncCheck)."""
 import pytest
 import torch
 
-from tests.helpers import random_indexes
+from tests.helpers import equivalence_cases, random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.device_layer import DeviceLayer, decode_step
@@ -49,13 +49,8 @@ def _step(layer, slots, indexes, q, scale, check=None):
         return decode_step(layer, plan, q, scale)
 
 
-@pytest.mark.parametrize("dtype,tol,estimator", [
-    (torch.float32, 1e-5, "tilted"), (torch.bfloat16, 1e-2, "tilted"),
-    (torch.float32, 1e-5, "centroid"), (torch.bfloat16, 1e-2, "centroid"),
-    (torch.float32, 1e-5, "auto"),  # heads set apart per row, as builds judge them
-])
-@pytest.mark.parametrize("store", ["dense", "wave_buffer", "in_place", "in_place_cache"])
-@pytest.mark.parametrize("group,d", [(1, 64), (4, 128)])
+@pytest.mark.parametrize("dtype,tol,estimator,store,group,d", equivalence_cases(
+    [(1, 64), (4, 128)], ["dense", "wave_buffer", "in_place", "in_place_cache"]))
 def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, d):
     """Rows of different lengths (one dense) in scattered slots, 70 steps crossing update
     blocks at different steps (reloads); a row finishes mid-run and a new one takes another

@@ -149,7 +149,7 @@ def test_reservations_bound_the_host_bytes_of_the_real_model(qwen_model_dir):
     with engine(qwen_model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         eng, rt, conn = llm.llm_engine, get_runtime(), _connector(llm)
         for i, n in enumerate([1200, 3000]):
-            eng.add_request(str(i), random_prompts([n], seed=i)[0], greedy(400))
+            eng.add_request(str(i), random_prompts([n], seed=i)[0], greedy(200))
         ratios = []
         while eng.has_unfinished_requests():
             finished = any(o.finished for o in eng.step())

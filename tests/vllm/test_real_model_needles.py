@@ -1,5 +1,5 @@
 """Qwen2.5-Coder-0.5B-Instruct under retro at default budgets, against stock vLLM: needles in
-~4.4K tokens of real prose and the continuation of a 4.5K-token document (CPU; bf16 where the CPU
+~3.1K tokens of real prose and the continuation of a 3K-token document (CPU; bf16 where the CPU
 multiplies it natively, else fp32: :func:`bench.machine.model_dtype`). The needle in the middle of
 the same document is asked of the served default model (``tests/server/test_default_model.py``)."""
 
@@ -18,12 +18,12 @@ NEEDLE = "The secret passphrase is 'amber-falcon-7391'. Remember it."
 QUESTION = ("What is the secret passphrase mentioned in the document above? "
             "Answer with the passphrase only.")
 DEPTHS = (0.1, 0.9)
-HAYSTACK_TOKENS = 4300
-CONTINUATION_TOKENS = 4500
+HAYSTACK_TOKENS = 3000
+CONTINUATION_TOKENS = 3000
 
 
 def _needle_prompt(tok, depth: float) -> str:
-    """~4.4K tokens of real prose (CPython's language reference) with the needle inserted
+    """~3.1K tokens of real prose (CPython's language reference) with the needle inserted
     at a paragraph boundary at ``depth``, and the question, in the chat template."""
     ids = tok(real_prose(HAYSTACK_TOKENS * 6), add_special_tokens=False)["input_ids"]
     paras = tok.decode(ids[:HAYSTACK_TOKENS]).split("\n\n")
