@@ -8,26 +8,13 @@ import os
 import pathlib
 import platform
 
-
-def native_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` in
-    ``/proc/cpuinfo``; ``cpuinfo``: its text, read when None). Without either, torch's bf16
-    GEMMs take a slow path: on an AVX2-only CPU (AMD EPYC, 2 cores) a 512-token prefill of
-    Qwen2.5-0.5B took 3.6x fp32's time and a [2048 x 896] x [896 x 4864] GEMM 8.6x."""
-    info = cpuinfo
-    if info is None:
-        try:
-            info = pathlib.Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags_line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags_line.split(":", 1)[-1].split()))
+from vllm_retro.server.serve_dtype import native_bf16
 
 
 def model_dtype(cpuinfo: str | None = None) -> str:
     """The dtype real-model engine runs use on this CPU: ``"bfloat16"`` (the served models'
-    own) where the CPU multiplies it natively (:func:`native_bf16`), else ``"float32"``, so
-    the test suite's real-model runs stay within its time on CPUs without bf16 units."""
+    own) where the CPU multiplies it natively (:func:`native_bf16`), else ``"float32"``, as
+    ``vllm-retro serve`` picks (:mod:`vllm_retro.server.serve_dtype`)."""
     return "bfloat16" if native_bf16(cpuinfo) else "float32"
 
 

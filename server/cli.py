@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     # finish and the engine processes exit on their own instead of being killed mid-step.
     # gpu_memory_utilization None marks "not chosen" (the KV cache is then sized from free
     # memory on CPU, see size_kv_cache); vLLM's default is restored before vLLM sees it.
-    # enforce_eager None likewise marks "not chosen" (eager is the CPU default, see
-    # choose_execution_mode).
+    # enforce_eager and dtype None likewise mark "not chosen" (eager is the CPU default,
+    # see choose_execution_mode; float32 on CPUs without native bfloat16, see choose_dtype).
     serve.set_defaults(model=None, host=DEFAULT_HOST,
                        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S, gpu_memory_utilization=None,
-                       enforce_eager=None)
+                       enforce_eager=None, dtype=None)
     add_retro_arguments(serve)
     _add_calibrate(sub)
     _add_blocktune(sub)
@@ -217,6 +217,45 @@ def choose_execution_mode(args: argparse.Namespace) -> str | None:
             "decodes no faster); --no-enforce-eager compiles")
 
 
+def choose_dtype(args: argparse.Namespace) -> str | None:
+    """On CPU, when the user gave no ``--dtype``, load the model in float32 where the CPU
+    has no native bfloat16 and the float32 weights fit (:mod:`server.serve_dtype`), and
+    return the banner line saying so; None otherwise (``--dtype`` is then vLLM's ``auto``:
+    bfloat16 on CPU). Call after :func:`resolve_model`, before :func:`size_kv_cache` (which
+    counts the weights as loaded)."""
+    from vllm.platforms import current_platform
+
+    from vllm_retro.server.kv_budget import (
+        NotEnoughMemory,
+        available_memory,
+        choose_kv_bytes,
+        weight_bytes,
+    )
+    from vllm_retro.server.serve_dtype import (
+        checkpoint_dtype,
+        choose_cpu_dtype,
+        loaded_weight_bytes,
+        native_bf16,
+    )
+
+    if args.dtype is not None:
+        return None
+    args.dtype = "auto"  # vLLM's default
+    if not current_platform.is_cpu() or not os.path.isdir(args.model):
+        return None
+    checkpoint, native = checkpoint_dtype(args.model), native_bf16()
+    fits = True
+    if not native:
+        as_float32 = loaded_weight_bytes(weight_bytes(args.model), checkpoint, "float32")
+        try:
+            choose_kv_bytes(available_memory(), as_float32)
+        except NotEnoughMemory:
+            fits = False
+    choice = choose_cpu_dtype(checkpoint, native, fits)
+    args.dtype = choice.dtype
+    return choice.note
+
+
 def size_kv_cache(args: argparse.Namespace) -> str | None:
     """On CPU, when the user chose no KV-cache size (no ``VLLM_CPU_KVCACHE_SPACE``,
     ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization``), set
@@ -235,7 +274,7 @@ def size_kv_cache(args: argparse.Namespace) -> str | None:
     if chosen or not current_platform.is_cpu():
         return None
     try:
-        budget = auto_kv_budget(args.model)
+        budget = auto_kv_budget(args.model, args.dtype)
     except NotEnoughMemory as exc:
         raise SystemExit(f"vllm-retro: error: {exc}") from None
     args.kv_cache_memory_bytes = budget.kv_bytes
@@ -322,7 +361,7 @@ def serve(args: argparse.Namespace) -> None:
     args.middleware = [*(getattr(args, "middleware", None) or []),
                        blocks_middleware(settings, args.model)]
     check_saap_file(settings, args.model)
-    notes = [size_kv_cache(args), choose_execution_mode(args)]
+    notes = [choose_dtype(args), size_kv_cache(args), choose_execution_mode(args)]
     cli_env_setup()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_retro.server.serve_dtype import checkpoint_dtype, loaded_weight_bytes
+
 GiB = 1 << 30
 
 PROCESS_OVERHEAD_BYTES = 2 * GiB
@@ -96,6 +98,8 @@ def available_memory() -> int:
     return available_host_memory()
 
 
-def auto_kv_budget(model_dir: str | Path) -> KVBudget:
-    """:func:`choose_kv_bytes` for the memory available now and the weights in ``model_dir``."""
-    return choose_kv_bytes(available_memory(), weight_bytes(model_dir))
+def auto_kv_budget(model_dir: str | Path, dtype: str | None = None) -> KVBudget:
+    """:func:`choose_kv_bytes` for the memory available now and the weights in ``model_dir``
+    loaded in ``dtype`` (a ``--dtype`` value; None or ``auto``: as stored)."""
+    loaded = loaded_weight_bytes(weight_bytes(model_dir), checkpoint_dtype(model_dir), dtype)
+    return choose_kv_bytes(available_memory(), loaded)

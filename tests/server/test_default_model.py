@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from tests.server.serving import Server, sample, start_server  # noqa: E402
 from vllm_retro.capture import real_prose  # noqa: E402
 from vllm_retro.server.default_model import DEFAULT_SERVED_NAME  # noqa: E402
+from vllm_retro.server.serve_dtype import native_bf16  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -59,6 +60,8 @@ def test_default_model_answers_and_is_indexed(default_server: Server,
 
     log = default_server.log.read_text()
     assert "no MODEL given; serving the embedded default" in log
+    # vLLM's auto would run the float32 checkpoint in bfloat16, slow without native bf16
+    assert ("vllm-retro: float32 weights and KV cache" in log) is not native_bf16()
     # a hang guard, not a timed assert: a 4.4K-token prefill took 250 s on 2 cores alone
     # and over 300 s beside another pytest-xdist worker
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="none",

@@ -1,4 +1,4 @@
-"""Start-up supervision, the automatic CPU KV-cache size and the eager default: unit tests of
+"""Start-up supervision, the automatic CPU KV-cache size, dtype and eager default: unit tests of
 each piece, and failed starts of the real console script answered in a few plain lines."""
 
 from __future__ import annotations
@@ -186,6 +186,65 @@ def test_eager_by_default_on_cpu(parser: argparse.ArgumentParser, argv: list[str
     line = cli.choose_execution_mode(args)
     assert args.enforce_eager is eager
     assert (line is not None) is note
+
+
+def _model_stored_as(tiny_model_dir: Path, tmp_path: Path, checkpoint: str) -> Path:
+    """The tiny model's files with config.json saying ``checkpoint`` (the weights as they
+    are)."""
+    import json
+    import shutil
+
+    model = tmp_path / f"{checkpoint}-model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "torch_dtype": checkpoint}))
+    return model
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float32"])
+def test_float32_by_default_on_cpus_without_native_bf16(
+        parser: argparse.ArgumentParser, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, native: bool, checkpoint: str) -> None:
+    """No --dtype: the model loads in float32 where the CPU lacks native bfloat16 (banner
+    line returned), and the automatic KV size counts the weights as loaded (float32 there;
+    where vLLM's ``auto`` runs, bfloat16, a float32 checkpoint downcast). A given --dtype
+    (``auto`` too) is never changed."""
+    from vllm_retro.server import cli, kv_budget, serve_dtype
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(serve_dtype, "native_bf16", lambda cpuinfo=None: native)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda: 16 * GiB)
+    model = _model_stored_as(tiny_model_dir, tmp_path, checkpoint)
+    args = _model_args(parser, str(model))
+    line = cli.choose_dtype(args)
+    assert args.dtype == ("auto" if native else "float32")
+    assert (line is None) is native
+    cli.size_kv_cache(args)
+    files = weight_bytes(model)  # the tiny model's files are float32, whatever config says
+    scale = {("bfloat16", True): 1, ("bfloat16", False): 2, ("float32", True): 0.5,
+             ("float32", False): 1}[checkpoint, native]
+    expected = choose_kv_bytes(16 * GiB, int(files * scale)).kv_bytes
+    assert args.kv_cache_memory_bytes == expected
+    for given in ("auto", "bfloat16", "float32"):
+        args = _model_args(parser, str(model), "--dtype", given)
+        assert cli.choose_dtype(args) is None and args.dtype == given
+
+
+def test_bf16_kept_when_float32_weights_do_not_fit(
+        parser: argparse.ArgumentParser, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_retro.server import cli, kv_budget, serve_dtype
+
+    model = _model_stored_as(tiny_model_dir, tmp_path, "bfloat16")
+    need16 = weight_bytes(model) + kv_budget.PROCESS_OVERHEAD_BYTES + 2 * MIN_KV_BYTES
+    monkeypatch.setattr(serve_dtype, "native_bf16", lambda cpuinfo=None: False)
+    monkeypatch.setattr(kv_budget, "available_memory",
+                        lambda: need16 + weight_bytes(model) // 2)
+    args = _model_args(parser, str(model))
+    line = cli.choose_dtype(args)
+    assert args.dtype == "auto" and line is not None and "would not fit" in line
+    assert cli.size_kv_cache(args) is not None  # bfloat16 weights still leave room
 
 
 # ---------------------------------------------------------------------- failed starts
