@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(model=None, host=DEFAULT_HOST,
                        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT_S, gpu_memory_utilization=None,
                        enforce_eager=None, dtype=None)
+    describe_defaults(serve, {
+        "dtype": "float32 on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16) when "
+                 "the float32 weights fit, else auto",
+        "enforce_eager": "True on CPU, else False",
+        "gpu_memory_utilization": "0.92 on a GPU; on CPU, given none of it, "
+                                  "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE, the KV "
+                                  "cache is sized from the memory free at start",
+    })
     add_retro_arguments(serve)
     _add_calibrate(sub)
     _add_blocktune(sub)
@@ -79,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'brief' shows only vllm-retro's lines until the server is ready "
                            "(everything goes to --log-file); 'full' shows vLLM's too")
     return parser
+
+
+def describe_defaults(parser: argparse.ArgumentParser, texts: dict[str, str]) -> None:
+    """Make ``--help`` show ``texts[dest]`` as the default of each option whose default is
+    the ``None`` that marks "not chosen" (vLLM's formatter would print "default: None")."""
+    for action in parser._actions:  # argparse has no public accessor for one action
+        if action.dest in texts:
+            # %(default).0s prints nothing; its presence stops the formatter's own suffix
+            action.help = f"{action.help or ''}%(default).0s (default: {texts[action.dest]})"
 
 
 def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None

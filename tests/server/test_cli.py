@@ -344,6 +344,27 @@ def test_help_exits_zero_and_lists_retro_group(parser: argparse.ArgumentParser,
     assert "(default: 0.018)" in out
 
 
+@pytest.mark.parametrize(("group", "option", "default"), [
+    ("ModelConfig", "--dtype", "(default: float32 on a CPU without native bfloat16"),
+    ("ModelConfig", "--enforce-eager", "(default: True on CPU, else False)"),
+    ("CacheConfig", "--gpu-memory-utilization", "(default: 0.92 on a GPU; on CPU"),
+])
+def test_help_gives_the_defaults_the_server_chooses(
+        parser: argparse.ArgumentParser, capsys: pytest.CaptureFixture[str], group: str,
+        option: str, default: str) -> None:
+    """Options whose default the server picks at start (None on its parser) say what it
+    picks, not "default: None"."""
+    with pytest.raises(SystemExit):
+        _serve(parser, f"--help={group}")
+    import re
+
+    entry = re.search(rf"^  {option}\b.*?(?=^  -)", capsys.readouterr().out + "\n  -",
+                      flags=re.M | re.S)
+    assert entry is not None, option
+    text = " ".join(entry.group(0).split())
+    assert default in text and "(default: None)" not in text
+
+
 def test_hub_name_offline_is_accepted_only_when_cached(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """With hub access off, a hub name is served if the Hugging Face cache holds it, and
