@@ -134,15 +134,15 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.num_tokens != n:
             raise RuntimeError(f"retro: request {rid!r} has {n} tokens in the batch but "
                                f"{row.num_tokens} scheduled")
-        if row.blocks_error is not None and not runtime.has_failed(rid):
+        if row.blocks_error is not None and not runtime.fates.has_failed(rid):
             runtime.fail_request(rid, row.blocks_error)
-        dense = runtime.is_dense(rid)  # its build failed, its index broke, or it failed
+        dense = runtime.fates.is_dense(rid)  # its build failed, its index broke, or it failed
         if row.indexed and not dense and (not row.catch_up or runtime.switch(rid)):
             catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
                 else None
             decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
             continue
-        if row.blocks is not None and not runtime.has_failed(rid):
+        if row.blocks is not None and not runtime.fates.has_failed(rid):
             block_prefills.append(BlockPrefill(rid, block_table[r].clone(), qsl[r], n,
                                                row.start, row.blocks))
         else:

@@ -349,7 +349,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         last step, and the passages it cached or failed to (see
         :meth:`update_connector_output`)."""
         assert self.runtime is not None, "worker-side connector method on the scheduler side"
-        demoted = self.runtime.take_demoted()
+        demoted = self.runtime.fates.take_demoted()
         written, failed = (self.passage_worker.take_report() if self.passage_worker
                            is not None else (set(), set()))
         if not (demoted or written or failed):

@@ -32,6 +32,7 @@ from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.layer_state import LayerState
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+from vllm_retro.vllm.request_fates import RequestFates
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,9 @@ class RetroRuntime:
         self._deltas = CounterDeltas()
         """What :meth:`take_stats` reported last."""
         self._build_seconds: dict[str, float] = {}
-        self._demoted: set[str] = set()
-        """Requests decoding densely for life (their build failed), until released."""
-        self._failed: dict[str, str] = {}
-        """Requests failed on this worker (why), until the scheduler releases them."""
-        self._unreported: set[str] = set()
-        """Demoted requests the scheduler has not been told of yet."""
+        self.fates = RequestFates()
+        """The requests decoding densely for life or failed, until the scheduler releases
+        them (:meth:`demote`, :meth:`fail_request`)."""
 
     # ------------------------------------------------------------------ setup
     def attach(self, engine_config: object, config: RetroConfig | None) -> None:
@@ -84,7 +82,7 @@ class RetroRuntime:
         self.config = config
         self.step = None
         self._slot_to_req = {}
-        self._demoted, self._failed, self._unreported = set(), {}, set()
+        self.fates = RequestFates()
         if config is not None and self._device_type == "cpu":
             # the fused kernels, built now when missing: a build at the first index would
             # hold that engine step (and every request in it) for a minute or two
@@ -121,8 +119,7 @@ class RetroRuntime:
         or never indexed."""
         for rid in meta.released:
             self.free_request(rid)
-            self._demoted.discard(rid)
-            self._failed.pop(rid, None)
+            self.fates.release(rid)
         if meta.released and not meta.rows:
             for state in self._layers.values():
                 state.meta_views.clear()
@@ -238,8 +235,8 @@ class RetroRuntime:
         True when its indexes are here (taken over from the builder, waiting for it if
         needed); False when its build failed: then it is demoted (:meth:`demote`) and
         this step's rows, and all later ones, decode densely from its paged KV, which the
-        scheduler keeps once told (:meth:`take_demoted`)."""
-        if request_id in self._demoted or request_id in self._failed:
+        scheduler keeps once told (``fates.take_demoted``)."""
+        if self.fates.is_dense(request_id):
             return False
         if self.find_index_any(request_id):
             return True
@@ -252,43 +249,27 @@ class RetroRuntime:
         logger.warning("retro: request %s decodes densely from its paged KV from now on: %s",
                        request_id, reason)
         self.free_request(request_id)
-        self._demoted.add(request_id)
-        self._unreported.add(request_id)
+        self.fates.demote(request_id)
         self.counters.dense_fallback_requests += 1
-
-    def is_dense(self, request_id: str) -> bool:
-        """Whether ``request_id`` decodes densely for life (demoted) or has failed."""
-        return request_id in self._demoted or request_id in self._failed
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """``request_id`` cannot go on (its index broke while decoding: ``reason``): free
         everything it holds; its rows compute nothing useful until the scheduler, told
         through :meth:`failed_blocks`, ends it with an error to its client."""
-        if request_id in self._failed:
+        if not self.fates.fail(request_id, reason):
             return
         logger.error("retro: request %s fails: %s", request_id, reason)
         self.free_request(request_id)
-        self._failed[request_id] = reason
         self.counters.failed_requests += 1
-
-    def has_failed(self, request_id: str) -> bool:
-        """Whether ``request_id`` failed on this worker (see :meth:`fail_request`)."""
-        return request_id in self._failed
-
-    def take_demoted(self) -> set[str]:
-        """Requests demoted since the last call (for the scheduler, through the
-        connector's worker metadata)."""
-        out, self._unreported = self._unreported, set()
-        return out
 
     def failed_blocks(self, block_size: int) -> set[int]:
         """The KV-cache block each failed request of this step writes (its last scheduled
         token's): reported to the scheduler as blocks that failed to load, which ends the
         request with an error (vLLM's ``kv_load_failure_policy='fail'``)."""
-        if not self._failed or self.step is None:
+        failed = self.fates.failed()
+        if not failed or self.step is None:
             return set()
-        return {row.slot // block_size for rid, row in self.step.rows.items()
-                if rid in self._failed}
+        return {row.slot // block_size for rid, row in self.step.rows.items() if rid in failed}
 
     def find_index_any(self, request_id: str) -> bool:
         """Whether ``request_id`` has its indexes here (taking them over from the builder,
