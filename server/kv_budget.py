@@ -100,6 +100,7 @@ def available_memory() -> int:
 
 def auto_kv_budget(model_dir: str | Path, dtype: str | None = None) -> KVBudget:
     """:func:`choose_kv_bytes` for the memory available now and the weights in ``model_dir``
-    loaded in ``dtype`` (a ``--dtype`` value; None or ``auto``: as stored)."""
+    loaded in ``dtype`` (a ``--dtype`` value; None or ``auto``: as vLLM resolves it, see
+    :func:`~vllm_retro.server.serve_dtype.loaded_weight_bytes`)."""
     loaded = loaded_weight_bytes(weight_bytes(model_dir), checkpoint_dtype(model_dir), dtype)
     return choose_kv_bytes(available_memory(), loaded)

@@ -17,7 +17,6 @@ half the memory.
 from __future__ import annotations
 
 import json
-import pathlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def native_bf16(cpuinfo: str | None = None) -> bool:
     info = cpuinfo
     if info is None:
         try:
-            info = pathlib.Path("/proc/cpuinfo").read_text()
+            info = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
     flags_line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
