@@ -262,7 +262,8 @@ class RouteImplMixin:
         zeros in the later ones."""
         name = layer.layer_name
         decodes = plan.decodes
-        indexes = [None if rt.fates.has_failed(d.request_id) else rt.index(d.request_id, name)
+        failed = rt.fates.has_failed
+        indexes = [None if failed(d.request_id) else rt.index(d.request_id, name)
                    for d in decodes]
         for d, index in zip(decodes, indexes, strict=True):
             c = d.catch_up
