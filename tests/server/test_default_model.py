@@ -60,7 +60,10 @@ def test_default_model_answers_and_is_indexed(default_server: Server,
 
     log = default_server.log.read_text()
     assert "no MODEL given; serving the embedded default" in log
-    # vLLM's auto would run the float32 checkpoint in bfloat16, slow without native bf16
+    # vLLM's auto would run the float32 checkpoint in bfloat16, slow without native bf16:
+    # the engine's own config line says what it ran, the banner says why
+    ran = "float32" if not native_bf16() else "bfloat16"
+    assert f"dtype=torch.{ran}," in log
     assert ("vllm-retro: float32 weights and KV cache" in log) is not native_bf16()
     # a hang guard, not a timed assert: a 4.4K-token prefill took 250 s on 2 cores alone
     # and over 300 s beside another pytest-xdist worker
