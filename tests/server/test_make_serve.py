@@ -23,7 +23,9 @@ pytest.importorskip("vllm")
 
 from tests.server.serving import sample, unexpected_tracebacks  # noqa: E402
 
-pytestmark = pytest.mark.real_model
+# runs_last: the server sizes its KV cache from the memory free when it starts; a real-model
+# server started beside it afterwards would take that memory (tests/conftest.py)
+pytestmark = [pytest.mark.real_model, pytest.mark.runs_last]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
