@@ -90,7 +90,7 @@ def full_budget_matches_stock(model: Path | str, retro: dict[str, Any]) -> None:
         assert c.indexed_requests == 5 and c.index_updates > 0
         assert c.retro_decode_tokens > 2 * 4 * 90
         finish_step(llm)
-        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+        assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert got == stock
 
 
@@ -110,7 +110,7 @@ def decode_two_abort_one(llm: Any, check: Any) -> Any:
         eng.step()
         if rt.counters.retro_decode_tokens >= 2 * 2 * 20:
             break
-    assert len(rt.live_requests()) == 2
+    assert len(rt.registry.live()) == 2
     check(rt)
     eng.abort_request(["a"])  # mid-decoding
     while eng.has_unfinished_requests():
@@ -118,5 +118,5 @@ def decode_two_abort_one(llm: Any, check: Any) -> Any:
     c = rt.counters
     assert c.sparse_decode_tokens > 100 and c.index_updates > 0
     finish_step(llm)
-    assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     return rt

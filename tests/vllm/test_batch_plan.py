@@ -78,8 +78,8 @@ def test_released_requests_are_freed_before_the_step():
                            torch.randn(2, 300, 32, generator=g))
     assert rt.live_bytes()[0] > 0
     rt.begin_step(RetroStepMetadata(released={"x", "y", "unknown"}))
-    assert rt.live_requests() == ["z"]
+    assert rt.registry.live() == ["z"]
     rt.begin_step(RetroStepMetadata(released={"z"}))
-    assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert rt.counters.requests_released == 3
     rt.close()

@@ -47,7 +47,7 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
         assert c.retro_decode_tokens > 2 * 4 * 90
         assert c.kv_heads == 2
         finish_step(llm)
-        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+        assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert retro == stock
 
 
@@ -130,12 +130,12 @@ def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_mod
         held = _free_blocks(llm)
         for _ in range(6):
             step()
-            assert rt.live_requests() == []
+            assert rt.registry.live() == []
             assert _free_blocks(llm) <= held  # decoding from its paged blocks
         assert rt.counters.dense_decode_tokens == 6
         assert rt.counters.sparse_decode_tokens == 0
         step()  # switches (waiting for the build if it is not done)
-        assert len(rt.live_requests()) == 1 and rt.builder.pending() == []
+        assert len(rt.registry.live()) == 1 and rt.builder.pending() == []
         assert rt.counters.sparse_decode_tokens == 1 and rt.counters.dense_decode_tokens == 6
         step()  # the switch step has run: the request's blocks are gone
         assert _free_blocks(llm) > held and _free_blocks(llm) >= free0 - 1
@@ -279,8 +279,8 @@ def test_pqcache_default_budget_decodes_sparse_and_frees_aborted_requests(tiny_m
     # 'auto' on the CPU: the fused kernel reads host pages in place; 'torch': the batched
     # path through the execution buffer and the block cache (CUDA's)
     def check(rt):
-        for rid in rt.live_requests():
-            layer = next(iter(rt.indexes_of(rid)))
+        for rid in rt.registry.live():
+            layer = next(iter(rt.registry.indexes_of(rid)))
             idx = rt.index(rid, layer)
             assert type(idx).__name__ == "PQIndex" and 0 < idx.token_budget() < idx.num_indexed
 

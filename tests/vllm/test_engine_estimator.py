@@ -15,8 +15,8 @@ def test_auto_estimator_is_judged_on_the_prompts_queries(tiny_model_dir):
     seen = []
 
     def check(rt):
-        for rid in rt.live_requests():
-            for layer in rt.indexes_of(rid):
+        for rid in rt.registry.live():
+            for layer in rt.registry.indexes_of(rid):
                 idx = rt.index(rid, layer)
                 assert idx.judged_queries == JUDGE_QUERIES, (rid, layer)
                 heads = idx.residuals.tilted_heads

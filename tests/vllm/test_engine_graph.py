@@ -25,8 +25,8 @@ def test_graph_with_every_token_matches_stock_token_for_token(tiny_model_dir):
 
 def test_graph_default_budget_decodes_sparse_and_frees_aborted_requests(tiny_model_dir):
     def check(rt):
-        for rid in rt.live_requests():
-            layer = next(iter(rt.indexes_of(rid)))
+        for rid in rt.registry.live():
+            layer = next(iter(rt.registry.indexes_of(rid)))
             idx = rt.index(rid, layer)
             assert type(idx).__name__ == "GraphIndex"
             assert 0 < idx.token_budget() < idx.num_indexed and idx.spec is not None

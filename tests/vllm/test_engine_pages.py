@@ -22,8 +22,8 @@ def test_a_budget_of_every_token_matches_stock_token_for_token(kind, tiny_model_
 @pytest.mark.parametrize("kind", ["quest", "streaming"])
 def test_default_budget_decodes_sparse_and_frees_aborted_requests(kind, tiny_model_dir):
     def check(rt):
-        for rid in rt.live_requests():
-            layer = next(iter(rt.indexes_of(rid)))
+        for rid in rt.registry.live():
+            layer = next(iter(rt.registry.indexes_of(rid)))
             idx = rt.index(rid, layer)
             assert idx.config.index == kind and type(idx).__name__ == {
                 "quest": "QuestIndex", "streaming": "StreamingIndex"}[kind]

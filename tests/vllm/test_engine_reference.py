@@ -184,12 +184,12 @@ def test_each_policys_layer_step_equals_its_per_row_reference(tiny_model_dir, mo
         while eng.has_unfinished_requests():
             eng.step()
             if not aborted and rt.counters.retro_decode_tokens >= 2 * 3 * 30:
-                assert len(rt.live_requests()) == 3
+                assert len(rt.registry.live()) == 3
                 eng.abort_request(["a"])  # mid-decode, with the others in its batch
                 aborted = True
         counters = rt.counters
         finish_step(llm)
-        assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+        assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert aborted and counters.index_updates > 0  # update blocks landed while decoding
     assert max(batch_sizes) == 3 and min(batch_sizes) == 1  # joins: 1, then 3 rows a layer
     assert len(errors) == counters.retro_decode_tokens > 2 * 3 * 30

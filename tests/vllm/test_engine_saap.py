@@ -29,8 +29,8 @@ def test_saap_with_every_bucket_matches_stock_token_for_token(tiny_model_dir, sa
 
 def test_saap_decodes_sparse_and_frees_aborted_requests(tiny_model_dir, saap_file):
     def check(rt):
-        for rid in rt.live_requests():
-            for name, idx in rt.indexes_of(rid).items():
+        for rid in rt.registry.live():
+            for name, idx in rt.registry.indexes_of(rid).items():
                 assert type(idx).__name__ == "SaapIndex" and idx.num_buckets == SAAP_BUCKETS
                 # layer 0 is dense (every bucket), as the paper serves it
                 assert idx.probes == (SAAP_BUCKETS if idx.layer == 0 else 2), name

@@ -49,7 +49,7 @@ def plain(got: dict[str, tuple[list[int], str]]) -> dict[str, tuple[list[int], s
 
 def assert_all_freed(llm, ids: list[str]) -> None:
     rt = get_runtime()
-    assert rt.live_requests() == [] and rt.live_bytes() == (0, 0)
+    assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert rt.builder.pending() == []
     assert all(schedule_state.indexed_at(rid) is None for rid in ids)
     core = llm.llm_engine.engine_core.engine_core

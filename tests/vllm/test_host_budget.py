@@ -85,7 +85,7 @@ def _run_stepwise(llm, prompts, max_tokens):
         for o in eng.step():
             if o.finished:
                 outs[int(o.request_id)] = list(o.outputs[0].token_ids)
-        most = max(most, len(rt.live_requests()))
+        most = max(most, len(rt.registry.live()))
     return [outs[i] for i in range(len(prompts))], most
 
 
@@ -154,7 +154,7 @@ def test_reservations_bound_the_host_bytes_of_the_real_model(qwen_model_dir):
         while eng.has_unfinished_requests():
             finished = any(o.finished for o in eng.step())
             host = rt.live_bytes()[0]
-            if rt.live_requests() and not finished:  # a finished one is freed a step later
+            if rt.registry.live() and not finished:  # a finished one is freed a step later
                 ratios.append(host / conn.budget.reserved_bytes)
         assert rt.counters.index_updates > 0
     print(f"host bytes / reservations: max {max(ratios):.2f}, last {ratios[-1]:.2f}")

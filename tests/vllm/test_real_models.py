@@ -143,5 +143,5 @@ def test_aborted_neighbours_never_change_a_survivors_answer(qwen_model_dir):
             got = [outs[f"{timing}-s{i}"] for i in range(6)]
             assert got == alone, (timing, got, alone)
         finish_step(llm)
-        assert rt.live_requests() == []
+        assert rt.registry.live() == []
         assert rt.live_bytes() == (0, 0)

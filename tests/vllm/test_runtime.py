@@ -74,13 +74,13 @@ def test_a_request_has_one_slot_in_every_layers_steady_pool():
     assert host >= sum(p.nbytes() for p in pools.values()) > 0
     # one state per layer holds its pool and its requests' indexes
     for layer in ("l0", "l1"):
-        state = rt.layer(layer)
+        state = rt.registry.layer(layer)
         assert state.name == layer and state.steady is pools[layer]
         assert list(state.indexes) == ["x", "y", "z"]
-    assert rt.indexes_of("x") == {layer: rt.index("x", layer) for layer in ("l0", "l1")}
-    assert rt.live_requests() == ["x", "y", "z"] and rt.layer("l2") is None
+    assert rt.registry.indexes_of("x") == {layer: rt.index("x", layer) for layer in ("l0", "l1")}
+    assert rt.registry.live() == ["x", "y", "z"] and rt.registry.layer("l2") is None
     rt.free_request("y")
-    assert rt.indexes_of("y") == {} and "y" not in rt.layer("l0").indexes
+    assert rt.registry.indexes_of("y") == {} and "y" not in rt.registry.layer("l0").indexes
     build("w")
     assert rt.index("w", "l1").slot == 1
     for rid in "xzw":
@@ -102,7 +102,7 @@ def test_a_request_counts_live_from_its_build_not_its_switch():
         rt.submit_build("x", layer, torch.randn(2, 300, 32, generator=g),
                         torch.randn(2, 300, 32, generator=g))
     before = rt.take_stats(0).data["gauges"]["0"]
-    assert rt.live_requests() == []  # not switched yet
+    assert rt.registry.live() == []  # not switched yet
     assert before["live_requests"] == 1 and before["clusters"] > 0
     assert before["host_tier_bytes"] > rt.manager.live_bytes()[0]  # + the indexes' meta data
     rt.index("x", "l0")  # the switch takes the indexes over from the builder
@@ -134,7 +134,7 @@ def test_an_idle_engine_drops_the_decode_state_and_trims_whichever_request_ends_
     g = torch.Generator().manual_seed(3)
     rt.build_index("x", "l0", torch.randn(2, 300, 32, generator=g),
                    torch.randn(2, 300, 32, generator=g))
-    views = rt.layer("l0").meta_views
+    views = rt.registry.layer("l0").meta_views
     views.exec_buffer(4, 64, 32, torch.float32, torch.device("cpu"))  # as a decode leaves it
     held = views.nbytes()
     assert held > 0
@@ -142,7 +142,7 @@ def test_an_idle_engine_drops_the_decode_state_and_trims_whichever_request_ends_
     rt.begin_step(RetroStepMetadata(rows={"d": dense}))
     assert trims == []
     rt.begin_step(RetroStepMetadata(rows={"d": dense}, released={"x"}))  # d still runs
-    assert rt.live_requests() == [] and trims == [] and views.nbytes() == held
+    assert rt.registry.live() == [] and trims == [] and views.nbytes() == held
     rt.begin_step(RetroStepMetadata(released={"d"}))  # the last one, without an index
     assert trims == [1] and views.nbytes() == 0
     rt.begin_step(RetroStepMetadata())  # idle, nothing new released
@@ -165,7 +165,7 @@ def test_a_layers_indexes_keep_their_meta_rows_in_the_layers_pool():
         for layer in ("l0", "l1"):
             rt.build_index(rid, layer, k, v)
     for layer in ("l0", "l1"):
-        pool = rt.layer(layer).meta
+        pool = rt.registry.layer(layer).meta
         places = [rt.index(rid, layer).meta_place() for rid in kv]
         assert all(p is not None and p[0] is pool for p in places)
         assert len(pool.table) == 3 and pool.nbytes() > 0
@@ -180,6 +180,6 @@ def test_a_layers_indexes_keep_their_meta_rows_in_the_layers_pool():
         assert torch.equal(getattr(y, name), getattr(alone, name)), name
     rt.free_request("y")
     rt.free_request("z")
-    assert all(rt.layer(layer).meta.nbytes() == 0 for layer in ("l0", "l1"))
+    assert all(rt.registry.layer(layer).meta.nbytes() == 0 for layer in ("l0", "l1"))
     assert rt.live_bytes() == (0, 0)
     rt.close()

@@ -225,7 +225,7 @@ class RouteImplMixin:
                            * self.scale)
             rt.submit_build(b.request_id, name, keys, values, time.perf_counter() - t0,
                             queries=queries)
-        state = rt.layer(name)
+        state = rt.registry.layer(name)
         if md.plan.decodes:
             # the layer's batched-decode view, kept across steps (a fresh one for a layer
             # holding no index yet: its rows fail with a clear error)

@@ -1,11 +1,11 @@
-"""Per-worker-process retro state: the wave buffer manager, each attention layer's state
-(:class:`~vllm_retro.vllm.layer_state.LayerState`: its requests' wave indexes and its
-steady-zone pool) and the requests' slots in the pools, the index builder, the current
-step's plan, and counters.
+"""Per-worker-process retro state: the wave buffer manager, the layers' states and the
+requests' slots (:class:`~vllm_retro.vllm.layer_registry.LayerRegistry`), the index builder,
+the requests' fates, the current step's plan, and counters. The runtime ties them together:
+it builds indexes and registers them, takes them over from the builder at a request's
+switch, and frees everything a request holds.
 
 One instance per process (:func:`get_runtime`). The engine runs one step at a time per
-worker, so the step plan is plain state; the registry itself is lock-protected because
-counters are read from other threads (metrics, tests).
+worker, so the step plan is plain state.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.pq_index import PQIndex
 from vllm_retro.index.saap import SaapIndex
 from vllm_retro.index.saap_model import load_saap
-from vllm_retro.index.steady import SlotTable
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_ext
 from vllm_retro.vllm.counters import CounterDeltas, RetroCounters
 from vllm_retro.vllm.heap import release_free_heap
 from vllm_retro.vllm.index_builder import IndexBuilder
-from vllm_retro.vllm.layer_state import LayerState
+from vllm_retro.vllm.layer_registry import LayerRegistry
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.request_fates import RequestFates
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
@@ -46,12 +45,10 @@ class RetroRuntime:
         self._manager: WaveBufferManager | None = None
         self._builder: IndexBuilder | None = None
         self._device_type = "cpu"
-        self._layers: dict[str, LayerState] = {}
-        """Each attention layer's state (its requests' indexes, its steady-zone pool), by
-        vLLM's layer name."""
-        self._slots = SlotTable()
-        """Each live request's slot, the same in every layer's steady pool."""
+        self.registry = LayerRegistry()
+        """The layers' states (their requests' indexes and pools) and the requests' slots."""
         self._lock = threading.Lock()
+        """Guards :attr:`_build_seconds` (read by the metrics' thread)."""
         self.step: RetroStepMetadata | None = None
         self._slot_to_req: dict[int, tuple[str, RowStep]] = {}
         self.counters = RetroCounters()
@@ -121,7 +118,7 @@ class RetroRuntime:
             self.free_request(rid)
             self.fates.release(rid)
         if meta.released and not meta.rows:
-            for state in self._layers.values():
+            for state in self.registry.layers():
                 state.meta_views.clear()
             release_free_heap()
         if self._builder is not None:
@@ -185,42 +182,16 @@ class RetroRuntime:
 
     def _register(self, request_id: str, layer: str, index: WaveIndex) -> None:
         # the engine's thread: a layer's state changes only between forwards
-        slot = self._slots.get(request_id)
-        with self._lock:
-            first = not self._holds(request_id)
-            state = self._layers.get(layer)
-            if state is None:
-                state = self._layers[layer] = LayerState(layer)
-            old = state.register(request_id, slot, index)
-            self.counters.indexes_built += 1
-            self.counters.kv_heads = index.num_kv_heads
-            if first:  # a request more: the live count changes only now
-                self.counters.indexed_requests += 1
-                self.counters.indexed_tokens += index.num_tokens
-                self.counters.peak_live_requests = max(self.counters.peak_live_requests,
-                                                       len(self._live()))
+        old, first = self.registry.register(request_id, layer, index)
+        self.counters.indexes_built += 1
+        self.counters.kv_heads = index.num_kv_heads
+        if first:  # a request more: the live count changes only now
+            self.counters.indexed_requests += 1
+            self.counters.indexed_tokens += index.num_tokens
+            self.counters.peak_live_requests = max(self.counters.peak_live_requests,
+                                                   len(self.registry.live()))
         if old is not None:
             old.free()
-
-    def _holds(self, request_id: str) -> bool:
-        """Whether some layer holds an index of ``request_id`` (under the lock)."""
-        return any(request_id in state.indexes for state in self._layers.values())
-
-    def _live(self) -> list[str]:
-        """The request ids some layer holds an index of, in order of arrival (under the
-        lock)."""
-        return list(dict.fromkeys(rid for state in self._layers.values()
-                                  for rid in state.indexes))
-
-    def layer(self, name: str) -> LayerState | None:
-        """The state of attention layer ``name`` (None before its first index)."""
-        return self._layers.get(name)
-
-    def indexes_of(self, request_id: str) -> dict[str, WaveIndex]:
-        """The indexes of ``request_id`` taken over so far, by layer name."""
-        with self._lock:
-            return {name: state.indexes[request_id] for name, state in self._layers.items()
-                    if request_id in state.indexes}
 
     def note_build_time(self, request_id: str, seconds: float) -> None:
         """Add ``seconds`` (reading back KV and indexing it) to the request's index build
@@ -274,12 +245,10 @@ class RetroRuntime:
     def find_index_any(self, request_id: str) -> bool:
         """Whether ``request_id`` has its indexes here (taking them over from the builder,
         waiting for it, when they are not yet)."""
-        with self._lock:
-            held = self._holds(request_id)
+        held = self.registry.holds(request_id)
         if not held and self._builder is not None:
             self._take(request_id)
-            with self._lock:
-                held = self._holds(request_id)
+            held = self.registry.holds(request_id)
         return held
 
     def _take(self, request_id: str) -> None:
@@ -295,13 +264,11 @@ class RetroRuntime:
         """The index of ``request_id`` at ``layer`` (at the request's switch, taken over
         from the builder, waiting for it if needed), or None when it has none (never
         indexed here, or its background build failed)."""
-        def held() -> WaveIndex | None:
-            state = self._layers.get(layer)
-            return None if state is None else state.indexes.get(request_id)
-
         # every decode row of every layer: one lookup; the builder only at a switch
-        index = held()
-        return index if index is not None or not self.find_index_any(request_id) else held()
+        index = self.registry.index(request_id, layer)
+        if index is not None or not self.find_index_any(request_id):
+            return index
+        return self.registry.index(request_id, layer)
 
     def index(self, request_id: str, layer: str) -> WaveIndex:
         """:meth:`find_index`, with a clear error if the index does not exist."""
@@ -317,9 +284,7 @@ class RetroRuntime:
         False if it held none."""
         if self._builder is not None:
             self.counters.index_step_seconds += self._builder.cancel(request_id)
-        with self._lock:
-            removed = [i for i in (state.remove(request_id) for state in self._layers.values())
-                       if i is not None]
+        removed = self.registry.remove(request_id)
         if removed and self._builder is not None and self._builder.background and any(
                 i.centroids.is_cuda for i in removed):
             # Their memory came from the builder's stream: the caching allocator may hand it
@@ -327,31 +292,20 @@ class RetroRuntime:
             torch.cuda.current_stream().synchronize()
         for index in removed:
             index.free()
-        self._slots.release(request_id)
-        idle = not len(self._slots)
-        if idle:  # no request left: the pools' memory goes back
-            for state in self._layers.values():
-                state.release_pools()
+        self.registry.release_slot(request_id)  # the last one out releases the pools
         if self._manager is not None:
             self._manager.free_request(request_id)
         if removed:
             self.counters.requests_released += 1
         return bool(removed)
 
-    def live_requests(self) -> list[str]:
-        """Request ids holding indexes (taken over at their switch)."""
-        with self._lock:
-            return self._live()
-
     def _held_indexes(self) -> dict[str, list[WaveIndex]]:
         """Every index holding memory, by request id: those taken over at their request's
         switch and those the builder holds until then (built the step before, or in the
         background)."""
         held = dict(self._builder.built()) if self._builder is not None else {}
-        with self._lock:
-            for state in self._layers.values():
-                for rid, index in state.indexes.items():
-                    held.setdefault(rid, []).append(index)
+        for rid, indexes in self.registry.held().items():
+            held[rid] = held.get(rid, []) + indexes  # the builder's lists stay as they are
         return held
 
     def live_bytes(self) -> tuple[int, int]:
@@ -362,7 +316,7 @@ class RetroRuntime:
         host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
         held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
                 for idx in indexes]
-        held += [state.pools_nbytes() for state in self._layers.values()]
+        held += [state.pools_nbytes() for state in self.registry.layers()]
         for nbytes, on_device in held:
             if on_device:
                 device += nbytes
@@ -404,10 +358,9 @@ class RetroRuntime:
         if self._builder is not None:
             self._builder.close()
             self._builder = None
-        for rid in self.live_requests():
+        for rid in self.registry.live():
             self.free_request(rid)
-        self._layers = {}
-        self._slots = SlotTable()
+        self.registry = LayerRegistry()
         if self._manager is not None:
             self._manager.close()
             self._manager = None

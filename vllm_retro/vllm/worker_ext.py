@@ -21,7 +21,7 @@ class RetroWorkerExtension:
             "pid": os.getpid(),
             "enabled": rt.config is not None,
             "counters": dataclasses.asdict(rt.counters),
-            "live_requests": rt.live_requests(),
+            "live_requests": rt.registry.live(),
             "live_host_bytes": host,
             "live_device_bytes": device,
         }
