@@ -25,10 +25,11 @@ lint: setup
 # so its module fixtures (servers, engines) start once. Files go out in collection order
 # (tests/conftest.py puts the minutes-long real-model files first), not reordered by
 # pytest-xdist by their number of tests (which handed those files out last).
+# --durations=15: the slowest tests (and fixture set-ups) are listed at the end of the output.
 TEST_WORKERS ?= auto
 test: setup lint
 	TRITON_INTERPRET=1 VLLM_RETRO_REQUIRE_PARTS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder tests
+		--dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # Every Triton kernel launch of the kernel and device-step tests compiled for an H100/H200
 # (cuda:90), no GPU needed (tests/triton_compile.py; ~5 min): with this environment's Triton,
