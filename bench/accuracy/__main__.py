@@ -11,6 +11,7 @@ status is 1 if retro's mean accuracy is below full attention's by more than ``--
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the engines' dtype (default bfloat16, the model's own; 'auto': "
                     "float32 on a CPU without native bf16, where bf16 runs several times "
                     "slower, see bench/machine.py)")
+    ap.add_argument("--chunk", type=int, help="serve N prompts at a time and checkpoint after "
+                    "each batch, so an interrupted run resumes mid-configuration (default: "
+                    "all of a configuration's prompts in one batch, one checkpoint after it)")
     ap.add_argument("--model", help="model directory (default: ensure_qwen_coder())")
     ap.add_argument("--saap-file", help="the model's SAAP file (`vllm-retro calibrate MODEL "
                     "--out FILE`), for the 'saap' configuration (default configurations "
@@ -88,7 +92,9 @@ def resumed_runs(partial: Path, command: str, configs: list[str]) -> list[dict[s
     """Finished runs from an interrupted run of the same command (its checkpoint file).
 
     Returns the checkpoint's runs when it was written by exactly ``command`` and they
-    are a prefix of ``configs``; else an empty list (a different command starts over).
+    are a prefix of ``configs``; else an empty list (a different command starts over). The
+    last may be unfinished (``"complete": False``, written with ``--chunk``): the caller
+    resumes it.
     """
     if not partial.exists():
         return []
@@ -101,8 +107,18 @@ def resumed_runs(partial: Path, command: str, configs: list[str]) -> list[dict[s
     if saved.get("command") != command or done != configs[:len(done)]:
         return []
     if runs:
-        print(f"resuming from {partial}: {', '.join(done)} already done")
+        print(f"resuming from {partial}: " + ", ".join(
+            f"{r['config']} ({len(r.get('samples', []))} answers so far)"
+            if r.get("complete") is False else r["config"] for r in runs))
     return runs
+
+
+def write_checkpoint(partial: Path, command: str, ctx: int, runs: list[dict[str, Any]],
+                     run: dict[str, Any] | None = None) -> None:
+    """Write the checkpoint of ``command`` at ``ctx``: the finished ``runs``, and ``run``, an
+    unfinished one, after them when given."""
+    write_json({"command": command, "context_tokens": ctx, "complete": False,
+                "runs": runs + ([run] if run is not None else [])}, partial)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,13 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         samples = make_samples(args.tasks, [ctx], args.samples, args.seed, render, count_tokens)
         t0 = time.perf_counter()
         out = Path(args.out.replace("{ctx}", str(ctx)))
-        runs = resumed_runs(out.with_suffix(".partial.json"), command, args.configs)
+        partial = out.with_suffix(".partial.json")
+        runs = resumed_runs(partial, command, args.configs)
+        unfinished = runs.pop() if runs and runs[-1].get("complete") is False else None
         for c in args.configs[len(runs):]:
+            # checkpoints: within the configuration with --chunk, and after it, so an
+            # interrupted long run keeps its results
+            save = functools.partial(write_checkpoint, partial, command, ctx, list(runs))
             runs.append(run_config(model_dir, c, samples, saap_file=args.saap_file,
-                                   dtype=args.dtype))
-            # Checkpoint after each configuration, so an interrupted long run keeps its results.
-            write_json({"command": command, "context_tokens": ctx, "complete": False,
-                        "runs": runs}, out.with_suffix(".partial.json"))
+                                   dtype=args.dtype, chunk=args.chunk, done=unfinished,
+                                   checkpoint=save))
+            unfinished = None
+            write_checkpoint(partial, command, ctx, runs)
         summary = summarize(runs, args.tasks)
         title = f"accuracy at {ctx} tokens ({args.samples} samples/task)"
         print(table(summary, f"\n{title}\n"))

@@ -114,28 +114,59 @@ def settings(name: str, saap_file: str | None = None) -> dict[str, Any] | None:
     return retro
 
 
+def sample_key(record: dict[str, Any]) -> tuple[str, int, int]:
+    """What identifies a sample across runs: (task, seed, target tokens)."""
+    return record["task"], record["seed"], record["target_tokens"]
+
+
 def run_config(model_dir: Path | str, name: str, samples: Sequence[Sample],
                log: Callable[[str], None] = print, saap_file: str | None = None,
-               dtype: str = "bfloat16") -> dict[str, Any]:
+               dtype: str = "bfloat16", chunk: int | None = None,
+               done: dict[str, Any] | None = None,
+               checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Serve every sample under configuration ``name`` (a key of :data:`CONFIGS`) with greedy
     decoding in ``dtype``; returns ``{"config", "retro", "wall_s", "engine_start_s",
-    "samples": [...]}`` where each sample record holds the answer and its score in [0, 1]."""
+    "samples": [...]}`` where each sample record holds the answer and its score in [0, 1].
+
+    All samples go to the engine in one batch; with ``chunk``, ``chunk`` at a time, each batch
+    followed by ``checkpoint(run)`` with the answers so far (``"complete": False``), so that an
+    interrupted run resumes mid-configuration: ``done``, such a partial run of this
+    configuration, supplies the answers already given (and its wall time is added)."""
     from vllm import SamplingParams
 
     retro = settings(name, saap_file)
+    records = list(done["samples"]) if done is not None else []
+    answered = {sample_key(r) for r in records}
+    todo = [s for s in samples if sample_key(s.record()) not in answered]
+    wall0 = done.get("wall_s", 0.0) if done is not None else 0.0
+    size = chunk or max(1, len(todo))
     max_len = max(s.prompt_tokens + s.max_tokens for s in samples) + 16
     t0 = time.perf_counter()
-    with engine(model_dir, retro, max_len, dtype) as llm:
-        t_start = time.perf_counter() - t0
-        params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in samples]
-        outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    records = []
-    for s, o in zip(samples, outs, strict=True):
-        answer = o.outputs[0].text
-        records.append({**s.record(), "answer": answer,
-                        "score": score(answer, s.expected, s.forbidden)})
-    log(f"[accuracy] {name}: {len(samples)} samples in {wall:.1f} s "
-        f"(engine start {t_start:.1f} s)")
-    return {"config": name, "retro": retro, "wall_s": round(wall, 2),
-            "engine_start_s": round(t_start, 2), "samples": records}
+
+    def run(complete: bool) -> dict[str, Any]:
+        out = {"config": name, "retro": retro,
+               "wall_s": round(wall0 + time.perf_counter() - t0, 2),
+               "engine_start_s": round(t_start, 2), "samples": list(records)}
+        return out if complete else {**out, "complete": False}
+
+    t_start = 0.0
+    if todo:
+        with engine(model_dir, retro, max_len, dtype) as llm:
+            t_start = time.perf_counter() - t0
+            for at in range(0, len(todo), size):
+                part = todo[at:at + size]
+                params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
+                          for s in part]
+                outs = llm.generate([s.prompt for s in part], params, use_tqdm=False)
+                for s, o in zip(part, outs, strict=True):
+                    answer = o.outputs[0].text
+                    records.append({**s.record(), "answer": answer,
+                                    "score": score(answer, s.expected, s.forbidden)})
+                if checkpoint is not None and at + size < len(todo):
+                    checkpoint(run(complete=False))
+    order = {sample_key(s.record()): i for i, s in enumerate(samples)}
+    records.sort(key=lambda r: order[sample_key(r)])
+    result = run(complete=True)
+    log(f"[accuracy] {name}: {len(samples)} samples in {result['wall_s']:.1f} s "
+        f"(engine start {t_start:.1f} s{', resumed' if done is not None else ''})")
+    return result
