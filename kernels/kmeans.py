@@ -51,7 +51,8 @@ def scatter_sum_ref(
     valid = assign >= 0
     idx = torch.where(valid, assign, torch.zeros_like(assign))
     sums = torch.zeros(s, num_clusters, f, dtype=torch.float32, device=x.device)
-    xv = x.float() * valid[..., None]
+    # ignored points add exact zeros (a product with 0 would carry their NaNs in)
+    xv = torch.where(valid[..., None], x.float(), 0.0)
     sums.scatter_add_(1, idx[..., None].expand(s, n, f), xv)
     counts = torch.zeros(s, num_clusters, dtype=torch.float32, device=x.device)
     counts.scatter_add_(1, idx, valid.float())

@@ -50,6 +50,32 @@ def test_triton_matches_ref(rows, cap, d, n_runs, dtype, rng, triton_device):
     assert torch.equal(got_k.cpu(), ref_k) and torch.equal(got_v.cpu(), ref_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_rows_are_copied_where_their_runs_go_and_nowhere_else(dtype, rng, triton_device):
+    """A NaN row of either pool lands, bit for bit, where its run puts it, and no other
+    destination row changes (compared as bits: NaN never equals itself)."""
+    rows, cap, d = 2, 96, 64
+    dev_k, dev_v = (torch.randn(64, d, generator=rng).to(dtype) for _ in range(2))
+    host_k, host_v = (torch.randn(300, d, generator=rng).to(dtype) for _ in range(2))
+    dev_k[10, 3] = dev_v[11] = float("nan")
+    host_k[200] = host_v[201, 63] = float("nan")
+    runs = torch.tensor([[0, 8, 5], [50, 198, -6], [100, 0, 3]], dtype=torch.int64)
+    ref_k, ref_v = (torch.full((rows, cap, d), 7.0, dtype=dtype) for _ in range(2))
+    gather_runs_ref(ref_k, ref_v, dev_k, dev_v, host_k, host_v, runs)
+    nan_rows = {int(i) for i in ref_k.view(-1, d).isnan().any(1).nonzero()} | \
+        {int(i) for i in ref_v.view(-1, d).isnan().any(1).nonzero()}
+    assert nan_rows == {2, 3, 52, 53}  # dev rows 10, 11 and host rows 200, 201
+    got_k, got_v = (torch.full((rows, cap, d), 7.0, dtype=dtype, device=triton_device)
+                    for _ in range(2))
+    if triton_device == "cuda":
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
+    gather_runs_triton(got_k, got_v, dev_k.to(triton_device), dev_v.to(triton_device),
+                       host_k, host_v, runs)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for got, ref in ((got_k, ref_k), (got_v, ref_v)):
+        assert torch.equal(got.cpu().view(bits), ref.view(bits))
+
+
 def test_bad_runs_are_clear_errors():
     x = torch.zeros(2, 8, 16)
     with pytest.raises(ValueError, match=r"runs must be \[N, 3\], got \[4\]"):

@@ -77,7 +77,7 @@ def test_scatter_sum_ref_matches_naive(rng):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scatter_sum_triton_matches_ref(shape, dtype, rng, triton_device):
     s, n, k, d = shape
     x = torch.randn(s, n, 2 * d, generator=rng).to(dtype)
@@ -193,3 +193,65 @@ def test_triton_kernels_skip_their_work_once_stopped(flag, rng, triton_device):
         want_sums, want_counts = scatter_sum_ref(x.cpu(), plain.cpu(), k)
         torch.testing.assert_close(sums.cpu(), want_sums, rtol=1e-5, atol=1e-5)
         assert torch.equal(counts.cpu(), want_counts)
+
+
+ASSIGNERS = {  # name -> assign(x, c, n_valid, k_valid, device the kernel runs on)
+    "ref": lambda x, c, nv, kv, dev: kmeans_assign_ref(x, c, nv, kv),
+    "torch": lambda x, c, nv, kv, dev: kmeans_assign_torch(x, c, nv, kv),
+    "cpu": lambda x, c, nv, kv, dev: kmeans_assign_cpu(x, c, nv, kv),
+    "triton": lambda x, c, nv, kv, dev: kmeans_assign_triton(x.to(dev), c.to(dev), nv,
+                                                             kv).cpu(),
+}
+
+
+@pytest.mark.parametrize("impl", list(ASSIGNERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_point_gets_a_valid_cluster_and_leaves_the_others_alone(impl, dtype, rng,
+                                                                      request):
+    """A point whose key holds a NaN (a broken model's) still gets a cluster id in range —
+    the id indexes the sums and the pools later, so an id out of range would write out of
+    bounds — and every other point's choice is the one it makes without the NaN point
+    (ties within rounding aside)."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    s, n, k, d = 2, 70, 11, 64
+    x = torch.nn.functional.normalize(torch.randn(s, n, d, generator=rng), dim=-1).to(dtype)
+    c = torch.nn.functional.normalize(torch.randn(s, k, d, generator=rng), dim=-1).to(dtype)
+    n_valid, k_valid = torch.tensor([n, n - 9]), torch.tensor([k, k - 4])
+    clean = ASSIGNERS[impl](x, c, n_valid, k_valid, device)
+    bad = x.clone()
+    bad[0, 5, 7] = float("nan")
+    bad[1, 40] = float("nan")
+    got = ASSIGNERS[impl](bad, c, n_valid, k_valid, device)
+    for i, j in ((0, 5), (1, 40)):
+        assert 0 <= int(got[i, j]) < int(k_valid[i]), (i, j, int(got[i, j]))
+    others = torch.ones(s, n, dtype=torch.bool)
+    others[0, 5] = others[1, 40] = False
+    assert torch.equal(got[others], clean[others])
+    assert torch.equal(got == -1, kmeans_assign_ref(x, c, n_valid, k_valid) == -1)
+
+
+@pytest.mark.parametrize("impl", ["ref", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_point_poisons_only_its_own_clusters_sum(impl, dtype, rng, request):
+    """A NaN feature of a point reaches its own cluster's sum of that feature and nothing
+    else: every other sum and every count is the clean one (bit for bit against the
+    reference; the Triton kernel's atomics within rounding)."""
+    s, n, k, f = 2, 90, 6, 80
+    x = torch.randn(s, n, f, generator=rng).to(dtype)
+    a = torch.randint(-1, k, (s, n), generator=rng)
+    a[0, 3], a[1, 10] = 2, -1  # a NaN in a member of cluster 2, and in an ignored point
+    bad = x.clone()
+    bad[0, 3, 17] = float("nan")
+    bad[1, 10] = float("nan")
+    if impl == "triton":
+        dev = request.getfixturevalue("triton_device")
+        sums, counts = (t.cpu() for t in scatter_sum_triton(bad.to(dev), a.to(dev), k))
+    else:
+        sums, counts = (scatter_sum_ref if impl == "ref" else scatter_sum_torch)(bad, a, k)
+    want_sums, want_counts = scatter_sum_ref(x, a, k)
+    nan = torch.zeros(s, k, f, dtype=torch.bool)
+    nan[0, 2, 17] = True
+    assert torch.equal(sums.isnan(), nan)
+    tol = 1e-5 if impl == "triton" else 0.0
+    torch.testing.assert_close(sums[~nan], want_sums[~nan], rtol=tol, atol=tol)
+    assert torch.equal(counts, want_counts)
