@@ -32,26 +32,25 @@ def engine(model: Path | str, retro: dict[str, Any] | None = None, **kwargs: Any
     args.update(kwargs)
     if retro is not None:
         args.update(engine_kwargs(**retro))
-    _freeze_heap()
-    llm = LLM(model=str(model), **args)
+    # The objects the process holds now (modules, test data: ~700K with torch, vLLM and
+    # Triton imported) out of the collector's sight while the engine starts, as vLLM's engine
+    # does after its start-up: the full collections of the model load and of vLLM's own
+    # freeze (five) then scan only what the engine made, ~0.5-1 s less each on 2 cores. The
+    # engine's shutdown unfreezes (and so does a failed start): nothing stays frozen after.
+    gc.collect()
+    gc.freeze()
+    try:
+        llm = LLM(model=str(model), **args)
+    except BaseException:
+        gc.unfreeze()
+        raise
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()  # unfreezes the heap (vLLM's own shutdown)
+        llm.llm_engine.engine_core.shutdown()
         del llm
-        _freeze_heap()  # collects first: this engine's cycles go
-
-
-def _freeze_heap() -> None:
-    """Move the objects the process holds now (modules, test data: hundreds of thousands
-    with torch, vLLM and Triton imported) out of the collector's sight, as vLLM's engine does
-    after its start-up: of the full collections an engine's start-up runs, those of the
-    model load and of vLLM's own freeze (five) then scan only what the engine made, ~0.5-1 s
-    less each on 2 cores. An engine's shutdown unfreezes and collects everything, so nothing
-    frozen outlives the next engine's shutdown."""
-    if gc.get_freeze_count() == 0:
+        gc.unfreeze()
         gc.collect()
-        gc.freeze()
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[Any]:
