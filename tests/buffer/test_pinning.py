@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from tests.buffer.fake_driver import StrictDriver
-from vllm_retro.buffer import BufferStats, LayerPool
+from tests.fixtures import random_clusters
+from vllm_retro.buffer import BufferStats, LayerPool, WaveBufferManager
 from vllm_retro.buffer.host_tier import PIN_CHUNK, HostTier, bits
+from vllm_retro.buffer.store import WaveBufferStore
+from vllm_retro.config import RetroConfig
 
 
 def test_the_fake_driver_refuses_what_the_cuda_driver_refuses():
@@ -185,3 +188,122 @@ def test_a_pool_serving_the_cpu_is_never_pinned(monkeypatch):
     first = pool.host.reserve(3)  # the CUDA driver is never called (it would fail here)
     pool.host.release(first, 3)
     pool.release()
+
+
+def _blocks(h, d, g, dtype, n=4):
+    """A prefill block and update blocks of random keys, values and clusterings:
+    (keys [h, m, d], values, positions [m], clusters) each."""
+    out, at = [], 0
+    for i, (m, c) in enumerate([(700, 40)] + [(64, 4)] * (n - 1)):
+        k = torch.randn(h, m, d, generator=g).to(dtype)
+        v = torch.randn(h, m, d, generator=g).to(dtype)
+        if i == 0:
+            k[1, 5, 3] = float("nan")  # a NaN key lands where its token goes, and only there
+        out.append((k, v, torch.arange(at, at + m), random_clusters(h, m, c, g)))
+        at += m
+    return out
+
+
+def _layer(mgr, h, d, dtype, device, host=None):
+    return LayerPool(h, d, mgr.config.page_size, dtype, torch.device(device), mgr.stats,
+                     worker=mgr.worker, host=host)
+
+
+@pytest.mark.parametrize("reserve", [0, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("async_updates", [False, True])
+def test_a_block_lands_in_a_pinned_pool_from_its_device_rows_as_the_worker_lays_it_out(
+        driver, reserve, dtype, async_updates):
+    """Into a pinned pool (the pool a CUDA layer reads by address) a block is laid out in
+    page order where it lives and copied into its extent in one piece, no staging buffer:
+    every page, position, block map and table entry equals the CPU pool's, where the worker
+    scatters the block row by row; with a reservation (never remapped: the copy runs
+    outside the pool's lock) and without (growing: under it), stores of two requests
+    interleaved, one freed and its extent reused. Freed, nothing stays registered."""
+    h, d = 2, 16
+    cfg = RetroConfig(async_updates=async_updates, cache_fraction=0.5)
+    g = torch.Generator().manual_seed(7)
+    reqs = {rid: _blocks(h, d, g, dtype) for rid in ("a", "b", "c")}
+    mgr = WaveBufferManager(cfg)
+    pinned = HostTier(d, cfg.page_size, dtype, mgr.stats, pin=True, mapper=driver.map,
+                      fence=driver.fence, pinner=(driver.register, driver.unregister),
+                      reserve_pages=reserve)
+    layers = [_layer(mgr, h, d, dtype, "cpu"), _layer(mgr, h, d, dtype, "cpu", pinned)]
+    stores: list[dict[str, WaveBufferStore]] = [{}, {}]
+    # a and b interleave; a finishes and c takes its pages
+    for event in ["a0", "b0", "a1", "b1", "-a", "c0", "b2", "c1", "b3", "c2", "c3"]:
+        rid, what = event[-2], event[-1]
+        for sts, pool in zip(stores, layers, strict=True):
+            if event.startswith("-"):
+                sts.pop(what).free()
+                continue
+            if rid not in sts:
+                sts[rid] = WaveBufferStore(pool, cfg, mgr.exec_buffer, rid)
+            sts[rid].append(*reqs[rid][int(what)])
+            for st in sts.values():  # where a claim lands must not depend on the worker's
+                st.sync()            # speed against the frees (first fit)
+    for sts in stores:
+        for st in sts.values():
+            st.sync()
+    plain, pin = (p.host for p in layers)
+    assert pin.used_pages == plain.used_pages and pin.free_extents == plain.free_extents
+    used = plain.used_pages
+    rows = used * cfg.page_size
+    assert torch.equal(pin.positions[:rows], plain.positions[:rows])
+    tokens = (plain.positions[:rows] >= 0).numpy()  # padding rows may hold a freed extent's
+    for a, b in ((pin.k, plain.k), (pin.v, plain.v)):
+        assert np.array_equal(bits(a).reshape(-1, d)[:rows][tokens],
+                              bits(b).reshape(-1, d)[:rows][tokens])
+    assert np.array_equal(pin.page_block[:used], plain.page_block[:used])
+    assert torch.isnan(pin.k.view(-1, d)[:rows][tokens]).sum() == 2  # b's and c's NaN key
+    for rid in ("b", "c"):
+        a, b = stores[0][rid].table, stores[1][rid].table
+        assert np.array_equal(a.page_start, b.page_start) and np.array_equal(a.size, b.size)
+    assert mgr.stats.bytes_offloaded > 0
+    for sts in stores:
+        for st in sts.values():
+            st.free()
+    assert pin.capacity_pages == 0  # the layer's last store gave the pool back
+    mgr.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_layers_blocks_land_in_its_pinned_pool_and_decode_as_on_cpu():
+    """On CUDA: the blocks reach the registered pool by one device-to-host copy each (no
+    ``pin_memory=True`` staging, so torch's pinned allocator is never asked), and the
+    pages, positions and a gather through the cache equal a CPU layer's."""
+    h, d = 2, 64
+    dtype = torch.bfloat16
+    cfg = RetroConfig(cache_fraction=0.5)
+    g = torch.Generator().manual_seed(3)
+    blocks = _blocks(h, d, g, dtype)
+    ids = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(h)])
+    handed_out = _pinned_allocator_counts()
+    out = []
+    for device in ("cpu", "cuda"):
+        mgr = WaveBufferManager(cfg, pool_reserve_bytes=256 << 20)
+        st = mgr.store("r", h, d, dtype, device, layer="L0")
+        for k, v, pos, cl in blocks:
+            st.stage(k.to(device), v.to(device))
+            st.append(k.to(device), v.to(device), pos.to(device), cl)
+        st.sync()
+        used = st.host.used_pages
+        got = [st.host.k[:used].clone(), st.host.v[:used].clone(),
+               st.host.positions[:used * cfg.page_size].clone()]
+        for _ in range(3):
+            ek, ev, epos, elen = st.gather(ids.to(device), [])
+            got += [ek.cpu(), ev.cpu(), epos.cpu(), elen.cpu()]
+            st.step_done()
+        out.append(got)
+        mgr.close()
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    assert _pinned_allocator_counts() == handed_out
+
+
+def _pinned_allocator_counts() -> dict:
+    """torch's pinned-memory allocator's running totals (blocks handed out, created): they
+    only grow, so equal totals mean it was not asked for memory in between."""
+    stats = getattr(torch.cuda, "host_memory_stats", dict)()
+    return {k: v for k, v in stats.items()
+            if k.endswith(".allocated") or k in ("num_host_alloc", "num_alloc")}

@@ -176,6 +176,8 @@ class HostTier:
         """Bytes still registered in pools a growth replaced (held until :meth:`free`)."""
         self._counted = 0
         """Bytes this pool has added to ``stats.host_bytes``."""
+        self._stream: torch.cuda.Stream | None = None
+        """The side stream blocks are copied into the pool on (:meth:`claim_rows`)."""
         self._lock = threading.Lock()
 
     @property
@@ -228,20 +230,75 @@ class HostTier:
         to ``headroom`` pages beyond the claim if it was empty and has no reservation.
         Called from the update worker, so it copies with numpy (see :func:`bits`)."""
         with self._lock:
-            for i, (start, n) in enumerate(self.free_extents):
-                if n >= pages:
-                    rest = (start + pages, n - pages)
-                    self.free_extents[i:i + 1] = [rest] if rest[1] else []
-                    break
-            else:
-                self._ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
-                start = self.used_pages
-                self._pin_upto(start + pages)
-                self.used_pages = start + pages
-            self.page_block[start:start + pages] = -1
+            start = self._claim(pages, headroom)
             self.positions.numpy()[start * self.page_size:(start + pages) * self.page_size] = -1
             self._account()
             return start
+
+    def _claim(self, pages: int, headroom: int) -> int:
+        """:meth:`reserve`'s claim, its pages uncached (caller holds the lock)."""
+        for i, (start, n) in enumerate(self.free_extents):
+            if n >= pages:
+                rest = (start + pages, n - pages)
+                self.free_extents[i:i + 1] = [rest] if rest[1] else []
+                break
+        else:
+            self._ensure_room(pages + (headroom if self.capacity_pages == 0 else 0))
+            start = self.used_pages
+            self._pin_upto(start + pages)
+            self.used_pages = start + pages
+        self.page_block[start:start + pages] = -1
+        return start
+
+    def claim_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: np.ndarray,
+                   headroom: int = 0, ready: torch.cuda.Event | None = None) -> int:
+        """Claim ``len(positions) / page_size`` consecutive pages (as :meth:`reserve`) and
+        write a block laid out in page order into them: ``k_rows``/``v_rows`` [pages *
+        page_size, D] of the pool's dtype, on any device (on CUDA ready once ``ready``, an
+        event on the producing stream, has passed), and ``positions`` [pages * page_size]
+        int64 (-1: padding). Returns the first page, once every byte has landed.
+
+        A pool that is never replaced (pinned, with a reservation) is written outside the
+        lock: one copy per array from the device straight into its registered pages (DMA,
+        no staging buffer), on a side stream. Any other pool is written under the lock, so
+        that a growth cannot copy the pool between the claim and the write. Called from the
+        update worker (a CUDA copy starts no OpenMP team)."""
+        pages, rem = divmod(len(positions), self.page_size)
+        if rem or k_rows.shape != (len(positions), self.head_dim) or v_rows.shape != k_rows.shape:
+            raise ValueError(f"a block of {tuple(k_rows.shape)} keys, {tuple(v_rows.shape)} "
+                             f"values and {len(positions)} positions; accepted: whole pages "
+                             f"of {self.page_size} rows of {self.head_dim} for each")
+        with self._lock:
+            start = self._claim(pages, headroom)
+            rows = slice(start * self.page_size, (start + pages) * self.page_size)
+            self.positions.numpy()[rows] = positions
+            dst_k = self.k.view(-1, self.head_dim)[rows]
+            dst_v = self.v.view(-1, self.head_dim)[rows]
+            moving = not self._fixed()
+            if moving:
+                self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
+            self._account()
+        if not moving:
+            self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
+        self.stats.add(bytes_offloaded=2 * k_rows.numel() * self.k.element_size())
+        return start
+
+    def _copy_in(self, dst_k: torch.Tensor, dst_v: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Copy device (or CPU) rows into the pool's rows ``dst_k``/``dst_v``, done when
+        this returns."""
+        if not k_rows.is_cuda:
+            bits(dst_k)[:] = bits(k_rows.contiguous())
+            bits(dst_v)[:] = bits(v_rows.contiguous())
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=k_rows.device)
+        with torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            dst_k.copy_(k_rows, non_blocking=True)
+            dst_v.copy_(v_rows, non_blocking=True)
+        self._stream.synchronize()
 
     def release(self, start: int, pages: int) -> None:
         """Return the extent of ``pages`` pages at ``start`` (its rows become padding, its

@@ -73,12 +73,13 @@ class LayerPool:
     def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, stats: BufferStats,
                  on_empty: Callable[[LayerPool], None] | None = None, reserve_bytes: int = 0,
-                 worker: UpdateWorker | None = None):
+                 worker: UpdateWorker | None = None, host: HostTier | None = None):
         """``reserve_bytes``: host address space the layer's page pool is mapped with at
         its first claim (committed as pages are written; 0: the pool grows as it fills),
         see :mod:`vllm_retro.buffer.host_tier`. ``worker``: the thread the stores' layout
         and cache-update jobs run on (None: a synchronous one of the pool's own: every job
-        runs at submission)."""
+        runs at submission). ``host``: the page pool (None: one made here, pinned when
+        the device is CUDA; tests hand a pinned one over a fake driver)."""
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -86,10 +87,10 @@ class LayerPool:
         self.device = torch.device(device)
         page_bytes = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         cuda = self.device.type == "cuda"  # the pool is read by this device's kernels
-        self.host = HostTier(head_dim, page_size, dtype, stats, pin=cuda,
-                             reserve_pages=reserve_bytes // page_bytes,
-                             fence=partial(torch.cuda.synchronize, self.device) if cuda
-                             else None)
+        self.host = host or HostTier(head_dim, page_size, dtype, stats, pin=cuda,
+                                     reserve_pages=reserve_bytes // page_bytes,
+                                     fence=partial(torch.cuda.synchronize, self.device)
+                                     if cuda else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
         self.stats = stats
         self.worker = worker or UpdateWorker(stats, enabled=False)

@@ -66,6 +66,29 @@ def _page_plan(sizes: np.ndarray, need: np.ndarray, blocks: np.ndarray, page: in
     return which, first, blocks * page, np.minimum(page, sizes[which] - first)
 
 
+Layout = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
+"""Where a clustered block goes in its host extent, relative to the extent's first page
+(:func:`_block_layout`)."""
+
+
+def _block_layout(order: np.ndarray, sizes: np.ndarray, n_pages: np.ndarray, page: int
+                  ) -> Layout:
+    """The layout of a clustered block (``order`` [H, M] its tokens by cluster, ``sizes``
+    and ``n_pages`` [H, c] each cluster's tokens and pages) in an extent of ``page``-row
+    pages: each cluster from a page boundary, head-major. Returns (first page of each
+    cluster [H, c], and per token in head-major cluster-contiguous order [H * M]: its row,
+    its KV head, its token in the block; then the extent's rows), rows and pages from 0."""
+    h, c = sizes.shape
+    m = order.shape[1]
+    flat_pages = n_pages.reshape(-1)
+    page_start = (np.cumsum(flat_pages) - flat_pages).reshape(h, c)
+    flat_sizes = sizes.reshape(-1)
+    f = np.repeat(np.arange(h * c), flat_sizes)  # token t belongs to flat cluster f[t]
+    rank = np.arange(h * m) - (np.cumsum(flat_sizes) - flat_sizes)[f]
+    rows = page_start.reshape(-1)[f] * page + rank
+    return page_start, rows, f // c, order.reshape(-1), int(flat_pages.sum()) * page
+
+
 class WaveBufferStore:
     """One request's layer in its layer's :class:`~vllm_retro.buffer.layer_pool.LayerPool`:
     its mapping table, per-head block budgets and host extents."""
@@ -99,7 +122,6 @@ class WaveBufferStore:
         self._growing: Future | None = None
         """The host pool's growth for the next block, queued after a layout (nothing waits
         for it but the next layout, behind it in the worker's queue, and :meth:`free`)."""
-        self._staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
         self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None
         """(execution buffer K, V, first row) of the step whose update is not joined yet."""
         self._settled = False
@@ -123,37 +145,28 @@ class WaveBufferStore:
 
     # ------------------------------------------------------------------ ingest
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """See :meth:`ClusterStore.stage`: on CUDA an asynchronous copy to pinned host memory
-        on a side stream; on CPU both tiers are RAM and the tensors are only referenced."""
-        if keys.is_cuda:
-            stream = torch.cuda.Stream(device=keys.device)
-            stream.wait_stream(torch.cuda.current_stream(keys.device))
-            with torch.cuda.stream(stream):
-                hk = torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True)
-                hv = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                hk.copy_(keys, non_blocking=True)
-                hv.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            self._staged = (hk, hv, event)
-        else:
-            self._staged = (keys, values, None)
+        """See :meth:`ClusterStore.stage`: nothing to start. The block moves at
+        :meth:`append`, once its clustering gives its layout: on CPU the worker scatters it
+        into the host pages (both tiers are RAM); into a pinned pool (CUDA) it is laid out
+        on the device in page order and copied straight into its pages (no staging)."""
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
         """See :meth:`ClusterStore.append`; the layout work runs on the worker."""
-        staged = self._staged
-        if staged is None or staged[0].shape != keys.shape:
-            staged = (keys, values, None)
-        self._staged = None
         order = clusters.order.cpu().numpy()
         sizes = clusters.sizes.cpu().numpy().astype(np.int64)
         n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]
+        pos = positions.cpu().numpy()
         self.sync()  # no update of this store may read the budgets while they grow
         self._grow_cache(n_pages.sum(axis=1))
+        if self.host.pin:
+            layout = _block_layout(order, sizes, n_pages, self.page_size)
+            job = partial(self._ingest_rows, *self._page_order(keys, values, pos, layout),
+                          layout[0], n_pages, sizes)
+        else:
+            job = partial(self._ingest, keys, values, pos, order, sizes, n_pages)
         worker = self.worker
-        self._pending = worker.submit(
-            lambda: self._ingest(staged, positions.cpu().numpy(), order, sizes, n_pages))
+        self._pending = worker.submit(job)
         # Room for the next update block, made now on the worker: the step that lands that
         # block then waits only for its own rows, never for the pool to be copied (at 16K
         # tokens x 8 heads a growth is ~70 ms, most of it first-touch page faults).
@@ -183,30 +196,57 @@ class WaveBufferStore:
         per_head = -(-cfg.update_segment // self.page_size) + cfg.update_clusters
         return self.num_heads * per_head
 
-    def _ingest(self, staged: tuple, positions: np.ndarray, order: np.ndarray,
-                sizes: np.ndarray, n_pages: np.ndarray) -> None:
-        """Lay a clustered block out in host pages (worker thread; numpy only, see
+    def _ingest(self, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
+                order: np.ndarray, sizes: np.ndarray, n_pages: np.ndarray) -> None:
+        """Lay a clustered block (``keys``/``values`` [H, M, D] on the CPU, ``positions``
+        [M]) out in host pages (worker thread; numpy only, see
         :func:`vllm_retro.buffer.host_tier.bits`)."""
-        keys, values, event = staged
-        if event is not None:
-            event.synchronize()
         faults.check("host_alloc_late" if self._settled else "host_alloc", self.request_id)
-        h, c = sizes.shape
-        m = order.shape[1]
-        first = self.host.reserve(int(n_pages.sum()), headroom=self._block_pages())
+        page_start, rows, head, tok, _ = _block_layout(order, sizes, n_pages, self.page_size)
+        pages = int(n_pages.sum())
+        first = self.host.reserve(pages, headroom=self._block_pages())
+        self._extents.append((first, pages))
+        kb, vb = bits(keys.detach()), bits(values.detach())
+        self.host.write_rows(first * self.page_size + rows, kb[head, tok], vb[head, tok],
+                             positions[tok])
+        self.table.add_clusters(first + page_start, n_pages, sizes)
+
+    def _page_order(self, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
+                    layout: Layout
+                    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """The block (``keys``/``values`` [H, M, D], ``positions`` [M]) in its extent's page
+        order, on its device: keys and values [pages * page_size, D] (padding rows zero) and
+        positions [pages * page_size] (-1: padding); and the event after which the device
+        holds them (None on CPU). One indexed read per array on the current stream."""
+        _, rows, head, tok, total = layout
+        src_head = np.zeros(total, dtype=np.int64)
+        src_tok = np.zeros(total, dtype=np.int64)
+        src_head[rows], src_tok[rows] = head, tok
+        pos = np.full(total, -1, dtype=np.int64)
+        pos[rows] = positions[tok]
+        dev = keys.device
+        hi, ti = torch.from_numpy(src_head).to(dev), torch.from_numpy(src_tok).to(dev)
+        k_rows, v_rows = keys.detach()[hi, ti], values.detach()[hi, ti]
+        pad = np.flatnonzero(pos < 0)
+        if pad.size:
+            pad_t = torch.from_numpy(pad).to(dev)
+            k_rows.index_fill_(0, pad_t, 0)
+            v_rows.index_fill_(0, pad_t, 0)
+        ready = None
+        if keys.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return k_rows, v_rows, pos, ready
+
+    def _ingest_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: np.ndarray,
+                     ready: torch.cuda.Event | None, page_start: np.ndarray,
+                     n_pages: np.ndarray, sizes: np.ndarray) -> None:
+        """Claim the block's extent and copy it in, laid out already (:meth:`_page_order`;
+        worker thread), then map its clusters."""
+        faults.check("host_alloc_late" if self._settled else "host_alloc", self.request_id)
+        first = self.host.claim_rows(k_rows, v_rows, positions, self._block_pages(), ready)
         self._extents.append((first, int(n_pages.sum())))
-        flat_pages = n_pages.reshape(-1)
-        page_start = (first + np.cumsum(flat_pages) - flat_pages).reshape(h, c)
-        # token t of head-major, cluster-contiguous order belongs to flat cluster f
-        flat_sizes = sizes.reshape(-1)
-        f = np.repeat(np.arange(h * c), flat_sizes)
-        rank = np.arange(h * m) - (np.cumsum(flat_sizes) - flat_sizes)[f]
-        rows = page_start.reshape(-1)[f] * self.page_size + rank
-        head = f // c
-        tok = order.reshape(-1)
-        kb, vb = bits(keys.detach().cpu()), bits(values.detach().cpu())
-        self.host.write_rows(rows, kb[head, tok], vb[head, tok], positions[tok])
-        self.table.add_clusters(page_start, n_pages, sizes)
+        self.table.add_clusters(first + page_start, n_pages, sizes)
 
     def _grow_cache(self, new_pages: np.ndarray) -> None:
         """Grow each head's block budget for ``new_pages`` ([H]) more host pages."""
@@ -613,7 +653,6 @@ class WaveBufferStore:
             self._growing = None
             self._freed = True
             self._step = None
-            self._staged = None
             self.blocks.give(self.mapped_blocks())
             self.blocks.unreserve(int(self.capacity.sum()))
             for first, pages in self._extents:
