@@ -42,8 +42,9 @@ The pool also holds the one record of which device block caches each page
 (``page_block``) and each row's absolute position, indexed like the pages; both are set
 (to -1: not cached, padding) when an extent is claimed.
 
-Writers are the wave buffer's worker thread (layouts, growth) and :meth:`release` (a
-finished request); a lock orders allocation against release. Growth builds new arrays and
+Writers are the wave buffer's worker thread (layouts, growth, cache updates) and, off it,
+:meth:`release` (a finished request) and :meth:`uncache` (a failed update's clean-up); a
+lock orders those two and every claim against growth. Growth builds new arrays and
 swaps them in whole, so a reader holding the old ones still reads every page laid out
 before.
 """
@@ -322,6 +323,20 @@ class HostTier:
                 self.used_pages = merged.pop()[0]
             self.free_extents = merged
             self._account()
+
+    def uncache(self, extents: list[tuple[int, int]]) -> np.ndarray:
+        """Mark every page of ``extents`` ((first page, pages) each) uncached; returns the
+        device blocks they were mapped to ([n] int64). Under the lock: a caller off the
+        update worker (a failed update's clean-up) must not write the block map of a pool
+        the worker is replacing (its growth copies the map, then swaps it in)."""
+        freed = []
+        with self._lock:
+            for first, pages in extents:
+                blocks = self.page_block[first:first + pages]
+                mapped = blocks >= 0
+                freed.append(blocks[mapped].copy())
+                blocks[mapped] = -1
+        return np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64)
 
     def _discard(self, start: int, pages: int) -> None:
         """Give the OS pages of the extent's keys and values back (they read as zeros when

@@ -586,14 +586,9 @@ class WaveBufferStore:
         table in; reads go to the host tier until the cache refills."""
         logger.error("retro: a device-cache update of request %s failed (%s); its device "
                      "cache is dropped and refills from the host tier", self.request_id, exc)
-        freed = []
-        for first, pages in self._extents:
-            blocks = self.host.page_block[first:first + pages]
-            mapped = blocks >= 0
-            freed.append(blocks[mapped].copy())
-            blocks[mapped] = -1
-        if freed:
-            self.blocks.give(np.concatenate(freed))
+        freed = self.host.uncache(self._extents)
+        if freed.size:
+            self.blocks.give(freed)
         self.table.cached[:] = False
         self.table.reads[:] = 0
         self.stats.add(buffer_update_failures=1)
