@@ -10,8 +10,9 @@ vllm_retro.kernels.cpu_ext``) into ``$VLLM_RETRO_CACHE/extensions`` and loaded f
 failed build is remembered in its build directory (:data:`FAILED_MARKER`, the compiler's
 output): later loads with the same build key, in any process, do not build again until the
 marker is deleted. The build directory is keyed by everything the build command contains
-(sources and their paths, flags, torch's and Python's include paths), so checkouts and
-environments sharing one cache never rebuild over each other's builds; a build is
+(sources and their paths, flags, torch's and Python's include paths, by their real names),
+so checkouts and environments sharing one cache never rebuild over each other's builds, and
+a library found under its key is imported as it is (no ninja run); a build is
 serialised across processes by an advisory file lock that dies with its holder, so a build
 killed midway (which leaves torch's own ``lock`` file behind) cannot make every later load
 wait forever.
@@ -94,8 +95,14 @@ def _build_dir() -> tuple[pathlib.Path, str]:
     # vllm-retro's cache root (vllm_retro.models.default_cache_dir; kernels import nothing
     # above them)
     root = pathlib.Path(os.environ.get("VLLM_RETRO_CACHE") or "~/.cache/vllm-retro")
-    inputs = [*map(str, _SOURCES), *_flags(), *_ldflags(), torch.__version__,
-              *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    # paths by their real names: a venv reached through a symbolic link (``.venv`` ->
+    # the cached venv, as CI's set-up makes it) names torch's headers one way in processes
+    # started through the link (``.venv/bin/python``) and another in its console scripts
+    # (their ``#!`` line names the target); one build serves both
+    real = functools.partial(re.sub, r"^/.*", lambda m: os.path.realpath(m.group()))
+    inputs = [*map(str, _SOURCES), *_flags(), *map(real, _ldflags()),
+              torch.__version__, *map(os.path.realpath, cpp_extension.include_paths()),
+              os.path.realpath(sysconfig.get_paths()["include"])]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
                          + "\0".join(inputs).encode()).hexdigest()[:16]
     return root.expanduser() / "extensions" / f"retro_cpu-{key}", key
@@ -137,7 +144,17 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
         failed = directory / FAILED_MARKER
         if failed.exists():
             raise _BuildFailed(failed, now=False)
-        if not (directory / f"{name}.so").exists():
+        built = directory / f"{name}.so"
+        if built.exists():
+            # the key covers every input, so a library under it is current: import it as
+            # it is (cpp_extension.load would run ninja, which rebuilds when the command's
+            # path spellings differ from the builder's; see _build_dir)
+            try:
+                return _import_built(name, built)
+            except ImportError as exc:  # e.g. a link killed midway: build it again
+                logger.warning("vllm-retro: %s does not load (%s); building it again",
+                               built, exc)
+        else:
             logger.info("vllm-retro: compiling the fused CPU kernels into %s (once per "
                         "checkout and environment, a minute or two)", directory)
         try:
@@ -151,6 +168,18 @@ def _compile(directory: pathlib.Path, key: str) -> Any:
                 raise
             failed.write_text(str(exc))
             raise _BuildFailed(failed, now=True) from exc
+
+
+def _import_built(name: str, path: pathlib.Path) -> Any:
+    """Import the built extension module ``name`` from ``path``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module {name} in {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _prune_orphans(extensions: pathlib.Path, keep: pathlib.Path) -> list[pathlib.Path]:
