@@ -26,15 +26,22 @@ def test_a_checkout_at_another_path_builds_in_its_own_directory(tmp_path, monkey
     assert there.parent == here.parent and there != here
 
 
-def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path) -> None:
-    """torch's ``lock`` file left in the build directory (its builder was killed) is removed
-    by the next load, which then finds the extension (before, it waited forever)."""
+def _cache_copy(tmp_path: Path) -> tuple[Path, str, Path, Path]:
+    """This checkout's build copied into a cache of its own under ``tmp_path`` (skips when
+    there is no build): (the build's directory, its key, the cache root, the copy)."""
     if cpu_ext.load() is None:
         pytest.skip(f"extension not built: {cpu_ext.load_error()}")
     built, key = cpu_ext._build_dir()
     root = tmp_path / "cache"
     copy = root / "extensions" / built.name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    return built, key, root, copy
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path) -> None:
+    """torch's ``lock`` file left in the build directory (its builder was killed) is removed
+    by the next load, which then finds the extension (before, it waited forever)."""
+    built, key, root, copy = _cache_copy(tmp_path)
     (copy / "lock").touch()
     code = ("from vllm_retro.kernels import cpu_ext as c\n"
             "print(c.load() is not None, c.load_error())")
@@ -52,12 +59,7 @@ def test_a_venv_reached_through_a_link_and_by_its_real_path_share_one_build(tmp_
     links to a cached venv, as CI's set-up makes it) and by its real path (the console
     scripts' ``#!`` line) name torch's headers differently; they find the same build and
     load it as it is (before, the server's first start rebuilt it: ~2.5 min of a test run)."""
-    if cpu_ext.load() is None:
-        pytest.skip(f"extension not built: {cpu_ext.load_error()}")
-    built, key = cpu_ext._build_dir()
-    root = tmp_path / "cache"
-    copy = root / "extensions" / built.name
-    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    built, key, root, copy = _cache_copy(tmp_path)
     library = copy / f"vllm_retro_cpu_{key}.so"
     stamp = library.stat().st_mtime_ns
     real = Path(os.path.realpath(sys.prefix))
