@@ -235,7 +235,7 @@ class WaveBufferStore:
         ready = None
         if keys.is_cuda:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(dev))
         return k_rows, v_rows, pos, ready
 
     def _ingest_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: np.ndarray,
