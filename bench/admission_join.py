@@ -57,7 +57,6 @@ def run(context: int, batch: int, steps: int, seed: int = 0) -> dict:
     stores = []
     for j in range(batch):
         st = manager.store(f"r{j}", HKV, D, torch.bfloat16, "cpu", layer="L0")
-        st.stage(keys, keys)
         st.append(keys, keys, torch.arange(context),
                   random_clusters(HKV, context, c, torch.Generator().manual_seed(seed + j)))
         st.settle()

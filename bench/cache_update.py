@@ -43,7 +43,6 @@ def _store(manager: WaveBufferManager, keys: torch.Tensor, c: int, seed: int, co
     store = manager.store("r", HKV, D, torch.bfloat16, "cpu")
     if not compiled:
         store.compiled = None
-    store.stage(keys, keys)
     g = torch.Generator().manual_seed(seed)
     store.append(keys, keys, torch.arange(keys.shape[1]), random_clusters(HKV, keys.shape[1], c, g))
     store.settle()

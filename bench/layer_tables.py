@@ -64,7 +64,6 @@ def _stores(manager: WaveBufferManager, context: int, batch: int, seed: int) -> 
     out = []
     for j in range(batch):
         st = manager.store(f"r{j}", HKV, D, torch.bfloat16, "cpu", layer="L0")
-        st.stage(keys, keys)
         g = torch.Generator().manual_seed(seed + j)
         st.append(keys, keys, torch.arange(context), random_clusters(HKV, context, c, g))
         st.settle()

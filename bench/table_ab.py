@@ -65,7 +65,6 @@ def run(context: int, steps: int, builds: dict, seed: int = 0) -> dict:
     keys = torch.randn(HKV, context, D, generator=torch.Generator().manual_seed(seed)).bfloat16()
     manager = WaveBufferManager(cfg)
     st = manager.store("r", HKV, D, torch.bfloat16, "cpu")
-    st.stage(keys, keys)
     st.append(keys, keys, torch.arange(context),
               random_clusters(HKV, context, c, torch.Generator().manual_seed(seed)))
     st.settle()

@@ -155,7 +155,6 @@ def _store(mgr, rid, layer, g, m=300, c=30):
     h, d = 2, 16
     k, v = torch.randn(h, m, d, generator=g), torch.randn(h, m, d, generator=g)
     st = mgr.store(rid, h, d, torch.float32, "cpu", layer=layer)
-    st.stage(k, v)
     st.append(k, v, torch.arange(m), random_clusters(h, m, c, g))
     st.settle()
     return st

@@ -17,7 +17,6 @@ def _ingest(mgr, rid, layers, h, m, c, d, g):
     for layer in range(layers):
         k, v = torch.randn(h, m, d, generator=g), torch.randn(h, m, d, generator=g)
         st = mgr.store(rid, h, d, torch.float32, "cpu", layer=f"L{layer}")
-        st.stage(k, v)
         st.append(k, v, torch.arange(m), random_clusters(h, m, c, g))
         stores.append(st)
     return stores

@@ -284,7 +284,6 @@ def test_a_cuda_layers_blocks_land_in_its_pinned_pool_and_decode_as_on_cpu():
         mgr = WaveBufferManager(cfg, pool_reserve_bytes=256 << 20)
         st = mgr.store("r", h, d, dtype, device, layer="L0")
         for k, v, pos, cl in blocks:
-            st.stage(k.to(device), v.to(device))
             st.append(k.to(device), v.to(device), pos.to(device), cl)
         st.sync()
         used = st.host.used_pages

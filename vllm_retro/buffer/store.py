@@ -17,9 +17,10 @@ Per decode step (RetroInfer §4.3):
 3. ``step_done``: take the worker's decision and copy the admitted clusters from the
    execution buffer into their blocks, before anything reuses that buffer.
 
-At prefill (and at every index update) ``stage`` starts moving the block's KV to the host
-(a side stream on CUDA) while the index clusters it; ``append`` then hands the layout work
-(cluster-contiguous pages, mapping-table entries, cache budget) to the worker.
+At prefill (and at every index update) ``append`` hands the clustered block's layout work
+(cluster-contiguous pages, mapping-table entries, cache budget) to the worker; into a pinned
+pool (CUDA) the block is first laid out on its device in page order, and the worker copies
+it into its extent in one piece per array (a side stream), with no staging buffer.
 """
 
 from __future__ import annotations
@@ -144,15 +145,12 @@ class WaveBufferStore:
         return self.pool
 
     # ------------------------------------------------------------------ ingest
-    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """See :meth:`ClusterStore.stage`: nothing to start. The block moves at
-        :meth:`append`, once its clustering gives its layout: on CPU the worker scatters it
-        into the host pages (both tiers are RAM); into a pinned pool (CUDA) it is laid out
-        on the device in page order and copied straight into its pages (no staging)."""
-
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
-        """See :meth:`ClusterStore.append`; the layout work runs on the worker."""
+        """See :meth:`ClusterStore.append`. The block moves once its clustering gives its
+        layout, on the worker: on CPU the worker scatters it into the host pages (both tiers
+        are RAM); into a pinned pool (CUDA) it is laid out here, on its device, in page
+        order, and the worker copies it straight into its pages (no staging buffer)."""
         order = clusters.order.cpu().numpy()
         sizes = clusters.sizes.cpu().numpy().astype(np.int64)
         n_pages = (sizes + self.page_size - 1) // self.page_size  # [H, c]

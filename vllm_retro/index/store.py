@@ -55,11 +55,6 @@ class ClusterStore(Protocol):
     runs attention on it, then calls :meth:`step_done`.
     """
 
-    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Start moving a block that is about to be clustered into the store's tier (may be
-        asynchronous); :meth:`append` of the same block follows. keys/values [H, M, D]."""
-        ...
-
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:
         """Add a clustered block: keys/values [H, M, D] in token order, positions [M] int64
@@ -138,9 +133,6 @@ class DenseClusterStore:
         expands cluster ids into token rows without reading the device."""
         self.layout_generation = 0
         """See :attr:`RowAddressedStore.layout_generation`."""
-
-    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Nothing to move: the KV stays where it is."""
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                clusters: Clusters) -> None:

@@ -218,7 +218,6 @@ class WaveIndex:
         middle_end = n - config.local_window
         if n >= config.min_indexed_context and middle_end > sink:
             mk, mv = keys[:, sink:middle_end], values[:, sink:middle_end]
-            index.store.stage(mk, mv)
             clusters = index._cluster(mk, mv, update=False)
             index._add_block(mk, mv, sink, clusters)
             index.window_start = middle_end
@@ -506,7 +505,6 @@ class WaveIndex:
         assert self._pending_block is not None
         bk, bv = self._pending_block  # copies: the store keeps them
         self._pending_block = None
-        self.store.stage(bk, bv)
         if not self.lands_in_store:  # baselines: in one go
             self._add_block(bk, bv, self.window_start, done)
             return self._drop_block()
