@@ -306,3 +306,27 @@ def _pinned_allocator_counts() -> dict:
     stats = getattr(torch.cuda, "host_memory_stats", dict)()
     return {k: v for k, v in stats.items()
             if k.endswith(".allocated") or k in ("num_host_alloc", "num_alloc")}
+
+
+@pytest.mark.parametrize("reserve", [0, 512])
+def test_a_block_whose_copy_fails_gives_its_extent_back(driver, reserve, monkeypatch):
+    """A copy into the pool that fails (a device error) raises, and the pages claimed for
+    it go back: nobody was told of them, so nothing else would ever free them."""
+    stats = BufferStats()
+    host = _pool(driver, stats, reserve_pages=reserve)
+    first = host.reserve(3)
+    rows = torch.ones(2 * host.page_size, host.head_dim)
+    positions = np.arange(2 * host.page_size)
+
+    def broken(*_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(host, "_copy_in", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        host.claim_rows(rows, rows, positions)
+    assert host.allocated_pages == 3 and host.used_pages == first + 3
+    monkeypatch.undo()
+    assert host.claim_rows(rows, rows, positions) == first + 3  # the same pages, reused
+    assert (host.positions[(first + 3) * host.page_size:][:positions.size].numpy()
+            == positions).all()
+    _free(host, driver)

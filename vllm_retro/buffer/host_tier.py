@@ -269,18 +269,28 @@ class HostTier:
             raise ValueError(f"a block of {tuple(k_rows.shape)} keys, {tuple(v_rows.shape)} "
                              f"values and {len(positions)} positions; accepted: whole pages "
                              f"of {self.page_size} rows of {self.head_dim} for each")
+        error: BaseException | None = None
         with self._lock:
             start = self._claim(pages, headroom)
             rows = slice(start * self.page_size, (start + pages) * self.page_size)
             self.positions.numpy()[rows] = positions
             dst_k = self.k.view(-1, self.head_dim)[rows]
             dst_v = self.v.view(-1, self.head_dim)[rows]
+            self._account()
             moving = not self._fixed()
             if moving:
-                self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
-            self._account()
+                try:
+                    self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
+                except BaseException as exc:
+                    error = exc
         if not moving:
-            self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
+            try:
+                self._copy_in(dst_k, dst_v, k_rows, v_rows, ready)
+            except BaseException as exc:
+                error = exc
+        if error is not None:  # nobody was told of the extent: it goes back
+            self.release(start, pages)
+            raise error
         self.stats.add(bytes_offloaded=2 * k_rows.numel() * self.k.element_size())
         return start
 
