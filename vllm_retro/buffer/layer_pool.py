@@ -87,10 +87,10 @@ class LayerPool:
         self.device = torch.device(device)
         page_bytes = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         cuda = self.device.type == "cuda"  # the pool is read by this device's kernels
-        self.host = host or HostTier(head_dim, page_size, dtype, stats, pin=cuda,
-                                     reserve_pages=reserve_bytes // page_bytes,
-                                     fence=partial(torch.cuda.synchronize, self.device)
-                                     if cuda else None)
+        self.host = host if host is not None else HostTier(
+            head_dim, page_size, dtype, stats, pin=cuda,
+            reserve_pages=reserve_bytes // page_bytes,
+            fence=partial(torch.cuda.synchronize, self.device) if cuda else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
         self.stats = stats
         self.worker = worker or UpdateWorker(stats, enabled=False)
