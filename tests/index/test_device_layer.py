@@ -10,6 +10,7 @@ from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.device_layer import DeviceLayer, decode_step
 from vllm_retro.index.steady import SteadyPool, ring_size
+from vllm_retro.kernels.step_plan import PLAN_FIELDS
 from vllm_retro.kernels.sync_check import SyncCheck
 
 
@@ -124,6 +125,49 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
     assert counts[0] == counts[1] and sum(counts[0].values()) > 0
     # (the torch path's ~200 operations are the reference's; CUDA's configuration runs the
     # step in five launches: test_decode_step_with_triton_kernels)
+
+
+def test_the_plan_holds_each_rows_integers_and_widths_over_every_row():
+    """Each column of a plan is its row's integers in PLAN_FIELDS' order (what changes only
+    at a load, computed there; the window's place read per step); the widths bound every
+    row of the batch, whichever batch came before; with ``upload=False`` the same
+    integers (on the CPU the host is the device)."""
+    g = torch.Generator().manual_seed(11)
+    cfg = _cfg(update_rounds_per_step=0)
+    h, d = 2, 32
+    indexes = random_indexes([300, 1500, 700], cfg, h, d, torch.float32, g)
+    slots = [2, 0, 1]
+    _shared_steady(indexes, cfg, [1, 2, 0])
+    layer = _layer(cfg, indexes[0], slots=3, tokens=2048)
+    for _ in range(20):  # windows of different lengths, an update block may land
+        for i in indexes:
+            i.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
+    for batch in ([0, 1, 2], [0], [2, 0], [1]):
+        rows = [indexes[j] for j in batch]
+        where = [slots[j] for j in batch]
+        layer.refresh(where, rows)
+        steps = layer.steps
+        plan = layer.plan(where, rows)
+        kept = layer.plan(where, rows, upload=False)
+        for p, step in ((plan, steps + 1), (kept, steps + 2)):
+            expected = {"slot": where, "steady_slot": [i.slot for i in rows],
+                        "clusters": [i.num_clusters for i in rows],
+                        "retrieval": [cfg.num_retrieval(i.num_clusters) for i in rows],
+                        "estimation": [cfg.num_estimation(i.num_clusters) for i in rows],
+                        "sinks": [i.num_sinks for i in rows],
+                        "ring_start": [i.ring_start for i in rows],
+                        "window": [i.win_len for i in rows], "step": [step] * len(rows)}
+            assert p.ints.dtype == torch.int64
+            assert {f: p.ints[n].tolist() for n, f in enumerate(PLAN_FIELDS)} == expected
+        most = max(i.num_clusters for i in rows)
+        assert plan.clusters == min(-(-most // 64) * 64, layer.max_clusters) >= most
+        assert plan.retrieval >= max(expected["retrieval"])
+        assert plan.estimation >= max(expected["estimation"])
+        bound = max(int(i.sizes.long().sort(1, descending=True).values[
+            :, :cfg.num_retrieval(i.num_clusters)].sum(1).max()) for i in rows)
+        assert plan.retrieval_tokens >= bound and plan.retrieval_tokens % 64 == 0
+        assert (kept.clusters, kept.retrieval_tokens) == (plan.clusters,
+                                                          plan.retrieval_tokens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

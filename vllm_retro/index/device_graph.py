@@ -50,7 +50,8 @@ class StepGraphs:
 
     def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float) -> _Captured:
         static_q = query.clone()
-        static_plan = replace(plan, ints=plan.ints.clone())
+        static_plan = replace(plan, ints=plan.ints.to(query.device, copy=True,
+                                                      non_blocking=True))
         stream = torch.cuda.Stream(device=query.device)
         stream.wait_stream(torch.cuda.current_stream(query.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
@@ -68,7 +69,9 @@ class StepGraphs:
 
     def __call__(self, plan: StepPlan, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The step's output [B, Hq, D] (on CUDA a view of the graph's static output, valid
-        until the next call with the same key)."""
+        until the next call with the same key). On CUDA ``plan``'s integers may be on the
+        device or pinned on the host (:meth:`DeviceLayer.plan` with ``upload=False``: one
+        copy, straight into the graph's input)."""
         if query.device.type != "cuda":
             return decode_step(self.layer, plan, query, scale)
         key = self._key(plan, query, scale)
@@ -81,7 +84,7 @@ class StepGraphs:
         else:
             self._graphs.move_to_end(key)
         cap.query.copy_(query)
-        cap.ints.copy_(plan.ints)
+        cap.ints.copy_(plan.ints, non_blocking=True)
         cap.graph.replay()
         return cap.out
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_retro import kernels
@@ -65,7 +66,6 @@ from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.resident_attention import LayerPools
-from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 CACHE_BLOCK_CLUSTERS = 1.25
 """A block of an in-place layer's cluster cache holds this many average clusters' tokens
@@ -90,7 +90,8 @@ class StepPlan:
     :meth:`DeviceLayer.plan`)."""
 
     ints: torch.Tensor
-    """[len(PLAN_FIELDS), B] int64 on the layer's device (see :data:`PLAN_FIELDS`)."""
+    """[len(PLAN_FIELDS), B] int64 (:data:`~vllm_retro.kernels.step_plan.PLAN_FIELDS`) on the
+    layer's device, or pinned on the host (:meth:`DeviceLayer.plan` with ``upload=False``)."""
     steady: SteadyPool
     """The steady pool the batch's windows are in."""
     clusters: int
@@ -141,6 +142,9 @@ class _Loaded:
     """[H] int64 (host) indexed tokens per KV head."""
     retrieval_bound: int
     """Most tokens any head's retrieval zone can read (its largest clusters)."""
+    zones: tuple[int, int]
+    """(retrieval, estimation) clusters at this meta index's ``clusters`` (the plan's
+    columns, fixed until the next load)."""
     source: int = 0
     """In place: the address of the keys pool the slot's starts point into (a store's pool,
     once replaced, keeps the rows laid out before: a slot stays valid until a load from
@@ -210,6 +214,9 @@ class DeviceLayer:
         """Plans made (the cache's clock)."""
         self._loaded: dict[int, _Loaded] = {}
         """What each slot holds."""
+        self._widths: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        """(most clusters, largest retrieval bound) of a batch -> its plan's static widths
+        (clusters, retrieval, estimation, retrieval tokens)."""
 
     # ------------------------------------------------------------------ host side
     def pools(self, steady: SteadyPool) -> LayerPools:
@@ -319,7 +326,7 @@ class DeviceLayer:
         r = self.config.num_retrieval(c)
         bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
-                                     source)
+                                     (r, self.config.num_estimation(c)), source)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -371,41 +378,47 @@ class DeviceLayer:
                 break
             for slot, index in stale:
                 self.load(slot, index)
-    def plan(self, slots: list[int], indexes: list[WaveIndex]) -> StepPlan:
+    def plan(self, slots: list[int], indexes: list[WaveIndex], upload: bool = True
+             ) -> StepPlan:
         """The step's integers for ``indexes`` in ``slots`` (each loaded, see
-        :meth:`refresh`), sharing one steady pool; one host->device copy, not waited for."""
+        :meth:`refresh`), sharing one steady pool. Host work per row is a handful of
+        attribute reads (what changes only at a load was computed there); ``upload``: one
+        host->device copy, not waited for; else (for :class:`StepGraphs`, which copies them
+        into its graph's own inputs) the integers stay on the host, pinned on CUDA."""
         if not indexes:
             raise ValueError("DeviceLayer.plan: an empty batch")
         steady = indexes[0].steady
-        if any(i.steady is not steady for i in indexes):
-            raise ValueError("DeviceLayer.plan: the indexes' steady zones are in different "
-                             "pools; a layer's decode needs them in one (adopt_steady)")
-        cfg = self.config
-        cols = []
+        loaded = self._loaded
+        step = self.steps + 1
+        cols, held = [], []
         for slot, index in zip(slots, indexes, strict=True):
-            if not self.loaded(slot, index):
+            x = loaded.get(slot)
+            if x is None or x.uid != index.uid or x.generation != index.meta_generation:
                 raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
                                  "current meta index (refresh first)")
-            c = index.num_clusters
-            fields = {"slot": slot, "steady_slot": index.slot, "clusters": c,
-                      "retrieval": cfg.num_retrieval(c), "estimation": cfg.num_estimation(c),
-                      "sinks": index.num_sinks, "ring_start": index.ring_start,
-                      "window": index.win_len, "step": self.steps + 1}
-            cols.append([fields[f] for f in PLAN_FIELDS])
-        host = torch.tensor(cols, dtype=torch.int64).T.contiguous()
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        held = [self._loaded[s] for s in slots]
+            if index.steady is not steady:
+                raise ValueError("DeviceLayer.plan: the indexes' steady zones are in "
+                                 "different pools; a layer's decode needs them in one "
+                                 "(adopt_steady)")
+            cols.append((slot, index.slot, x.clusters, *x.zones, index.num_sinks,
+                         index.ring_start, index.win_len, step))
+            held.append(x)
         if self.in_place and any(x.source != self.keys.data_ptr() for x in held):
             raise ValueError("DeviceLayer.plan: the batch's stores keep their tokens in "
                              "different pools; read in place, a layer's batch needs one")
-        c_live = min(round_up(max(x.clusters for x in held)), self.max_clusters)
-        self.steps += 1
-        return StepPlan(
-            ints=host.to(self.device, non_blocking=True), steady=steady, clusters=c_live,
-            retrieval=cfg.num_retrieval(c_live), estimation=cfg.num_estimation(c_live),
-            retrieval_tokens=round_up(max(x.retrieval_bound for x in held)),
-            steady_tokens=steady.sink_cap + steady.ring)
+        ints = torch.from_numpy(np.array(cols, dtype=np.int64).T.copy())  # [fields, B]
+        if self.device.type == "cuda":
+            ints = ints.pin_memory()
+            if upload:
+                ints = ints.to(self.device, non_blocking=True)
+        self.steps = step
+        most = (max([x.clusters for x in held]), max([x.retrieval_bound for x in held]))
+        widths = self._widths.get(most)
+        if widths is None:
+            c_live, cfg = min(round_up(most[0]), self.max_clusters), self.config
+            widths = self._widths[most] = (c_live, cfg.num_retrieval(c_live),
+                                           cfg.num_estimation(c_live), round_up(most[1]))
+        return StepPlan(ints, steady, *widths, steady.sink_cap + steady.ring)
 
 
 def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float

@@ -46,16 +46,24 @@ def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
     """True when a :class:`DeviceLayer` on ``device`` can read these indexes' tokens in
     place: one pool holds them all, on ``device`` or, for CUDA, pinned in host memory.
 
-    The stores are read without waiting for their update work first; a growth that the
-    update worker swaps in between two of those reads shows one pool as two, so pools that
-    differ are read again after that work (rare: a block landing as a batch loads)."""
-    for wait in (False, True):
-        pools = [i.store.cluster_rows(wait=wait)[:2] for i in indexes]
+    The stores are read without waiting for their update work. The update worker may swap
+    a grown pool in at any time (a block landing, another request's layout, a store's room
+    made after its layout), and a swap between two stores' reads shows one pool as two: the
+    stores' layout generations tell, and then they are read again."""
+    for _ in range(READS):
+        before = [i.store.layout_generation for i in indexes]
+        pools = [i.store.cluster_rows(wait=False)[:2] for i in indexes]
+        if [i.store.layout_generation for i in indexes] != before:
+            continue
         k, v = pools[0]
-        if all(kk.data_ptr() == k.data_ptr() and vv.data_ptr() == v.data_ptr()
-               for kk, vv in pools):
-            return readable_in_place(k, v, device)
+        return all(kk.data_ptr() == k.data_ptr() and vv.data_ptr() == v.data_ptr()
+                   for kk, vv in pools) and readable_in_place(k, v, device)
     return False
+
+
+READS = 8
+"""Reads of a batch's pools at most while growths keep swapping them
+(:func:`in_place_capable`); past them the batch is not read in place until it changes."""
 
 
 def placement(copy_bytes: int, meta_bytes: int, free_bytes: int, in_place_ok: bool
@@ -166,7 +174,8 @@ class ResidentDecode:
         assert self.layer is not None and self.graphs is not None
         slots = [i.slot for i in indexes]
         self.layer.refresh(slots, indexes)
-        plan = self.layer.plan(slots, indexes)
+        # the graphs copy the plan's integers into their own inputs: no upload of its own
+        plan = self.layer.plan(slots, indexes, upload=not query.is_cuda)
         out.copy_(self.graphs(plan, query, scale))
         if self.layer.cache is not None:
             # the wave buffer's counters (the server's device cache metrics); a dense

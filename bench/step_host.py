@@ -1,0 +1,138 @@
+"""The host's work per layer step on the device path, this tree against another git revision.
+
+On CUDA a served layer's decode step (:class:`~vllm_retro.index.resident.ResidentDecode`)
+is, on the host: whether the batch decodes there (``applies``: every slot loaded?), the
+slots' refresh (nothing to load in the usual step), the step's plan
+(:meth:`~vllm_retro.index.device_layer.DeviceLayer.plan`: the batch's integers, copied to
+the device without waiting), then one graph replay. At batch 1 the device's work is ~0.08-0.2
+ms per layer (H200, ``bench/results/gpu_check_h200_2026-11-28``), so host microseconds before
+the replay are a real share of the step: when the host is slower than the device, the
+device waits for it.
+
+Here the same host work runs on CPU tensors (the replay and the attention excluded: on the
+CPU the step runs eagerly), for wave indexes of ``--context`` random tokens in a layer of
+Llama-3-8B's shape (8 KV heads, head_dim 128), one per request, in one steady pool. Printed
+per batch and revision: microseconds per layer step (medians over ``--rounds`` processes of
+``--steps`` steps each) of applies, refresh and plan. On CUDA the plan's copy goes to the
+device too (with the tree: straight into the graph's input), which is not timed here.
+
+Each revision runs in a process of its own on its own checkout (a temporary ``git
+worktree``, :func:`bench.route_overhead.checkout`), the two in alternating order::
+
+    .venv/bin/python bench/step_host.py --rev HEAD~1 --batches 1 8 --out /tmp/step_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PARTS = ("applies_us", "refresh_us", "plan_us")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Time the host parts in this process, importing the package from ``$STEP_ROOT``."""
+    sys.path.insert(0, os.environ.get("STEP_ROOT", str(ROOT)))
+    import torch
+
+    from vllm_retro.config import RetroConfig
+    from vllm_retro.index import WaveIndex
+    from vllm_retro.index.resident import ResidentDecode
+    from vllm_retro.index.steady import SteadyPool, ring_size
+
+    torch.manual_seed(0)
+    cfg = RetroConfig(device_resident="on", kernel_backend="torch")
+    h, d = args.kv_heads, args.head_dim
+    out: dict[str, dict] = {}
+    for b in args.batches:
+        indexes = [WaveIndex.build(torch.randn(h, args.context, d),
+                                   torch.randn(h, args.context, d), cfg) for _ in range(b)]
+        pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
+                          torch.float32, "cpu", slots=b, zeroed=True)
+        for slot, index in enumerate(indexes):
+            index.adopt_steady(pool, slot)
+        resident = ResidentDecode()
+        q = torch.randn(b, h * args.group, d)
+        if not resident.applies(indexes, q):
+            raise SystemExit("the batch does not decode on the device path")
+        layer, slots = resident.layer, [i.slot for i in indexes]
+        layer.refresh(slots, indexes)
+        times: dict[str, list[float]] = {p: [] for p in PARTS}
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            resident.applies(indexes, q)
+            t1 = time.perf_counter()
+            layer.refresh(slots, indexes)
+            t2 = time.perf_counter()
+            layer.plan(slots, indexes)
+            t3 = time.perf_counter()
+            for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                times[part].append(dt * 1e6)
+        out[str(b)] = {p: statistics.median(v) for p, v in times.items()}
+    return out
+
+
+def main() -> None:
+    from bench.route_overhead import checkout
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default=None, help="git revision to compare with (none: tree only)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    roots, worktree = {"tree": ROOT}, None
+    if args.rev:
+        sha, worktree = checkout(args.rev)
+        roots[sha] = worktree
+        args.rev = sha
+    runs: dict[str, list[dict]] = {name: [] for name in roots}
+    try:
+        for r in range(args.rounds):
+            for name in (list(roots) if r % 2 == 0 else list(roots)[::-1]):
+                proc = subprocess.run(
+                    [sys.executable, str(pathlib.Path(__file__).resolve()), *sys.argv[1:],
+                     "--worker"], env={**os.environ, "STEP_ROOT": str(roots[name])},
+                    check=True, capture_output=True, text=True)
+                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
+                           capture_output=True)
+    result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "cases": {}}
+    for batch in map(str, args.batches):
+        case = result["cases"][batch] = {}
+        for name, rr in runs.items():
+            c = case[name] = {p: statistics.median(x[batch][p] for x in rr) for p in PARTS}
+            c["total_us"] = sum(c[p] for p in PARTS)
+        line = ", ".join(f"{name} {c['total_us']:.1f} us (applies {c['applies_us']:.1f}, "
+                         f"refresh {c['refresh_us']:.1f}, plan {c['plan_us']:.1f})"
+                         for name, c in case.items())
+        if args.rev:
+            case["tree_over_rev"] = case["tree"]["total_us"] / case[args.rev]["total_us"]
+            line += f"; tree / {args.rev}: {case['tree_over_rev']:.2f}x"
+        print(f"batch {batch}: {line}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
