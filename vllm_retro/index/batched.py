@@ -198,7 +198,10 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if faults.ENABLED:
         faults.check_any("kernel_row", (getattr(i.store, "request_id", None) for i in indexes))
     first = indexes[0]
-    same = all([type(i) is type(first) for i in indexes])  # one policy
+    # one policy: every index has the batch-wide handlers and the zones of the first
+    same = all([(i.decode_own, i.select_batch, i.selects_zones)
+                == (first.decode_own, first.select_batch, first.selects_zones)
+                for i in indexes])
     if same and first.decode_own is not None and first.decode_own(indexes, query, scale, out,
                                                                    cache):
         return out

@@ -160,7 +160,7 @@ class GraphIndex(TokenIndex):
         self.trained_on = "keys" if self.queries is None else "queries"
         self.spec, self.entries, self.queries = spec, entries, None
 
-    def _pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def token_pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys [R, D], values [R, D] on the CPU, rows [H, N] int64): indexed token i of KV
         head h is row ``rows[h, i]`` of the store's pools; refreshed when the store's layout
         or the indexed tokens change."""
@@ -180,8 +180,8 @@ class GraphIndex(TokenIndex):
         return self._rows[1], self._rows[2], self._rows[3]
 
     def _key_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key pool [R, D], rows [H, N]) of :meth:`_pools`."""
-        keys, _, rows = self._pools()
+        """(key pool [R, D], rows [H, N]) of :meth:`token_pools`."""
+        keys, _, rows = self.token_pools()
         return keys, rows
 
     def fused(self, query: torch.Tensor) -> bool:
@@ -212,7 +212,7 @@ class GraphIndex(TokenIndex):
         token indices (position ``sinks + index``), ascending, -1 padding (heads may read
         different counts). All of them when the budget covers every indexed token."""
         h, n = self.num_kv_heads, self.num_indexed
-        budget, cfg = self._fixed_budget, self.config
+        budget, cfg = self.fixed_budget, self.config
         k = cfg.graph.top_k if budget is None else budget
         if n == 0 or k == 0 or self.spec is None:
             return torch.zeros(h, 0, dtype=torch.int64)
@@ -295,7 +295,7 @@ class GraphIndex(TokenIndex):
     def token_budget(self) -> int:
         """Indexed tokens read per query head's search (``graph_top_k``), or per KV head
         as set by :meth:`set_token_budget`; at most the indexed tokens."""
-        k = self.config.graph.top_k if self._fixed_budget is None else self._fixed_budget
+        k = self.config.graph.top_k if self.fixed_budget is None else self.fixed_budget
         return min(k, self.num_indexed)
 
 
@@ -313,7 +313,7 @@ def decode_graph(indexes: list[GraphIndex], query: torch.Tensor, scale: float,
                                              "k", "budget")}
     ef = indexes[0].config.graph.search_ef
     for b, index in enumerate(indexes):
-        keys, values, rows = index._pools()
+        keys, values, rows = index.token_pools()
         h = index.num_kv_heads
         spec = index.spec
         args["q"].append(query[b].float().contiguous())
@@ -327,7 +327,7 @@ def decode_graph(indexes: list[GraphIndex], query: torch.Tensor, scale: float,
         parts = index.steady_parts()
         args["sk"].append([k for k, _ in parts])
         args["sv"].append([v for _, v in parts])
-        budget = index._fixed_budget
+        budget = index.fixed_budget
         args["k"].append(index.config.graph.top_k)
         args["budget"].append(-1 if budget is None else budget)
     res, lse, counts, chosen = ext.graph_decode(

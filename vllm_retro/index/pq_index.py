@@ -122,8 +122,8 @@ class PQIndex(TokenIndex):
         """Indexed tokens read exactly per KV head and step: ``ceil(pq_token_ratio * N)``,
         or the count given to :meth:`set_token_budget`, at most N."""
         n = self.num_indexed
-        if self._fixed_budget is not None:
-            return min(n, self._fixed_budget)
+        if self.fixed_budget is not None:
+            return min(n, self.fixed_budget)
         return min(n, math.ceil(self.config.pq.token_ratio * n - 1e-9))
 
     def _add_block(self, keys: torch.Tensor, values: torch.Tensor, start: int,

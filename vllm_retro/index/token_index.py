@@ -60,7 +60,9 @@ class TokenIndex(WaveIndex):
         """[N] the block ('cluster' of the store) each indexed token is in."""
         self.token_offset = np.zeros(0, dtype=np.int64)
         """[N] each indexed token's place within its block."""
-        self._fixed_budget: int | None = None
+        self.fixed_budget: int | None = None
+        """Tokens read per KV head at each step, set for matched-budget comparisons
+        (:meth:`set_token_budget`); None: the policy's own budget."""
 
     @property
     def num_indexed(self) -> int:
@@ -70,7 +72,7 @@ class TokenIndex(WaveIndex):
     def set_token_budget(self, tokens: int) -> None:
         """Read ``tokens`` indexed tokens per KV head at each step instead of the policy's
         own budget (the attention-level comparison's matched budgets)."""
-        self._fixed_budget = max(0, int(tokens))
+        self.fixed_budget = max(0, int(tokens))
         self.fused_view = None
 
     def _cluster(self, keys: torch.Tensor, values: torch.Tensor, update: bool) -> Clusters:
