@@ -9,13 +9,20 @@ from tests.helpers import random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.batched import append_batch, decode_batch
-from vllm_retro.index.device_layer import cache_block_size, cache_blocks_for
+from vllm_retro.index.device_layer import (
+    cache_block_size,
+    cache_blocks_for,
+    decode_given_step,
+)
 from vllm_retro.index.padded import MetaViewCache
+from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.resident import (
     CacheCounts,
     in_place_capable,
     placement,
 )
+from vllm_retro.index.saap import SaapIndex
+from vllm_retro.index.saap_model import ModelIdentity, random_saap_model
 from vllm_retro.index.steady import SteadyPool, ring_size
 from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.sync_check import SyncCheck
@@ -91,6 +98,169 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
         for index in indexes:
             index.free()
         mgr.close()
+
+
+def _policy_indexes(policy, cfg, lengths, h, d, dtype, g, mgr):
+    """Indexes of a policy choosing its own clusters, over the wave buffer stores of one
+    layer pool."""
+    out = []
+    for n in lengths:
+        k, v = (torch.randn(h, n, d, generator=g).to(dtype) for _ in range(2))
+        store = mgr.store(f"r{len(out)}-{n}", h, d, dtype, "cpu", layer="L0")
+        if policy == "saap":
+            identity = ModelIdentity("test", 3, h * 4, h, d, 10000.0, "0123456789abcdef")
+            model = random_saap_model(identity, 32, 48, torch.Generator().manual_seed(3))
+            out.append(SaapIndex.build(k, v, cfg, store=store, model=model, layer=1))
+        else:
+            out.append(PAGE_INDEXES[policy].build(k, v, cfg, store=store))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["quest", "streaming", "saap"])
+@pytest.mark.parametrize("mode,cache_on", [("on", False), ("in_place", False),
+                                           ("in_place", True)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode, cache_on,
+                                                                    dtype, tol):
+    """SAAP, Quest and StreamingLLM choose each row's clusters themselves (select_batch):
+    the layer decodes them on the device step too (no zones, nothing scored: exact
+    attention over the chosen clusters, read in place or copied, through the cluster cache
+    or not), equal to the per-row reference through update blocks, with the step's
+    operations free of host synchronisation."""
+    g = torch.Generator().manual_seed(21)
+    cfg = _cfg(device_resident=mode, cache_fraction=0.1 if cache_on else 0.0,
+               min_retrieval_clusters=0 if not cache_on else 16,
+               quest_token_budget=96, streaming_tokens=64, saap_probes=4)
+    h, d = 2, 64
+    mgr = WaveBufferManager(cfg)
+    indexes = _policy_indexes(policy, cfg, [300, 900, 1400], h, d, dtype, g, mgr)
+    pool = _pool(cfg, h, d, dtype, 3)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    updates = 0
+    for step in range(80):
+        keys, values = torch.randn(2, len(indexes), h, d, generator=g).to(dtype)
+        updates += append_batch(indexes, keys, values)[0]
+        q = torch.randn(len(indexes), h * 4, d, generator=g).to(dtype)
+        out = decode_batch(indexes, q, d ** -0.5, cache=cache)
+        layer = cache.resident.layer
+        assert layer is not None and layer.in_place == (mode == "in_place")
+        ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
+                                   msg=f"step {step}")
+    assert updates >= 2
+    if cache_on:
+        assert layer.cache is not None and min(layer.cache_tokens()) > 0
+    # the step itself, on the loaded layer: no operation that would wait for the device
+    slots = [i.slot for i in indexes]
+    ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+    plan = layer.plan(slots, indexes, given=counts)
+    assert plan.estimation == 0 and plan.ints[3].tolist() == counts
+    with SyncCheck():
+        again = decode_given_step(layer, plan, q, ids, d ** -0.5)
+    torch.testing.assert_close(again.float(), ref.float(), rtol=tol, atol=tol)
+    cache.clear()
+    for index in indexes:
+        index.free()
+    mgr.close()
+    assert mgr.live_bytes() == (0, 0)
+
+
+@pytest.mark.parametrize("policy", ["quest", "streaming", "saap"])
+@pytest.mark.parametrize("cache_on", [False, True])
+def test_the_given_step_with_triton_kernels(triton_device, policy, cache_on):
+    """The device step of a policy choosing its clusters with the Triton kernels (the CUDA
+    configuration; on the CPU under the interpreter): equal to the per-row reference and
+    free of host synchronisation in at most 8 launches (nothing scored or ranked: the
+    given clusters padded, the cache's lookup, the attention's two kernels)."""
+    if triton_device != "cpu":
+        pytest.skip("runs the indexes on the CPU")
+    g = torch.Generator().manual_seed(23)
+    cfg = _cfg(device_resident="in_place", kernel_backend="triton",
+               cache_fraction=0.1 if cache_on else 0.0, quest_token_budget=96,
+               streaming_tokens=64, saap_probes=4)
+    h, d = 2, 32
+    mgr = WaveBufferManager(cfg)
+    indexes = _policy_indexes(policy, cfg, [300, 700], h, d, torch.float32, g, mgr)
+    pool = _pool(cfg, h, d, torch.float32, 2)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    for _ in range(3):
+        keys, values = torch.randn(2, 2, h, d, generator=g)
+        append_batch(indexes, keys, values)
+        q = torch.randn(2, h * 4, d, generator=g)
+        out = decode_batch(indexes, q, d ** -0.5, cache=cache)
+        ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        layer = cache.resident.layer
+        ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+        plan = layer.plan([0, 1], indexes, given=counts)
+        check = SyncCheck()
+        with check:
+            again = decode_given_step(layer, plan, q, ids, d ** -0.5)
+        torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
+        assert check.launches <= 8, check.ops
+    assert (layer.cache is not None) == cache_on
+    cache.clear()
+    for index in indexes:
+        index.free()
+    mgr.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["quest", "saap"])
+@pytest.mark.parametrize("mode", ["on", "in_place"])
+def test_the_given_step_on_cuda_replays_from_a_graph(policy, mode):
+    """On a GPU: a policy choosing its clusters decodes through the layer's graphs (the
+    given clusters a static input), equal to the per-row reference; the step itself passes
+    ``torch.cuda.set_sync_debug_mode("error")``."""
+    g = torch.Generator().manual_seed(25)
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    cfg = _cfg(device_resident=mode, kernel_backend="auto", quest_token_budget=96,
+               saap_probes=4)
+    h, d = 2, 64
+    mgr = WaveBufferManager(cfg)
+    indexes = []
+    for n in (700, 1500):
+        k, v = (torch.randn(h, n, d, generator=g).to(dev, dtype) for _ in range(2))
+        store = mgr.store(f"r{n}", h, d, dtype, dev, layer="L0")
+        if policy == "saap":
+            identity = ModelIdentity("test", 3, h * 4, h, d, 10000.0, "0123456789abcdef")
+            model = random_saap_model(identity, 32, 48, torch.Generator().manual_seed(3))
+            indexes.append(SaapIndex.build(k, v, cfg, store=store, model=model, layer=1))
+        else:
+            indexes.append(PAGE_INDEXES[policy].build(k, v, cfg, store=store))
+    pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
+                      dtype, dev, slots=2, zeroed=True)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    for _ in range(4):
+        keys, values = torch.randn(2, 2, h, d, generator=g).to(dev, dtype)
+        append_batch(indexes, keys, values)
+        q = torch.randn(2, h * 4, d, generator=g).to(dev, dtype)
+        out = decode_batch(indexes, q, d ** -0.5, cache=cache)
+        ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    layer = cache.resident.layer
+    assert layer is not None and cache.resident.graphs.captures >= 1
+    ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+    plan = layer.plan([0, 1], indexes, given=counts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = decode_given_step(layer, plan, q, ids, d ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(eager.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    cache.clear()
+    torch.cuda.synchronize()
+    for index in indexes:
+        index.free()
+    mgr.close()
 
 
 def test_cache_blocks_for_the_device_cache_budget():

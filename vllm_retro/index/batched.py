@@ -205,7 +205,7 @@ def decode_batch(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     if same and first.decode_own is not None and first.decode_own(indexes, query, scale, out,
                                                                    cache):
         return out
-    if cache is not None and cache.resident.applies(indexes, query):
+    if same and cache is not None and cache.resident.applies(indexes, query):
         return cache.resident.decode(indexes, query, scale, out)
     if same and out.dtype == query.dtype and _fused_scoring(indexes, query, cache):
         tilted = first.selects_zones and first.config.tilted_estimation

@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-from vllm_retro.index.device_layer import DeviceLayer, StepPlan, decode_step
+from vllm_retro.index.device_layer import (
+    DeviceLayer,
+    StepPlan,
+    decode_given_step,
+    decode_step,
+)
 
 
 @dataclass
@@ -25,6 +30,7 @@ class _Captured:
     graph: Any
     query: torch.Tensor
     ints: torch.Tensor
+    given: torch.Tensor | None
     out: torch.Tensor
 
 
@@ -42,42 +48,55 @@ class StepGraphs:
         self.captures = 0
         """Graphs captured so far (a count for benchmarks and tests)."""
 
-    def _key(self, plan: StepPlan, query: torch.Tensor, scale: float) -> tuple:
+    def _key(self, plan: StepPlan, query: torch.Tensor, scale: float,
+             given: torch.Tensor | None) -> tuple:
         return (tuple(query.shape), query.dtype, plan.clusters, plan.retrieval,
                 plan.estimation, plan.retrieval_tokens, plan.steady_tokens,
                 plan.steady.k.data_ptr(), plan.steady.v.data_ptr(),
-                self.layer.keys.data_ptr(), self.layer.values.data_ptr(), float(scale))
+                self.layer.keys.data_ptr(), self.layer.values.data_ptr(), float(scale),
+                None if given is None else tuple(given.shape))
 
-    def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float) -> _Captured:
+    def _step(self, plan: StepPlan, query: torch.Tensor, scale: float,
+              given: torch.Tensor | None) -> torch.Tensor:
+        if given is None:
+            return decode_step(self.layer, plan, query, scale)
+        return decode_given_step(self.layer, plan, query, given, scale)
+
+    def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float,
+                 given: torch.Tensor | None) -> _Captured:
         static_q = query.clone()
+        static_given = None if given is None else given.clone()
         static_plan = replace(plan, ints=plan.ints.to(query.device, copy=True,
                                                       non_blocking=True))
         stream = torch.cuda.Stream(device=query.device)
         stream.wait_stream(torch.cuda.current_stream(query.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
             for _ in range(2):
-                decode_step(self.layer, static_plan, static_q, scale)
+                self._step(static_plan, static_q, scale, static_given)
         torch.cuda.current_stream(query.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread-local: the wave buffer's worker and the index builder run CUDA calls of their
         # own (pinned allocations, event queries, copies) while a step is captured; under the
         # default global mode any of them invalidated the capture (seen on an H200)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = decode_step(self.layer, static_plan, static_q, scale)
+            out = self._step(static_plan, static_q, scale, static_given)
         self.captures += 1
-        return _Captured(graph, static_q, static_plan.ints, out)
+        return _Captured(graph, static_q, static_plan.ints, static_given, out)
 
-    def __call__(self, plan: StepPlan, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, plan: StepPlan, query: torch.Tensor, scale: float,
+                 given: torch.Tensor | None = None) -> torch.Tensor:
         """The step's output [B, Hq, D] (on CUDA a view of the graph's static output, valid
-        until the next call with the same key). On CUDA ``plan``'s integers may be on the
-        device or pinned on the host (:meth:`DeviceLayer.plan` with ``upload=False``: one
-        copy, straight into the graph's input)."""
+        until the next call with the same key): :func:`decode_step`, or with ``given``
+        (the clusters the policy chose, [B, H, W]) :func:`decode_given_step`. On CUDA
+        ``plan``'s integers may be on the device or pinned on the host
+        (:meth:`DeviceLayer.plan` with ``upload=False``: one copy, straight into the
+        graph's input)."""
         if query.device.type != "cuda":
-            return decode_step(self.layer, plan, query, scale)
-        key = self._key(plan, query, scale)
+            return self._step(plan, query, scale, given)
+        key = self._key(plan, query, scale, given)
         cap = self._graphs.get(key)
         if cap is None:
-            cap = self._capture(plan, query, scale)
+            cap = self._capture(plan, query, scale, given)
             self._graphs[key] = cap
             while len(self._graphs) > self.capacity:
                 self._graphs.popitem(last=False)
@@ -85,6 +104,8 @@ class StepGraphs:
             self._graphs.move_to_end(key)
         cap.query.copy_(query)
         cap.ints.copy_(plan.ints, non_blocking=True)
+        if given is not None:
+            cap.given.copy_(given)
         cap.graph.replay()
         return cap.out
 

@@ -45,6 +45,12 @@ On CUDA that is five launches per layer step (six with a cluster cache); the tor
 (CPU, and the reference) spells the same step out in plain operations, packing an
 execution buffer.
 
+Policies that choose each row's clusters themselves (:attr:`WaveIndex.select_batch`: SAAP's
+router, Quest's page bounds, StreamingLLM's recent pages) decode on the same layer with
+:func:`decode_given_step`: their choice is the retrieval zone, with no estimation zone and
+nothing scored, so step 2 alone (the given clusters padded to the plan's static width,
+which :meth:`DeviceLayer.plan` takes from the counts given).
+
 Every shape depends only on the batch size and the layer's bounds (``C_live``, ``r_max``,
 ``e_max``, ``T_ret``, the steady width), which change only when a slot is loaded: a CUDA
 graph captured per bound set replays the step. ``tests/index/test_device_layer.py`` runs
@@ -145,6 +151,9 @@ class _Loaded:
     zones: tuple[int, int]
     """(retrieval, estimation) clusters at this meta index's ``clusters`` (the plan's
     columns, fixed until the next load)."""
+    largest: np.ndarray
+    """[clusters] int64: the most tokens any head's ``n + 1`` largest clusters hold (the
+    bound of a retrieval zone of ``n + 1`` clusters chosen by the policy)."""
     source: int = 0
     """In place: the address of the keys pool the slot's starts point into (a store's pool,
     once replaced, keeps the rows laid out before: a slot stays valid until a load from
@@ -314,19 +323,21 @@ class DeviceLayer:
             else:
                 self._copy_tokens(slot, keys, values, src, added, held)
                 self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
-            self.centroids[rows, new] = index.centroids[:, new].to(dev, self.dtype)
-            self.value_sums[rows, new] = index.value_sums[:, new].to(dev, self.dtype)
             self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
-            self.spreads[rows, new] = index.spreads[:, new].to(dev, torch.float32)
-            self.deviates[rows, new] = index.deviates[:, new].to(dev, torch.float32)
+            for name, pool in (("centroids", self.centroids), ("value_sums", self.value_sums),
+                               ("spreads", self.spreads), ("deviates", self.deviates)):
+                if name in index.meta_kept:  # a policy choosing its own clusters keeps none
+                    pool[rows, new] = getattr(index, name)[:, new].to(dev, pool.dtype)
         res = index.residuals
         self.profile[rows] = res.profile.to(dev)
         self.key_factor[rows] = res.key_factor.to(dev)
         self.value_factor[rows] = res.value_factor.to(dev)
         r = self.config.num_retrieval(c)
-        bound = int(sizes.sort(1, descending=True).values[:, :r].sum(1).max()) if r else 0
+        # the most tokens any head's n largest clusters hold, for n = 1 .. c
+        largest = sizes.sort(1, descending=True).values.cumsum(1).amax(0).numpy()
+        bound = int(largest[r - 1]) if r else 0
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
-                                     (r, self.config.num_estimation(c)), source)
+                                     (r, self.config.num_estimation(c)), largest, source)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -378,20 +389,27 @@ class DeviceLayer:
                 break
             for slot, index in stale:
                 self.load(slot, index)
-    def plan(self, slots: list[int], indexes: list[WaveIndex], upload: bool = True
-             ) -> StepPlan:
+    def plan(self, slots: list[int], indexes: list[WaveIndex], upload: bool = True,
+             given: list[int] | None = None) -> StepPlan:
         """The step's integers for ``indexes`` in ``slots`` (each loaded, see
         :meth:`refresh`), sharing one steady pool. Host work per row is a handful of
         attribute reads (what changes only at a load was computed there); ``upload``: one
         host->device copy, not waited for; else (for :class:`StepGraphs`, which copies them
-        into its graph's own inputs) the integers stay on the host, pinned on CUDA."""
+        into its graph's own inputs) the integers stay on the host, pinned on CUDA.
+
+        ``given``: the step's clusters are chosen by the policy (:func:`decode_given_step`),
+        ``given[b]`` of them for row b (its retrieval zone; no estimation zone): the plan's
+        retrieval width is then the most of them, rounded up."""
         if not indexes:
             raise ValueError("DeviceLayer.plan: an empty batch")
+        if given is not None and len(given) != len(indexes):
+            raise ValueError(f"DeviceLayer.plan: {len(given)} given counts for a batch of "
+                             f"{len(indexes)}")
         steady = indexes[0].steady
         loaded = self._loaded
         step = self.steps + 1
         cols, held = [], []
-        for slot, index in zip(slots, indexes, strict=True):
+        for b, (slot, index) in enumerate(zip(slots, indexes, strict=True)):
             x = loaded.get(slot)
             if x is None or x.uid != index.uid or x.generation != index.meta_generation:
                 raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
@@ -400,7 +418,8 @@ class DeviceLayer:
                 raise ValueError("DeviceLayer.plan: the indexes' steady zones are in "
                                  "different pools; a layer's decode needs them in one "
                                  "(adopt_steady)")
-            cols.append((slot, index.slot, x.clusters, *x.zones, index.num_sinks,
+            zones = x.zones if given is None else (min(given[b], x.clusters), 0)
+            cols.append((slot, index.slot, x.clusters, *zones, index.num_sinks,
                          index.ring_start, index.win_len, step))
             held.append(x)
         if self.in_place and any(x.source != self.keys.data_ptr() for x in held):
@@ -412,6 +431,13 @@ class DeviceLayer:
             if upload:
                 ints = ints.to(self.device, non_blocking=True)
         self.steps = step
+        if given is not None:
+            width = max(given)
+            bound = max([int(x.largest[min(width, x.clusters) - 1]) if width and x.clusters
+                         else 0 for x in held])
+            return StepPlan(ints, steady, min(round_up(max([x.clusters for x in held])),
+                                              self.max_clusters),
+                            round_up(width), 0, round_up(bound), steady.sink_cap + steady.ring)
         most = (max([x.clusters for x in held]), max([x.retrieval_bound for x in held]))
         widths = self._widths.get(most)
         if widths is None:
@@ -436,19 +462,21 @@ def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: fl
 
 
 def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, tilted: bool | None = None) -> torch.Tensor:
     """Step 2 of :func:`decode_step`: attention over the steady zone, the retrieved tokens
     and the estimated clusters of ranking ``top``, read in place — with a cluster cache,
     the retrieval zone looked up and admitted first (one more launch) and its hits read
-    there. Returns [R, G, D]."""
+    there. ``tilted``: the tilted estimator (None: the config's). Returns [R, G, D]."""
     backend = layer.config.kernel_backend
+    if tilted is None:
+        tilted = layer.config.tilted_estimation
     runs = None
     if layer.cache is not None:
         runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
                                     backend=backend)
     return kernels.resident_attention(
         q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
-        plan.retrieval, plan.estimation, scale, tilted=layer.config.tilted_estimation,
+        plan.retrieval, plan.estimation, scale, tilted=tilted,
         cache=layer.cache, runs=runs, backend=backend)
 
 
@@ -461,6 +489,35 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     clusters, exact ties of scores included)."""
     q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
     res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale), scale)
+    if out is None:
+        return res.view(query.shape)
+    out.copy_(res.view(out.shape))
+    return out
+
+
+def decode_given_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor,
+                      given: torch.Tensor, scale: float, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Exact attention of ``query[b]`` ([B, Hq, D]) over the steady zone of plan row b and
+    the clusters its policy chose, ``given[b, :, :n_b]`` ([B, H, W] int64 on the layer's
+    device, -1 padding past each row's count; ``n_b`` is the plan's retrieval column, from
+    :meth:`DeviceLayer.plan` with ``given``): the device step for policies that choose
+    their clusters themselves (:attr:`WaveIndex.select_batch`: SAAP's router, Quest's page
+    bounds, StreamingLLM's recent pages). No estimation zone, nothing scored: :func:`attend`
+    on the given clusters (padded to the plan's retrieval width), so the same launches
+    and no host synchronisation. Returns ``out`` ([B, Hq, D]; allocated when None). Equals
+    :func:`~vllm_retro.index.padded.decode_given` (fp32 1e-5)."""
+    r = query.shape[0] * layer.num_kv_heads
+    w = given.shape[2]
+    if w > plan.retrieval or plan.estimation:
+        raise ValueError(f"decode_given_step: {w} given clusters per row for a plan of "
+                         f"{plan.retrieval} retrieval and {plan.estimation} estimation slots; "
+                         "accepted: a plan made with given counts")
+    top = given.reshape(r, w).clamp_min(0)  # past a row's count: never read
+    if w < plan.retrieval:
+        top = torch.nn.functional.pad(top, (0, plan.retrieval - w))
+    q = query.reshape(r, -1, layer.head_dim)
+    res = attend(layer, plan, q, top, scale, tilted=False)
     if out is None:
         return res.view(query.shape)
     out.copy_(res.view(out.shape))

@@ -9,7 +9,10 @@ a cluster cache (the wave buffer's device cache budget, ``cache_fraction``) on t
 (checked when the layer grows); else the wave buffer's host tier and device cache
 serve the layer (:func:`vllm_retro.index.padded.decode_padded`). 'on' copies on any device,
 'in_place' reads in place on any device (tests, benchmarks), 'off' never. A request keeps its
-steady-pool slot as its slot here, so the layer's tables are indexed the same way.
+steady-pool slot as its slot here, so the layer's tables are indexed the same way. The wave
+index decodes by :func:`~vllm_retro.index.device_layer.decode_step`; the policies that
+choose their clusters for the batch (SAAP, Quest, StreamingLLM) choose them first, then
+decode by :func:`~vllm_retro.index.device_layer.decode_given_step`.
 """
 
 from __future__ import annotations
@@ -37,9 +40,13 @@ activations of the next steps)."""
 
 
 def resident_capable(index: WaveIndex) -> bool:
-    """True when ``index`` can decode from a :class:`DeviceLayer`: a plain wave index whose
-    store addresses its clusters as rows."""
-    return index.selects_zones and hasattr(index.store, "cluster_rows")
+    """True when ``index`` can decode from a :class:`DeviceLayer`: its clusters chosen by
+    centroid scores into zones (the wave index) or by the policy for the whole batch
+    (:attr:`WaveIndex.select_batch`: SAAP, Quest, StreamingLLM; read through
+    :func:`~vllm_retro.index.device_layer.decode_given_step`), from a store that addresses
+    its clusters as rows."""
+    return (index.selects_zones or index.select_batch is not None) and \
+        hasattr(index.store, "cluster_rows")
 
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
@@ -174,9 +181,17 @@ class ResidentDecode:
         assert self.layer is not None and self.graphs is not None
         slots = [i.slot for i in indexes]
         self.layer.refresh(slots, indexes)
+        first = indexes[0]
+        given = counts = None
+        if first.select_batch is not None:  # the policy chooses the clusters, no zones
+            given, counts = first.select_batch(indexes, query, scale)
         # the graphs copy the plan's integers into their own inputs: no upload of its own
-        plan = self.layer.plan(slots, indexes, upload=not query.is_cuda)
-        out.copy_(self.graphs(plan, query, scale))
+        plan = self.layer.plan(slots, indexes, upload=not query.is_cuda, given=counts)
+        if given is not None and given.shape[2] < plan.retrieval:
+            # padded to the plan's width: one graph serves every count up to it
+            given = torch.nn.functional.pad(given, (0, plan.retrieval - given.shape[2]),
+                                            value=-1)
+        out.copy_(self.graphs(plan, query, scale, given))
         if self.layer.cache is not None:
             # the wave buffer's counters (the server's device cache metrics); a dense
             # store has none
