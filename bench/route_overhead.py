@@ -27,9 +27,7 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -126,17 +124,9 @@ def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[s
             **dict(sorted(per.items(), key=lambda x: -x[1]))}
 
 
-def checkout(rev: str) -> tuple[str, pathlib.Path]:
-    """(short sha, a temporary worktree of ``rev``)."""
-    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    path = pathlib.Path(tempfile.mkdtemp(prefix=f"retro-route-{sha}-"))
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), sha], cwd=ROOT,
-                   check=True, capture_output=True)
-    return sha, path
-
-
 def main() -> None:
+    from bench.revisions import alternate
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default=None,
                     help="git revision to compare with, or the directory of a checkout of it "
@@ -155,33 +145,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    roots = {"tree": ROOT}
-    worktree = None
-    if args.rev and os.path.isdir(args.rev):  # a checkout already there (its extension built)
-        path = pathlib.Path(args.rev).resolve()
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        roots[sha] = path
-        args.rev = f"{sha} ({path})"
-    elif args.rev:
-        sha, worktree = checkout(args.rev)
-        roots[sha] = worktree
-        args.rev = sha  # recorded by its commit, not by a name that moves
-    argv = list(sys.argv[1:])
-    runs: dict[str, list[dict]] = {name: [] for name in roots}
-    try:
-        for r in range(args.rounds):
-            order = list(roots) if r % 2 == 0 else list(roots)[::-1]
-            for name in order:
-                proc = subprocess.run(
-                    [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--worker"],
-                    env={**os.environ, "ROUTE_ROOT": str(roots[name])}, check=True,
-                    capture_output=True, text=True)
-                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
-                           capture_output=True)
+    runs, args.rev = alternate(str(pathlib.Path(__file__).resolve()), sys.argv[1:], args.rev,
+                               args.rounds, "ROUTE_ROOT")
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "cases": {}}
     for batch in map(str, args.batches):
@@ -200,4 +165,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
     main()

@@ -17,7 +17,7 @@ per batch and revision: microseconds per layer step (medians over ``--rounds`` p
 device too (with the tree: straight into the graph's input), which is not timed here.
 
 Each revision runs in a process of its own on its own checkout (a temporary ``git
-worktree``, :func:`bench.route_overhead.checkout`), the two in alternating order::
+worktree``, :func:`bench.revisions.alternate`), the two in alternating order::
 
     .venv/bin/python bench/step_host.py --rev HEAD~1 --batches 1 8 --out /tmp/step_host.json
 """
@@ -29,7 +29,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -80,7 +79,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from bench.route_overhead import checkout
+    from bench.revisions import alternate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default=None, help="git revision to compare with (none: tree only)")
@@ -97,24 +96,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    roots, worktree = {"tree": ROOT}, None
-    if args.rev:
-        sha, worktree = checkout(args.rev)
-        roots[sha] = worktree
-        args.rev = sha
-    runs: dict[str, list[dict]] = {name: [] for name in roots}
-    try:
-        for r in range(args.rounds):
-            for name in (list(roots) if r % 2 == 0 else list(roots)[::-1]):
-                proc = subprocess.run(
-                    [sys.executable, str(pathlib.Path(__file__).resolve()), *sys.argv[1:],
-                     "--worker"], env={**os.environ, "STEP_ROOT": str(roots[name])},
-                    check=True, capture_output=True, text=True)
-                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
-                           capture_output=True)
+    runs, args.rev = alternate(str(pathlib.Path(__file__).resolve()), sys.argv[1:], args.rev,
+                               args.rounds, "STEP_ROOT")
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "cases": {}}
     for batch in map(str, args.batches):
@@ -126,7 +109,8 @@ def main() -> None:
                          f"refresh {c['refresh_us']:.1f}, plan {c['plan_us']:.1f})"
                          for name, c in case.items())
         if args.rev:
-            case["tree_over_rev"] = case["tree"]["total_us"] / case[args.rev]["total_us"]
+            other = case[args.rev.split()[0]]
+            case["tree_over_rev"] = case["tree"]["total_us"] / other["total_us"]
             line += f"; tree / {args.rev}: {case['tree_over_rev']:.2f}x"
         print(f"batch {batch}: {line}", flush=True)
     if args.out:

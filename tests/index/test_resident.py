@@ -100,13 +100,13 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
         mgr.close()
 
 
-def _policy_indexes(policy, cfg, lengths, h, d, dtype, g, mgr):
+def _policy_indexes(policy, cfg, lengths, h, d, dtype, g, mgr, device="cpu"):
     """Indexes of a policy choosing its own clusters, over the wave buffer stores of one
     layer pool."""
     out = []
     for n in lengths:
-        k, v = (torch.randn(h, n, d, generator=g).to(dtype) for _ in range(2))
-        store = mgr.store(f"r{len(out)}-{n}", h, d, dtype, "cpu", layer="L0")
+        k, v = (torch.randn(h, n, d, generator=g).to(device, dtype) for _ in range(2))
+        store = mgr.store(f"r{len(out)}-{n}", h, d, dtype, device, layer="L0")
         if policy == "saap":
             identity = ModelIdentity("test", 3, h * 4, h, d, 10000.0, "0123456789abcdef")
             model = random_saap_model(identity, 32, 48, torch.Generator().manual_seed(3))
@@ -223,16 +223,7 @@ def test_the_given_step_on_cuda_replays_from_a_graph(policy, mode):
                saap_probes=4)
     h, d = 2, 64
     mgr = WaveBufferManager(cfg)
-    indexes = []
-    for n in (700, 1500):
-        k, v = (torch.randn(h, n, d, generator=g).to(dev, dtype) for _ in range(2))
-        store = mgr.store(f"r{n}", h, d, dtype, dev, layer="L0")
-        if policy == "saap":
-            identity = ModelIdentity("test", 3, h * 4, h, d, 10000.0, "0123456789abcdef")
-            model = random_saap_model(identity, 32, 48, torch.Generator().manual_seed(3))
-            indexes.append(SaapIndex.build(k, v, cfg, store=store, model=model, layer=1))
-        else:
-            indexes.append(PAGE_INDEXES[policy].build(k, v, cfg, store=store))
+    indexes = _policy_indexes(policy, cfg, [700, 1500], h, d, dtype, g, mgr, dev)
     pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
                       dtype, dev, slots=2, zeroed=True)
     for slot, index in enumerate(indexes):
