@@ -2,13 +2,14 @@
 process of its own on its own checkout, the two in alternating order.
 
 A benchmark script with a ``--worker`` mode (it times in its own process, importing the
-package from the directory an environment variable names, and prints one JSON line) calls
-:func:`alternate` from its main: the script itself (this tree's) runs for every revision,
-only the package it imports changes.
+package from the directory an environment variable names, and prints one JSON line) makes
+its parser with :func:`parser` and runs with :func:`run` (or :func:`alternate`): the script
+itself (this tree's) runs for every revision, only the package it imports changes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -61,3 +62,39 @@ def alternate(script: str, argv: list[str], rev: str | None, rounds: int, root_e
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
                            capture_output=True)
     return runs, label
+
+
+def parser(description: str, batches: list[int], context: int, kv_heads: int, group: int,
+           head_dim: int, steps: int, rounds: int) -> argparse.ArgumentParser:
+    """The options such a benchmark shares (the layer's shape, the batches, the revision)
+    with these defaults; the script adds its own."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rev", default=None,
+                    help="git revision to compare with, or the directory of a checkout of it "
+                         "(none: tree only)")
+    ap.add_argument("--batches", type=int, nargs="+", default=batches)
+    ap.add_argument("--context", type=int, default=context)
+    ap.add_argument("--kv-heads", type=int, default=kv_heads)
+    ap.add_argument("--group", type=int, default=group)
+    ap.add_argument("--head-dim", type=int, default=head_dim)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    return ap
+
+
+def run(ap: argparse.ArgumentParser, script: str, worker, root_env: str
+        ) -> tuple[argparse.Namespace, dict[str, list[dict]], dict] | None:
+    """Parse the command line; as a worker, print ``worker(args)`` as JSON and return None;
+    else run the revisions (:func:`alternate`) and return the arguments (``rev`` as
+    recorded), the runs, and the result to fill and write: its arguments, and its "cases"
+    empty."""
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return None
+    runs, args.rev = alternate(str(pathlib.Path(script).resolve()), sys.argv[1:], args.rev,
+                               args.rounds, root_env)
+    kept = {k: v for k, v in vars(args).items() if k not in ("worker", "out")}
+    return args, runs, {"args": kept, "cases": {}}

@@ -125,30 +125,15 @@ def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[s
 
 
 def main() -> None:
-    from bench.revisions import alternate
+    from bench import revisions
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rev", default=None,
-                    help="git revision to compare with, or the directory of a checkout of it "
-                         "(none: tree only)")
+    ap = revisions.parser(__doc__.splitlines()[0], batches=[3, 8], context=2048, kv_heads=2,
+                          group=7, head_dim=64, steps=60, rounds=2)
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--batches", type=int, nargs="+", default=[3, 8])
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--group", type=int, default=7)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=pathlib.Path, default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    done = revisions.run(ap, __file__, worker, "ROUTE_ROOT")
+    if done is None:
         return
-    runs, args.rev = alternate(str(pathlib.Path(__file__).resolve()), sys.argv[1:], args.rev,
-                               args.rounds, "ROUTE_ROOT")
-    result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-              "cases": {}}
+    args, runs, result = done
     for batch in map(str, args.batches):
         case = result["cases"][batch] = {}
         for name, rr in runs.items():

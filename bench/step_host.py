@@ -79,27 +79,14 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from bench.revisions import alternate
+    from bench import revisions
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rev", default=None, help="git revision to compare with (none: tree only)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=pathlib.Path, default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    ap = revisions.parser(__doc__.splitlines()[0], batches=[1, 8], context=8192, kv_heads=8,
+                          group=4, head_dim=128, steps=2000, rounds=3)
+    done = revisions.run(ap, __file__, worker, "STEP_ROOT")
+    if done is None:
         return
-    runs, args.rev = alternate(str(pathlib.Path(__file__).resolve()), sys.argv[1:], args.rev,
-                               args.rounds, "STEP_ROOT")
-    result = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-              "cases": {}}
+    args, runs, result = done
     for batch in map(str, args.batches):
         case = result["cases"][batch] = {}
         for name, rr in runs.items():
