@@ -163,10 +163,6 @@ class ClusterMappingTable:
                            weights=self.n_pages.reshape(-1)[flat], minlength=self.size.shape[0])
         return held.astype(np.int64)
 
-    def pages_of_many(self, head: int, clusters: np.ndarray) -> np.ndarray:
-        """The host pages of ``clusters`` ([n] ids of one head), concatenated in order."""
-        return runs(self.page_start[head, clusters], self.n_pages[head, clusters])
-
     def pages_of(self, head: int, cluster: int) -> slice:
         """The cluster's host pages."""
         start = int(self.page_start[head, cluster])
