@@ -39,14 +39,23 @@ HEADROOM_BYTES = 2 << 30
 activations of the next steps)."""
 
 
+_CAPABLE: dict[tuple[type, type], bool] = {}
+"""(index class, store class) -> :func:`resident_capable` (asked for every row of every
+layer at every step; what it checks is fixed per class)."""
+
+
 def resident_capable(index: WaveIndex) -> bool:
     """True when ``index`` can decode from a :class:`DeviceLayer`: its clusters chosen by
     centroid scores into zones (the wave index) or by the policy for the whole batch
     (:attr:`WaveIndex.select_batch`: SAAP, Quest, StreamingLLM; read through
     :func:`~vllm_retro.index.device_layer.decode_given_step`), from a store that addresses
     its clusters as rows."""
-    return (index.selects_zones or index.select_batch is not None) and \
-        hasattr(index.store, "cluster_rows")
+    kinds = (type(index), type(index.store))
+    capable = _CAPABLE.get(kinds)
+    if capable is None:
+        capable = _CAPABLE[kinds] = (index.selects_zones or index.select_batch is not None) \
+            and hasattr(index.store, "cluster_rows")
+    return capable
 
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
@@ -95,6 +104,9 @@ class ResidentDecode:
         self.graphs: StepGraphs | None = None
         self.counts = CacheCounts()
         """The layer's cluster cache counts on their way to the buffer's statistics."""
+        self._checked: list[WaveIndex] | None = None
+        """The batch :meth:`applies` last found loaded, slot for slot (its :meth:`decode`,
+        next, then skips the refresh)."""
         self._refused: tuple | None = None
         """The batch ((uid, meta generation) of each index) whose layer did not fit the
         device under 'auto': it decodes through the host tier without asking (or reading
@@ -109,22 +121,24 @@ class ResidentDecode:
         if self.layer is not None and self.layer.cache is not None:
             self.counts.report(self.layer.cache, wait=True)
         self.counts = CacheCounts(self.counts.stats)
-        self.layer = self.graphs = None
+        self.layer = self.graphs = self._checked = None
 
     def applies(self, indexes: list[WaveIndex], query: torch.Tensor) -> bool:
         """True when this batch decodes here (see the module docstring); grows the layer
         when it must and can."""
+        self._checked = None
         first = indexes[0]
         mode = first.config.device_resident
         if mode == "off" or (not query.is_cuda and mode == "auto"):
             return False
-        if not all(resident_capable(i) for i in indexes) or any(
-                i.steady is not first.steady for i in indexes):
+        steady = first.steady
+        if not all([resident_capable(i) and i.steady is steady for i in indexes]):
             return False
         lay = self.layer
         fits = lay is not None and lay.dtype == first.centroids.dtype and \
-            lay.device == first.centroids.device and first.steady.num_slots <= lay.num_slots
-        if fits and all(lay.loaded(i.slot, i) for i in indexes):
+            lay.device == first.centroids.device and steady.num_slots <= lay.num_slots
+        if fits and all([lay.loaded(i.slot, i) for i in indexes]):
+            self._checked = indexes  # decode's refresh has nothing to load
             return True  # the usual step: nothing to load, nothing read from the device
         batch = tuple((i.uid, i.meta_generation) for i in indexes)
         if batch == self._refused:
@@ -180,7 +194,9 @@ class ResidentDecode:
         said yes) into ``out``."""
         assert self.layer is not None and self.graphs is not None
         slots = [i.slot for i in indexes]
-        self.layer.refresh(slots, indexes)
+        if self._checked is not indexes:
+            self.layer.refresh(slots, indexes)
+        self._checked = None
         first = indexes[0]
         given = counts = None
         if first.select_batch is not None:  # the policy chooses the clusters, no zones
