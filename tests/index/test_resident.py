@@ -13,6 +13,7 @@ from vllm_retro.index.device_layer import (
     cache_block_size,
     cache_blocks_for,
     decode_given_step,
+    decode_step,
 )
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.pages import PAGE_INDEXES
@@ -122,11 +123,11 @@ def _policy_indexes(policy, cfg, lengths, h, d, dtype, g, mgr, device="cpu"):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode, cache_on,
                                                                     dtype, tol):
-    """SAAP, Quest and StreamingLLM choose each row's clusters themselves (select_batch):
-    the layer decodes them on the device step too (no zones, nothing scored: exact
-    attention over the chosen clusters, read in place or copied, through the cluster cache
-    or not), equal to the per-row reference through update blocks, with the step's
-    operations free of host synchronisation."""
+    """The baselines decode on the device step too, read in place or copied, through the
+    cluster cache or not, equal to the per-row reference through update blocks, the step
+    free of host synchronisation: Quest's pages scored there by their bounds (rows twice
+    the head dimension, the query split by sign), SAAP's and StreamingLLM's clusters chosen
+    by the policy (select_batch) and read as given (no zones, nothing scored)."""
     g = torch.Generator().manual_seed(21)
     cfg = _cfg(device_resident=mode, cache_fraction=0.1 if cache_on else 0.0,
                min_retrieval_clusters=0 if not cache_on else 16,
@@ -155,11 +156,19 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
         assert layer.cache is not None and min(layer.cache_tokens()) > 0
     # the step itself, on the loaded layer: no operation that would wait for the device
     slots = [i.slot for i in indexes]
-    ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
-    plan = layer.plan(slots, indexes, given=counts)
-    assert plan.estimation == 0 and plan.ints[3].tolist() == counts
-    with SyncCheck():
-        again = decode_given_step(layer, plan, q, ids, d ** -0.5)
+    assert layer.centroids.shape[-1] == (2 * d if policy == "quest" else d)
+    if policy == "quest":
+        plan = layer.plan(slots, indexes)
+        assert plan.estimation == 0 and plan.ints[4].tolist() == [0, 0, 0]
+        assert plan.ints[3].tolist() == [i.zone_sizes(i.num_clusters)[0] for i in indexes]
+        with SyncCheck():
+            again = decode_step(layer, plan, q, d ** -0.5)
+    else:
+        ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+        plan = layer.plan(slots, indexes, given=counts)
+        assert plan.estimation == 0 and plan.ints[3].tolist() == counts
+        with SyncCheck():
+            again = decode_given_step(layer, plan, q, ids, d ** -0.5)
     torch.testing.assert_close(again.float(), ref.float(), rtol=tol, atol=tol)
     cache.clear()
     for index in indexes:
@@ -170,11 +179,12 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
 
 @pytest.mark.parametrize("policy", ["quest", "streaming", "saap"])
 @pytest.mark.parametrize("cache_on", [False, True])
-def test_the_given_step_with_triton_kernels(triton_device, policy, cache_on):
-    """The device step of a policy choosing its clusters with the Triton kernels (the CUDA
-    configuration; on the CPU under the interpreter): equal to the per-row reference and
-    free of host synchronisation in at most 8 launches (nothing scored or ranked: the
-    given clusters padded, the cache's lookup, the attention's two kernels)."""
+def test_the_baselines_device_step_with_triton_kernels(triton_device, policy, cache_on):
+    """The baselines' device step with the Triton kernels (the CUDA configuration; on the
+    CPU under the interpreter): equal to the per-row reference and free of host
+    synchronisation in at most 8 launches: Quest's query split, its pages scored and
+    ranked; or the given clusters padded; then the cache's lookup and the attention's two
+    kernels."""
     if triton_device != "cpu":
         pytest.skip("runs the indexes on the CPU")
     g = torch.Generator().manual_seed(23)
@@ -196,11 +206,16 @@ def test_the_given_step_with_triton_kernels(triton_device, policy, cache_on):
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         layer = cache.resident.layer
-        ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
-        plan = layer.plan([0, 1], indexes, given=counts)
         check = SyncCheck()
-        with check:
-            again = decode_given_step(layer, plan, q, ids, d ** -0.5)
+        if policy == "quest":
+            plan = layer.plan([0, 1], indexes)
+            with check:
+                again = decode_step(layer, plan, q, d ** -0.5)
+        else:
+            ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+            plan = layer.plan([0, 1], indexes, given=counts)
+            with check:
+                again = decode_given_step(layer, plan, q, ids, d ** -0.5)
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
         assert check.launches <= 8, check.ops
     assert (layer.cache is not None) == cache_on
@@ -213,10 +228,10 @@ def test_the_given_step_with_triton_kernels(triton_device, policy, cache_on):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("policy", ["quest", "saap"])
 @pytest.mark.parametrize("mode", ["on", "in_place"])
-def test_the_given_step_on_cuda_replays_from_a_graph(policy, mode):
-    """On a GPU: a policy choosing its clusters decodes through the layer's graphs (the
-    given clusters a static input), equal to the per-row reference; the step itself passes
-    ``torch.cuda.set_sync_debug_mode("error")``."""
+def test_the_baselines_device_step_on_cuda_replays_from_a_graph(policy, mode):
+    """On a GPU: Quest (scored on the device) and SAAP (its clusters given, a static input
+    of the graph) decode through the layer's graphs, equal to the per-row reference; the
+    step itself passes ``torch.cuda.set_sync_debug_mode("error")``."""
     g = torch.Generator().manual_seed(25)
     dtype, dev = torch.bfloat16, torch.device("cuda")
     cfg = _cfg(device_resident=mode, kernel_backend="auto", quest_token_budget=96,
@@ -238,12 +253,17 @@ def test_the_given_step_on_cuda_replays_from_a_graph(policy, mode):
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     layer = cache.resident.layer
     assert layer is not None and cache.resident.graphs.captures >= 1
-    ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
-    plan = layer.plan([0, 1], indexes, given=counts)
+    if policy == "quest":  # scored on the device
+        plan = layer.plan([0, 1], indexes)
+        step = lambda: decode_step(layer, plan, q, d ** -0.5)  # noqa: E731
+    else:
+        ids, counts = indexes[0].select_batch(indexes, q, d ** -0.5)
+        plan = layer.plan([0, 1], indexes, given=counts)
+        step = lambda: decode_given_step(layer, plan, q, ids, d ** -0.5)  # noqa: E731
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eager = decode_given_step(layer, plan, q, ids, d ** -0.5)
+        eager = step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(eager.float(), ref.float(), rtol=1e-2, atol=1e-2)

@@ -17,12 +17,15 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_the_device_steps_kernels_compile_for_sm90():
-    """Every kernel the device step launches (pool scoring, zone selection — also at rows of
-    2K clusters —, resident attention and its merge) lowers to a cubin for cuda:90 with this
-    environment's Triton."""
+    """Every kernel the device step launches (pool scoring — also of Quest's page bounds,
+    rows twice the head dimension —, zone selection — also at rows of 2K clusters —,
+    resident attention and its merge, the cluster cache's lookup) lowers to a cubin for
+    cuda:90 with this environment's Triton."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.triton_compile", "--arch", "90",
          "tests/index/test_device_layer.py::test_decode_step_with_triton_kernels",
+         "tests/index/test_resident.py::test_the_baselines_device_step_with_triton_kernels"
+         "[True-quest]",
          "tests/kernels/test_zone_select.py::test_triton_equals_torch"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

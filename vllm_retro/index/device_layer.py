@@ -45,11 +45,14 @@ On CUDA that is five launches per layer step (six with a cluster cache); the tor
 (CPU, and the reference) spells the same step out in plain operations, packing an
 execution buffer.
 
-Policies that choose each row's clusters themselves (:attr:`WaveIndex.select_batch`: SAAP's
-router, Quest's page bounds, StreamingLLM's recent pages) decode on the same layer with
-:func:`decode_given_step`: their choice is the retrieval zone, with no estimation zone and
-nothing scored, so step 2 alone (the given clusters padded to the plan's static width,
-which :meth:`DeviceLayer.plan` takes from the counts given).
+The baselines are strategies over the same pools. Quest scores its pages in step 1 by
+their bounds (the layer's scoring rows twice the head dimension wide, ``[max, min]``,
+against the query split by sign: one more launch), reads the top pages and estimates
+nothing (:meth:`WaveIndex.zone_sizes`). Policies that choose each row's clusters
+themselves (:attr:`WaveIndex.select_batch`: SAAP's router, StreamingLLM's recent pages)
+decode with :func:`decode_given_step`: their choice is the retrieval zone, nothing scored,
+so step 2 alone (the given clusters padded to the plan's static width, which
+:meth:`DeviceLayer.plan` takes from the counts given).
 
 Every shape depends only on the batch size and the layer's bounds (``C_live``, ``r_max``,
 ``e_max``, ``T_ret``, the steady width), which change only when a slot is loaded: a CUDA
@@ -176,12 +179,22 @@ class DeviceLayer:
     ``cache_block_tokens`` tokens (None: :func:`cache_block_size` of the config's
     ``cluster_size``) per (slot, KV head) keeps recently retrieved clusters on the device
     (see :func:`cache_blocks_for`).
+
+    ``score_dim``: the width of the rows the layer's policy scores clusters by
+    (:meth:`WaveIndex.fused_scoring`; None: ``head_dim``, the centroids); twice
+    ``head_dim`` for Quest's page bounds, scored with the query split into its positive and
+    negative parts. ``tilted``: the estimation zone by the tilted estimator (None: the
+    config's; False for policies that estimate nothing).
     """
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, slots: int,
                  max_clusters: int, max_tokens: int, rank: int, in_place: bool = False,
-                 cache_blocks: int = 0, cache_block_tokens: int | None = None):
+                 cache_blocks: int = 0, cache_block_tokens: int | None = None,
+                 score_dim: int | None = None, tilted: bool | None = None):
+        if score_dim not in (None, head_dim, 2 * head_dim):
+            raise ValueError(f"DeviceLayer: score_dim={score_dim}; accepted: head_dim "
+                             f"({head_dim}, centroids) or twice it (page bounds)")
         for name, v in (("slots", slots), ("max_clusters", max_clusters),
                         ("max_tokens", max_tokens), ("rank", rank)):
             if v < (0 if in_place and name == "max_tokens" else 1):
@@ -205,7 +218,11 @@ class DeviceLayer:
         else:  # zero-filled: rows past a row's data are read (and masked) by the gathers
             self.keys = torch.zeros(rows, n, d, dtype=dtype, device=dev)
             self.values = torch.zeros(rows, n, d, dtype=dtype, device=dev)
-        self.centroids = torch.zeros(rows, c, d, dtype=dtype, device=dev)
+        self.centroids = torch.zeros(rows, c, score_dim or d, dtype=dtype, device=dev)
+        """[R, C_cap, score_dim] the rows each cluster is scored by (the centroids, or
+        Quest's page bounds)."""
+        self.tilted = config.tilted_estimation if tilted is None else tilted
+        self._sign_bounds: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.value_sums = torch.zeros(rows, c, d, dtype=dtype, device=dev)
         self.sizes = torch.zeros(rows, c, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(rows, c, dtype=torch.int64, device=dev)
@@ -223,9 +240,22 @@ class DeviceLayer:
         """Plans made (the cache's clock)."""
         self._loaded: dict[int, _Loaded] = {}
         """What each slot holds."""
-        self._widths: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-        """(most clusters, largest retrieval bound) of a batch -> its plan's static widths
-        (clusters, retrieval, estimation, retrieval tokens)."""
+        self._widths: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
+        """(most clusters, largest retrieval bound, largest zones) of a batch -> its plan's
+        static widths (clusters, retrieval, estimation, retrieval tokens)."""
+
+    def split_by_sign(self, q: torch.Tensor) -> torch.Tensor:
+        """``[q+, q-]`` ([R, G, 2D]) of ``q`` ([R, G, D]), as page bounds ``[max, min]`` are
+        scored: one clamp of ``q`` seen twice against bounds [(0, inf), (-inf, 0)], kept
+        per dtype (made once, then no upload per step)."""
+        bounds = self._sign_bounds.get(q.dtype)
+        if bounds is None:
+            inf = float("inf")
+            bounds = self._sign_bounds[q.dtype] = (
+                torch.tensor([[0.0], [-inf]], dtype=q.dtype, device=q.device),
+                torch.tensor([[inf], [0.0]], dtype=q.dtype, device=q.device))
+        r, g, d = q.shape
+        return torch.clamp(q[:, :, None].expand(r, g, 2, d), *bounds).view(r, g, 2 * d)
 
     # ------------------------------------------------------------------ host side
     def pools(self, steady: SteadyPool) -> LayerPools:
@@ -238,14 +268,15 @@ class DeviceLayer:
     @staticmethod
     def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
                   tokens: int, rank: int, in_place: bool = False, cache_blocks: int = 0,
-                  cache_block_tokens: int = 0) -> int:
+                  cache_block_tokens: int = 0, score_dim: int | None = None) -> int:
         """Device bytes a layer of these bounds allocates (its :meth:`nbytes`); with a
         cluster cache, ``cache_blocks`` of ``cache_block_tokens`` each (both given)."""
         if cache_blocks and cache_block_tokens < 1:
             raise ValueError(f"DeviceLayer.footprint: cache_block_tokens={cache_block_tokens} "
                              "with a cache; accepted: an integer >= 1")
         elem = torch.empty(0, dtype=dtype).element_size()
-        per_cluster = 2 * head_dim * elem + 4 + 8 + 4 + 4  # meta rows, sizes, starts, fp32 x2
+        # scoring rows and value sums, sizes, starts, fp32 x2
+        per_cluster = ((score_dim or head_dim) + head_dim) * elem + 4 + 8 + 4 + 4
         kv = 0 if in_place else 2 * tokens * head_dim * elem
         per_row = kv + clusters * per_cluster + 4 * head_dim * (1 + 2 * rank)
         cache = ClusterCache.footprint(slots * heads, clusters, cache_blocks,
@@ -289,6 +320,11 @@ class DeviceLayer:
         if index.residuals.rank != self.key_factor.shape[2]:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
+        scoring = index.fused_scoring()[0] if index.kernel_scores else None
+        if scoring is not None and scoring.shape[-1] != self.centroids.shape[-1]:
+            raise ValueError(f"DeviceLayer.load: the index scores rows of width "
+                             f"{scoring.shape[-1]}; the layer's are "
+                             f"{self.centroids.shape[-1]} (score_dim)")
         sizes = index.sizes.long().cpu()
         prev = self._loaded.get(slot)
         same = prev is not None and prev.uid == index.uid and prev.clusters <= c
@@ -324,20 +360,22 @@ class DeviceLayer:
                 self._copy_tokens(slot, keys, values, src, added, held)
                 self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
             self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
-            for name, pool in (("centroids", self.centroids), ("value_sums", self.value_sums),
-                               ("spreads", self.spreads), ("deviates", self.deviates)):
-                if name in index.meta_kept:  # a policy choosing its own clusters keeps none
+            if index.kernel_scores:  # scored here (else the policy chooses the clusters)
+                self.centroids[rows, new] = scoring[:, new].to(dev, self.dtype)
+            for name, pool in (("value_sums", self.value_sums), ("spreads", self.spreads),
+                               ("deviates", self.deviates)):
+                if name in index.meta_kept:  # kept by the policies that estimate
                     pool[rows, new] = getattr(index, name)[:, new].to(dev, pool.dtype)
         res = index.residuals
         self.profile[rows] = res.profile.to(dev)
         self.key_factor[rows] = res.key_factor.to(dev)
         self.value_factor[rows] = res.value_factor.to(dev)
-        r = self.config.num_retrieval(c)
+        zones = index.zone_sizes(c)
         # the most tokens any head's n largest clusters hold, for n = 1 .. c
         largest = sizes.sort(1, descending=True).values.cumsum(1).amax(0).numpy()
-        bound = int(largest[r - 1]) if r else 0
+        bound = int(largest[zones[0] - 1]) if zones[0] else 0
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
-                                     (r, self.config.num_estimation(c)), largest, source)
+                                     zones, largest, source)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -438,12 +476,16 @@ class DeviceLayer:
             return StepPlan(ints, steady, min(round_up(max([x.clusters for x in held])),
                                               self.max_clusters),
                             round_up(width), 0, round_up(bound), steady.sink_cap + steady.ring)
-        most = (max([x.clusters for x in held]), max([x.retrieval_bound for x in held]))
+        most = (max([x.clusters for x in held]), max([x.retrieval_bound for x in held]),
+                max([x.zones[0] for x in held]), max([x.zones[1] for x in held]))
         widths = self._widths.get(most)
         if widths is None:
-            c_live, cfg = min(round_up(most[0]), self.max_clusters), self.config
-            widths = self._widths[most] = (c_live, cfg.num_retrieval(c_live),
-                                           cfg.num_estimation(c_live), round_up(most[1]))
+            # the zones at the rounded cluster count: stable while rows grow within it (a
+            # graph per bound set), and at least every row's own
+            c_live = min(round_up(most[0]), self.max_clusters)
+            r, e = indexes[0].zone_sizes(c_live)
+            widths = self._widths[most] = (c_live, max(r, most[2]), max(e, most[3]),
+                                           round_up(most[1]))
         return StepPlan(ints, steady, *widths, steady.sink_cap + steady.ring)
 
 
@@ -455,6 +497,8 @@ def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: fl
     bounds): row r's retrieval zone in ``[:n_ret]``, then its estimation zone, each in
     ascending id (:func:`vllm_retro.kernels.select_zones`: ties by cluster id, as on CPU)."""
     backend = layer.config.kernel_backend
+    if layer.centroids.shape[-1] != q.shape[-1]:  # page bounds: max by q+, min by q-
+        q = layer.split_by_sign(q)
     scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, plan.clusters,
                                  scale, backend=backend)  # [R, C]
     return kernels.select_zones(scores, plan.ints, plan.retrieval, plan.estimation,
@@ -466,10 +510,10 @@ def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tenso
     """Step 2 of :func:`decode_step`: attention over the steady zone, the retrieved tokens
     and the estimated clusters of ranking ``top``, read in place — with a cluster cache,
     the retrieval zone looked up and admitted first (one more launch) and its hits read
-    there. ``tilted``: the tilted estimator (None: the config's). Returns [R, G, D]."""
+    there. ``tilted``: the tilted estimator (None: the layer's). Returns [R, G, D]."""
     backend = layer.config.kernel_backend
     if tilted is None:
-        tilted = layer.config.tilted_estimation
+        tilted = layer.tilted
     runs = None
     if layer.cache is not None:
         runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
@@ -502,8 +546,8 @@ def decode_given_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor,
     the clusters its policy chose, ``given[b, :, :n_b]`` ([B, H, W] int64 on the layer's
     device, -1 padding past each row's count; ``n_b`` is the plan's retrieval column, from
     :meth:`DeviceLayer.plan` with ``given``): the device step for policies that choose
-    their clusters themselves (:attr:`WaveIndex.select_batch`: SAAP's router, Quest's page
-    bounds, StreamingLLM's recent pages). No estimation zone, nothing scored: :func:`attend`
+    their clusters themselves (:attr:`WaveIndex.select_batch`: SAAP's router,
+    StreamingLLM's recent pages). No estimation zone, nothing scored: :func:`attend`
     on the given clusters (padded to the plan's retrieval width), so the same launches
     and no host synchronisation. Returns ``out`` ([B, Hq, D]; allocated when None). Equals
     :func:`~vllm_retro.index.padded.decode_given` (fp32 1e-5)."""

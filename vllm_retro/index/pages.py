@@ -95,10 +95,14 @@ class PageIndex(WaveIndex):
         """Rank of every page for a query [num_heads, D]: [H, P] (higher is read first)."""
         raise NotImplementedError
 
+    def zone_sizes(self, clusters: int) -> tuple[int, int]:
+        """The top :attr:`num_pages` pages (at most all), nothing estimated."""
+        return min(self.num_pages, clusters), 0
+
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         """The pages read exactly for a query [num_heads, D]: the top :attr:`num_pages` by
         :meth:`page_scores` ([H, k] ids, highest first), no estimation."""
-        k = min(self.num_pages, self.num_clusters)
+        k = self.zone_sizes(self.num_clusters)[0]
         if k <= 0:
             none = torch.empty(self.num_kv_heads, 0, dtype=torch.int64, device=query.device)
             return Selection(none, none)
@@ -146,9 +150,10 @@ class QuestIndex(PageIndex):
         self.meta_rows.append({"page_bounds": bounds}, 4 * self._block_pages)
 
     def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
-        """The page bounds [H, P, 2D], which the fused CPU kernel scores as
-        :meth:`page_scores` does; the top :attr:`num_pages` read, nothing estimated."""
-        return self.page_bounds, min(self.num_pages, self.num_clusters), 0
+        """The page bounds [H, P, 2D], which the fused CPU kernel and the device step score
+        as :meth:`page_scores` does (the query split into its positive and negative
+        parts); the top :attr:`num_pages` read, nothing estimated."""
+        return self.page_bounds, *self.zone_sizes(self.num_clusters)
 
     def page_scores(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The GQA group's summed softmax of each query head's page bounds

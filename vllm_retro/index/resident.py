@@ -10,9 +10,10 @@ a cluster cache (the wave buffer's device cache budget, ``cache_fraction``) on t
 serve the layer (:func:`vllm_retro.index.padded.decode_padded`). 'on' copies on any device,
 'in_place' reads in place on any device (tests, benchmarks), 'off' never. A request keeps its
 steady-pool slot as its slot here, so the layer's tables are indexed the same way. The wave
-index decodes by :func:`~vllm_retro.index.device_layer.decode_step`; the policies that
-choose their clusters for the batch (SAAP, Quest, StreamingLLM) choose them first, then
-decode by :func:`~vllm_retro.index.device_layer.decode_given_step`.
+index and Quest (their clusters scored on the device) decode by
+:func:`~vllm_retro.index.device_layer.decode_step`; the policies that choose their clusters
+for the batch (SAAP, StreamingLLM) choose them first, then decode by
+:func:`~vllm_retro.index.device_layer.decode_given_step`.
 """
 
 from __future__ import annotations
@@ -45,17 +46,26 @@ layer at every step; what it checks is fixed per class)."""
 
 
 def resident_capable(index: WaveIndex) -> bool:
-    """True when ``index`` can decode from a :class:`DeviceLayer`: its clusters chosen by
-    centroid scores into zones (the wave index) or by the policy for the whole batch
-    (:attr:`WaveIndex.select_batch`: SAAP, Quest, StreamingLLM; read through
-    :func:`~vllm_retro.index.device_layer.decode_given_step`), from a store that addresses
-    its clusters as rows."""
+    """True when ``index`` can decode from a :class:`DeviceLayer`: its clusters scored there
+    (:attr:`WaveIndex.kernel_scores`: the wave index's centroids, Quest's page bounds) or
+    chosen by the policy for the whole batch (:attr:`WaveIndex.select_batch`: SAAP,
+    StreamingLLM; read through :func:`~vllm_retro.index.device_layer.decode_given_step`),
+    from a store that addresses its clusters as rows."""
     kinds = (type(index), type(index.store))
     capable = _CAPABLE.get(kinds)
     if capable is None:
-        capable = _CAPABLE[kinds] = (index.selects_zones or index.select_batch is not None) \
+        capable = _CAPABLE[kinds] = (index.kernel_scores or index.select_batch is not None) \
             and hasattr(index.store, "cluster_rows")
     return capable
+
+
+def layer_kind(index: WaveIndex) -> tuple[int, bool]:
+    """What a :class:`DeviceLayer` for ``index``'s policy holds: the width of the rows its
+    clusters are scored by (:meth:`WaveIndex.fused_scoring`: the centroids, Quest's page
+    bounds at twice the head dimension; the head dimension for policies choosing their
+    clusters themselves), and whether it estimates by the tilted estimator."""
+    width = index.fused_scoring()[0].shape[-1] if index.kernel_scores else index.head_dim
+    return width, index.selects_zones and index.config.tilted_estimation
 
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
@@ -136,7 +146,8 @@ class ResidentDecode:
             return False
         lay = self.layer
         fits = lay is not None and lay.dtype == first.centroids.dtype and \
-            lay.device == first.centroids.device and steady.num_slots <= lay.num_slots
+            lay.device == first.centroids.device and steady.num_slots <= lay.num_slots and \
+            (lay.centroids.shape[-1], lay.tilted) == layer_kind(first)
         if fits and all([lay.loaded(i.slot, i) for i in indexes]):
             self._checked = indexes  # decode's refresh has nothing to load
             return True  # the usual step: nothing to load, nothing read from the device
@@ -168,11 +179,13 @@ class ResidentDecode:
             return False
         block = cache_block_size(first.config.cluster_size)
         blocks = cache_blocks_for(first.config, tokens, block)
+        score_dim, tilted = layer_kind(first)
         if mode == "auto":
             how = placement(
-                DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
+                DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank,
+                                      score_dim=score_dim),
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, True, blocks,
-                                      block),
+                                      block, score_dim),
                 torch.cuda.mem_get_info(dev)[0] + self.nbytes() - HEADROOM_BYTES,
                 in_place_capable(indexes, dev))
             if how is None:
@@ -183,7 +196,8 @@ class ResidentDecode:
                                  max_clusters=clusters, max_tokens=0 if in_place else tokens,
                                  rank=rank, in_place=in_place,
                                  cache_blocks=blocks if in_place else 0,
-                                 cache_block_tokens=block)
+                                 cache_block_tokens=block, score_dim=score_dim,
+                                 tilted=tilted)
         self.graphs = StepGraphs(self.layer)
         self._refused = None
         return True
@@ -199,7 +213,7 @@ class ResidentDecode:
         self._checked = None
         first = indexes[0]
         given = counts = None
-        if first.select_batch is not None:  # the policy chooses the clusters, no zones
+        if not first.kernel_scores:  # the policy chooses the clusters, no zones
             given, counts = first.select_batch(indexes, query, scale)
         # the graphs copy the plan's integers into their own inputs: no upload of its own
         plan = self.layer.plan(slots, indexes, upload=not query.is_cuda, given=counts)

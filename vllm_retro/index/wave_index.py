@@ -584,12 +584,17 @@ class WaveIndex:
         return nbytes
 
     # ------------------------------------------------------------------ decode
+    def zone_sizes(self, clusters: int) -> tuple[int, int]:
+        """(clusters read exactly, clusters estimated) per KV head of an index of
+        ``clusters`` clusters per head, as :meth:`select` chooses; growing with
+        ``clusters``."""
+        return self.config.num_retrieval(clusters), self.config.num_estimation(clusters)
+
     def fused_scoring(self) -> tuple[torch.Tensor, int, int]:
-        """What the fused CPU kernel scores and how much it reads
-        (:func:`vllm_retro.index.batched.decode_row`): (scoring rows [H, C, D], the
-        centroids; clusters read exactly; clusters estimated), as :meth:`select` chooses."""
-        c = self.num_clusters
-        return self.centroids, self.config.num_retrieval(c), self.config.num_estimation(c)
+        """What the fused CPU kernel (:func:`vllm_retro.index.batched.decode_row`) and the
+        device step (:mod:`vllm_retro.index.device_layer`) score and how much they read:
+        (scoring rows [H, C, D], the centroids; then :meth:`zone_sizes`)."""
+        return self.centroids, *self.zone_sizes(self.num_clusters)
 
     def select(self, query: torch.Tensor, scale: float) -> Selection:
         """Choose the retrieval and estimation clusters for a query [num_heads, D]."""
