@@ -71,6 +71,8 @@ from vllm_retro.index.device_layer import (  # noqa: E402
     decode_step,
     rank_clusters,
 )
+from vllm_retro.index.pages import QuestIndex  # noqa: E402
+from vllm_retro.index.resident import layer_kind  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -94,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=["copy"],
                     help="the layer's tokens copied to the device, read in place from the "
                          "host tier, or both (default: copy)")
+    ap.add_argument("--policy", choices=("wave", "quest"), default="wave",
+                    help="the index: the wave index, or Quest's pages scored on the device "
+                         "by their bounds (its --placements alike)")
     ap.add_argument("--kernels", action="store_true",
                     help="CUDA: also each kernel's device time in the step (torch.profiler), "
                          "the zone selection against its alternatives on the step's own scores "
@@ -233,7 +238,8 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
                                             for p in args.placements) else None
     store = manager.store("r0", hkv, d, dtype, device, layer="L0") if manager else None
     t0 = time.perf_counter()
-    index = WaveIndex.build(keys[0].to(device), values[0].to(device), cfg, store=store)
+    policy = QuestIndex if args.policy == "quest" else WaveIndex
+    index = policy.build(keys[0].to(device), values[0].to(device), cfg, store=store)
     if store is not None:
         store.cluster_rows()  # the buffer's worker has laid the tokens out
     if device.type == "cuda":
@@ -241,7 +247,8 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
     build_s = time.perf_counter() - t0
     kv = (keys.to(device), values.to(device))
     del keys, values
-    cases = [{"context": n, "batch": b, "placement": where, "clusters": index.num_clusters,
+    cases = [{"context": n, "batch": b, "placement": where, "policy": args.policy,
+              "clusters": index.num_clusters,
               "index_build_s": build_s,
               **bench_case(index, kv, centers, b, args, device, dtype, cfg, sdpa, where)}
              for b in batches for where in args.placements]
@@ -288,9 +295,11 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     in_place = where.startswith("in_place")
     block = cache_block_size(cfg.cluster_size)
     blocks = cache_blocks_for(cfg, n, block) if where == "in_place_cache" else 0
+    score_dim, tilted = layer_kind(index)
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,
-                        in_place=in_place, cache_blocks=blocks, cache_block_tokens=block)
+                        in_place=in_place, cache_blocks=blocks, cache_block_tokens=block,
+                        score_dim=score_dim, tilted=tilted)
     slots, rows = list(range(b)), [index] * b
     layer.refresh(slots, rows)
     plan = layer.plan(slots, rows)

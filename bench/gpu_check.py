@@ -12,6 +12,8 @@ stage in its own process under a time limit, and writes into OUTDIR:
   its tokens copied to the device or read in place from the pinned host tier, dense SDPA vs
   the device step eager and from a CUDA graph, ``set_sync_debug_mode("error")``, graph =
   eager, each kernel's device time and the zone selection against ``torch.topk``) and
+  ``device_step_quest_cuda.json`` (the same step for Quest, its pages scored on the device
+  by their bounds, 32K x batch 1 and 8, copied and in place through the cluster cache),
   ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older host-tier
   path, 2 layers, 32K x batch 1 and 8) and ``kmeans_cost_cuda.json``
   (:mod:`bench.kmeans_cost`: one layer's index build, segmented k-means at 32K and 128K).
@@ -82,6 +84,11 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
                          "--batches", "1", "8", "--placements", "copy", "in_place",
                          "in_place_cache", "--kernels",
                          "--out", str(out / "device_step_cuda.json")], 120),
+        # a baseline on the same step: Quest's pages scored by their bounds on the device
+        ("device_step_quest", [py, "bench/device_step.py", "--policy", "quest", "--contexts",
+                               "32768", "--batches", "1", "8", "--placements", "copy",
+                               "in_place_cache", "--steps", "20",
+                               "--out", str(out / "device_step_quest_cuda.json")], 25),
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
                        "--out", str(out / "gpu_stack.json")], 50),

@@ -61,7 +61,8 @@ def test_gpu_check_fits_a_device_lease(tmp_path):
                                   timeout=120)
             assert proc.returncode == 0 and f"{path}::" in proc.stdout, proc.stdout[-2000:]
     benches = [(name, cmd) for name, cmd, _ in stages if "--out" in cmd]
-    assert [name for name, _ in benches] == ["device_step", "gpu_stack", "index_build"]
+    assert [name for name, _ in benches] == ["device_step", "device_step_quest", "gpu_stack",
+                                             "index_build"]
     for name, cmd in benches:  # the benchmarks accept their arguments
         help_cmd = cmd[:cmd.index("--out")] + ["--help"]
         proc = subprocess.run(help_cmd, cwd=gpu_check.ROOT, capture_output=True, text=True,

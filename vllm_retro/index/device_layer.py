@@ -222,7 +222,10 @@ class DeviceLayer:
         """[R, C_cap, score_dim] the rows each cluster is scored by (the centroids, or
         Quest's page bounds)."""
         self.tilted = config.tilted_estimation if tilted is None else tilted
-        self._sign_bounds: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        inf = float("inf")
+        self._sign_bounds = (torch.tensor([[0.0], [-inf]], dtype=dtype, device=dev),
+                             torch.tensor([[inf], [0.0]], dtype=dtype, device=dev))
+        """The clamp bounds of :meth:`split_by_sign` ([2, 1] each)."""
         self.value_sums = torch.zeros(rows, c, d, dtype=dtype, device=dev)
         self.sizes = torch.zeros(rows, c, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(rows, c, dtype=torch.int64, device=dev)
@@ -246,16 +249,13 @@ class DeviceLayer:
 
     def split_by_sign(self, q: torch.Tensor) -> torch.Tensor:
         """``[q+, q-]`` ([R, G, 2D]) of ``q`` ([R, G, D]), as page bounds ``[max, min]`` are
-        scored: one clamp of ``q`` seen twice against bounds [(0, inf), (-inf, 0)], kept
-        per dtype (made once, then no upload per step)."""
-        bounds = self._sign_bounds.get(q.dtype)
-        if bounds is None:
-            inf = float("inf")
-            bounds = self._sign_bounds[q.dtype] = (
-                torch.tensor([[0.0], [-inf]], dtype=q.dtype, device=q.device),
-                torch.tensor([[inf], [0.0]], dtype=q.dtype, device=q.device))
+        scored: one clamp of ``q`` seen twice against the bounds [(0, inf), (-inf, 0)]
+        (made with the layer: nothing uploaded per step)."""
+        lo, hi = self._sign_bounds
+        if lo.dtype != q.dtype:
+            lo, hi = lo.to(q.dtype), hi.to(q.dtype)
         r, g, d = q.shape
-        return torch.clamp(q[:, :, None].expand(r, g, 2, d), *bounds).view(r, g, 2 * d)
+        return torch.clamp(q[:, :, None].expand(r, g, 2, d), lo, hi).view(r, g, 2 * d)
 
     # ------------------------------------------------------------------ host side
     def pools(self, steady: SteadyPool) -> LayerPools:
