@@ -114,8 +114,13 @@ ROWS: list[Row] = [
         Panel("Cache pages admitted / evicted", "short",
               [(rate("vllm_retro:device_cache_admitted_pages_total"), "admitted pages/s"),
                (rate("vllm_retro:device_cache_evicted_pages_total"), "evicted pages/s")],
-              "Pages moved into and out of the device block cache by cache updates.",
-              width=24),
+              "Pages moved into and out of the device block cache by cache updates."),
+        Panel("GPU decode step", "short",
+              [(rate("vllm_retro:device_step_rows_total"), "KV on the device"),
+               (rate("vllm_retro:device_step_in_place_rows_total"), "KV read in place")],
+              "(request, layer) decode steps per second served by the GPU decode step: the "
+              "KV copied to the device, or read in place from the pinned host tier under "
+              "memory pressure (0 on a CPU)."),
     ]),
     Row("Retro: memory and live state", [
         Panel("Live indexed requests", "short",

@@ -66,18 +66,12 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
         assert c.index_step_seconds == pytest.approx(c.index_build_seconds, rel=0.05)
 
 
-def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir, monkeypatch):
+def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir):
     # CUDA's two batched paths, here through the 'torch' kernels — over padded rows (KV in
     # the wave buffer) and from device-resident KV (one fixed op sequence per layer step),
     # copied or read in place from the host tier — and the fused CPU kernel decode the same
     # rows to the same greedy tokens: mixed
     # lengths, continuous batching, update blocks every 64 tokens, a request finishing early.
-    from vllm_retro.index.resident import ResidentDecode
-
-    resident_rows = []
-    decode = ResidentDecode.decode
-    monkeypatch.setattr(ResidentDecode, "decode", lambda self, indexes, *a: (
-        resident_rows.append(len(indexes)), decode(self, indexes, *a))[1])
     lengths, max_tokens = [90, 700, 1500, 3000], [40, 150, 150, 150]
     runs = {}
     for backend, resident in (("auto", "auto"), ("torch", "off"), ("torch", "on"),
@@ -88,11 +82,13 @@ def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir, 
             runs[backend, resident] = generate_tokens(llm, lengths, max_tokens)
             c = get_runtime().counters
             assert c.retro_decode_tokens > 2 * 3 * 140 and c.index_updates > 0
-        if resident in ("auto", "off"):
-            assert resident_rows == []
-        else:  # every indexed row of the run
-            assert sum(resident_rows) == c.retro_decode_tokens
-            resident_rows.clear()
+            stats = get_runtime().manager.stats
+            # the device step's counters (the server's metrics): every indexed row of the
+            # run where it applies, by placement
+            copied = c.retro_decode_tokens if resident == "on" else 0
+            in_place = c.retro_decode_tokens if resident == "in_place" else 0
+            assert (stats.device_step_rows, stats.device_step_in_place_rows) == \
+                (copied, in_place)
     assert runs["torch", "off"] == runs["auto", "auto"]
     assert runs["torch", "on"] == runs["auto", "auto"]
     assert runs["torch", "in_place"] == runs["auto", "auto"]

@@ -38,6 +38,12 @@ class BufferStats:
     """Update-worker jobs that failed and were recovered, answers unchanged: a cache update
     (the store's device cache is dropped and refills from the host tier) or a host pool's
     room growth (the next layout grows the pool itself)."""
+    device_step_rows: int = 0
+    """(request, layer) decode steps served by the device step with the KV copied to the
+    device (:mod:`vllm_retro.index.resident`)."""
+    device_step_in_place_rows: int = 0
+    """(request, layer) decode steps served by the device step reading the KV in place from
+    the host tier (over the bus, through the cluster cache when it has one)."""
     host_bytes: int = 0
     """Gauge: host-tier bytes resident (allocated pages)."""
     device_bytes: int = 0

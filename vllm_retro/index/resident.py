@@ -222,10 +222,12 @@ class ResidentDecode:
             given = torch.nn.functional.pad(given, (0, plan.retrieval - given.shape[2]),
                                             value=-1)
         out.copy_(self.graphs(plan, query, scale, given))
+        # the wave buffer's counters (the server's metrics); a dense store has none
+        stats = self.counts.stats = self.counts.stats or getattr(first.store, "stats", None)
+        if stats is not None:
+            stats.add(**{"device_step_in_place_rows" if self.layer.in_place
+                         else "device_step_rows": len(indexes)})
         if self.layer.cache is not None:
-            # the wave buffer's counters (the server's device cache metrics); a dense
-            # store has none
-            self.counts.stats = self.counts.stats or getattr(indexes[0].store, "stats", None)
             self.counts.report(self.layer.cache)
         return out
 

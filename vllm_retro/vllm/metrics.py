@@ -51,6 +51,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "device_cache_evicted_pages_total", "counter",
            "Pages evicted from the device block cache by cache updates.",
            "device_cache_evicted_pages"),
+    Family(PREFIX + "device_step_rows_total", "counter",
+           "(request, layer) decode steps served by the GPU decode step with the KV on the "
+           "device (the context fits the device).", "device_step_rows"),
+    Family(PREFIX + "device_step_in_place_rows_total", "counter",
+           "(request, layer) decode steps served by the GPU decode step reading the KV in "
+           "place from the pinned host tier (memory pressure).", "device_step_in_place_rows"),
     Family(PREFIX + "indexed_requests_total", "counter",
            "Requests whose context was indexed (a preempted request indexed again counts "
            "again).", "indexed_requests"),
