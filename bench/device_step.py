@@ -71,8 +71,9 @@ from vllm_retro.index.device_layer import (  # noqa: E402
     decode_step,
     rank_clusters,
 )
+from vllm_retro.index.meta_pool import MetaPool  # noqa: E402
 from vllm_retro.index.pages import QuestIndex  # noqa: E402
-from vllm_retro.index.resident import layer_kind  # noqa: E402
+from vllm_retro.index.resident import layer_kind, layer_meta  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -137,7 +138,8 @@ def topk_variants(layer: DeviceLayer, plan, rows: torch.Tensor, scale: float
     by id in torch ops) and a stable sort."""
     from vllm_retro import kernels
 
-    scores = kernels.pool_scores(rows, layer.centroids, layer.sizes, plan.ints, plan.clusters,
+    pools = layer.pools(plan.steady)
+    scores = kernels.pool_scores(rows, pools.centroids, pools.sizes, plan.ints, plan.clusters,
                                  scale, backend=layer.config.kernel_backend)
     k = min(plan.retrieval + plan.estimation, plan.clusters)
     variants = {"select_zones": lambda: kernels.select_zones(
@@ -166,10 +168,11 @@ def attention_variants(layer: DeviceLayer, plan, rows: torch.Tensor, top: torch.
     )
 
     runs, saved = None, {}
+    pools = layer.pools(plan.steady)
     if layer.cache is not None:
         from vllm_retro import kernels
 
-        runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
+        runs = kernels.cache_lookup(layer.cache, pools.sizes, plan.ints, top, plan.retrieval,
                                     backend=layer.config.kernel_backend)
         # a call writes the step's admissions into the cache: each starts from this state
         saved = {k: v.clone() for k, v in vars(layer.cache).items()
@@ -179,7 +182,7 @@ def attention_variants(layer: DeviceLayer, plan, rows: torch.Tensor, top: torch.
         for k, v in saved.items():
             getattr(layer.cache, k).copy_(v)
         return resident_attention_triton(
-            rows, layer.pools(plan.steady), plan.ints, top,
+            rows, pools, plan.ints, top,
             plan.steady_tokens + plan.retrieval_tokens, plan.retrieval, plan.estimation,
             scale, tilted=layer.config.tilted_estimation, cache=layer.cache, runs=runs,
             retrieval_map=how)
@@ -240,6 +243,7 @@ def bench_context(n: int, batches: list[int], args, device: torch.device, dtype:
     t0 = time.perf_counter()
     policy = QuestIndex if args.policy == "quest" else WaveIndex
     index = policy.build(keys[0].to(device), values[0].to(device), cfg, store=store)
+    index.adopt_meta(MetaPool(*index.meta_pool_layout()))  # a layer's meta pool, as served
     if store is not None:
         store.cluster_rows()  # the buffer's worker has laid the tokens out
     if device.type == "cuda":
@@ -299,7 +303,8 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,
                         in_place=in_place, cache_blocks=blocks, cache_block_tokens=block,
-                        score_dim=score_dim, tilted=tilted)
+                        score_dim=score_dim, tilted=tilted, meta=layer_meta([index], device),
+                        scoring_field=index.scoring_field)
     slots, rows = list(range(b)), [index] * b
     layer.refresh(slots, rows)
     plan = layer.plan(slots, rows)

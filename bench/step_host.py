@@ -11,7 +11,8 @@ device waits for it.
 
 Here the same host work runs on CPU tensors (the replay and the attention excluded: on the
 CPU the step runs eagerly), for wave indexes of ``--context`` random tokens in a layer of
-Llama-3-8B's shape (8 KV heads, head_dim 128), one per request, in one steady pool. Printed
+Llama-3-8B's shape (8 KV heads, head_dim 128), one per request, in one steady pool and one
+meta pool (as served). Printed
 per batch and revision: microseconds per layer step (medians over ``--rounds`` processes of
 ``--steps`` steps each) of applies, refresh and plan. On CUDA the plan's copy goes to the
 device too (with the tree: straight into the graph's input), which is not timed here.
@@ -43,6 +44,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     from vllm_retro.config import RetroConfig
     from vllm_retro.index import WaveIndex
+    from vllm_retro.index.meta_pool import MetaPool
     from vllm_retro.index.resident import ResidentDecode
     from vllm_retro.index.steady import SteadyPool, ring_size
 
@@ -55,8 +57,10 @@ def worker(args: argparse.Namespace) -> dict:
                                    torch.randn(h, args.context, d), cfg) for _ in range(b)]
         pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
                           torch.float32, "cpu", slots=b, zeroed=True)
+        meta = MetaPool(*indexes[0].meta_pool_layout())
         for slot, index in enumerate(indexes):
             index.adopt_steady(pool, slot)
+            index.adopt_meta(meta)  # the layer's meta pool, as served
         resident = ResidentDecode()
         q = torch.randn(b, h * args.group, d)
         if not resident.applies(indexes, q):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_retro.kernels._common import block_size, tl, triton
-from vllm_retro.kernels.step_plan import plan_rows
+from vllm_retro.kernels.step_plan import flat_meta, plan_rows
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ def cache_lookup_torch(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Ten
                        top: torch.Tensor, r_max: int) -> torch.Tensor:
     """The reference (torch operations, no host synchronisation): look up and admit the
     retrieval zones ``top[:, :n_ret]`` (see the module docstring), updating ``cache``'s
-    tables and counters. sizes [P, C_cap] int32 the layer's cluster sizes; plan
+    tables and counters. sizes [...] int32 the layer's cluster sizes (its meta rows, read
+    flat by the plan's ``meta_row``, ``meta_stride``); plan
     [len(PLAN_FIELDS), B] int64 (:mod:`kernels.step_plan`); top [R, K] int64. Returns runs
     [2, R, r_max] int64: [0] the cache row of each retrieval cluster's token 0 (a hit's, or
     where an admitted miss goes), -1 for none; [1] 1 where the cluster is read from the
@@ -126,7 +127,7 @@ def cache_lookup_torch(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Ten
     clock = rows.step[:, None]
     ids = top[:, :r_max]
     keep = torch.arange(r_max, device=dev)[None, :] < rows.n_ret[:, None]
-    size = torch.take(sizes, prow[:, None] * sizes.shape[1] + ids).long() * keep
+    size = torch.take(sizes, torch.where(keep, rows.meta_row[:, None] + ids, 0)).long() * keep
     sink_c = torch.full_like(ids, c_cap)
     blk = torch.where(keep, torch.take(cache.block_of, prow[:, None] * (c_cap + 1) + ids), -1)
     blk = blk.long()
@@ -176,7 +177,8 @@ def _cache_lookup_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     keep = offs_r < nret
     cid = tl.load(TOP + r * s_top + offs_r, mask=keep, other=0)
-    size = tl.load(SZ + prow * C_CAP + cid, mask=keep, other=0).to(tl.int64)
+    mrow = tl.load(PLAN + 9 * B + b) + (r % H) * tl.load(PLAN + 10 * B + b)  # meta rows
+    size = tl.load(SZ + mrow + cid, mask=keep, other=0).to(tl.int64)
     blk = tl.load(BLK + prow * (C_CAP + 1) + cid, mask=keep, other=-1).to(tl.int64)
     hit = keep & (blk >= 0)
     tl.store(STAMP + prow * (S + 1) + blk, clock, mask=hit)
@@ -224,8 +226,8 @@ def cache_lookup_triton(cache: ClusterCache, sizes: torch.Tensor, plan: torch.Te
     scratch = torch.empty(rows, block_s, dtype=torch.int64, device=top.device)
     top = top.contiguous()
     _cache_lookup_kernel[(r,)](
-        plan, top, sizes, cache.block_of, cache.cluster_of, cache.stamp, cache.counts,
-        scratch, runs, plan.shape[1], r // plan.shape[1], sizes.shape[1], s,
+        plan, top, flat_meta(sizes, 0), cache.block_of, cache.cluster_of, cache.stamp, cache.counts,
+        scratch, runs, plan.shape[1], r // plan.shape[1], cache.block_of.shape[1] - 1, s,
         cache.block_tokens, r_max, top.stride(0), runs.stride(1),
         BLOCK_R=block_size(r_max), BLOCK_S=block_s)
     return runs

@@ -42,7 +42,7 @@ import torch
 
 from vllm_retro.kernels._common import block_size, tensor_cores_16bit, tl, triton
 from vllm_retro.kernels.cluster_cache import ClusterCache
-from vllm_retro.kernels.step_plan import plan_rows
+from vllm_retro.kernels.step_plan import PlanRows, flat_meta, plan_rows
 from vllm_retro.kernels.tripartite_attention import (
     TiltTerms,
     log_tilt_tl,
@@ -78,17 +78,19 @@ class LayerPools:
     values: torch.Tensor
     """Laid out as ``keys``."""
     centroids: torch.Tensor
-    """[P, C, D]."""
+    """[..., D] the meta rows' centroids (read flat: a step row's cluster c at its plan's
+    ``meta_row + head * meta_stride + c``, :data:`~kernels.step_plan.PLAN_FIELDS`): a
+    layer's meta pool [H, capacity, D], or [P, C, D] per pool row."""
     value_sums: torch.Tensor
-    """[P, C, D]."""
+    """[..., D], laid out as ``centroids``."""
     sizes: torch.Tensor
-    """[P, C] int32 (0: empty or padding)."""
+    """[...] int32 (0: empty), laid out as ``centroids``."""
     starts: torch.Tensor
-    """[P, C] int64 first row of each cluster in ``keys``."""
+    """[P, C] int64 first row of each cluster in ``keys`` (by pool row)."""
     spreads: torch.Tensor
-    """[P, C] fp32."""
+    """[...] fp32, laid out as ``centroids``."""
     deviates: torch.Tensor
-    """[P, C] fp32."""
+    """[...] fp32, laid out as ``centroids``."""
     profile: torch.Tensor
     """[P, D] fp32 residual profile (the tilted estimator's)."""
     key_factor: torch.Tensor
@@ -107,17 +109,17 @@ class LayerPools:
         return self.keys.shape[1] if self.keys.dim() == 3 else 0
 
 
-def retrieval_runs(sizes: torch.Tensor, starts: torch.Tensor, pool_row: torch.Tensor,
-                   top: torch.Tensor, n_ret: torch.Tensor, r_max: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieval_runs(sizes: torch.Tensor, starts: torch.Tensor, rows: PlanRows,
+                   top: torch.Tensor, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ends, offs) [R, r_max] of the retrieval zones ``top[:, :n_ret]`` (see the module
-    docstring); clusters past a row's ``n_ret`` count 0 tokens."""
-    cap = sizes.shape[1]
+    docstring); clusters past a row's ``n_ret`` count 0 tokens. ``sizes``: the meta rows
+    (flat, by ``rows.meta_row``); ``starts``: [P, C_cap] (by ``rows.pool_row``)."""
     ids = top[:, :r_max]
-    flat = pool_row[:, None] * cap + ids
-    keep = torch.arange(r_max, device=top.device)[None, :] < n_ret[:, None]
-    lengths = torch.take(sizes, flat).long() * keep
+    keep = torch.arange(r_max, device=top.device)[None, :] < rows.n_ret[:, None]
+    lengths = torch.take(sizes, torch.where(keep, rows.meta_row[:, None] + ids, 0))
+    lengths = lengths.long() * keep
     ends = lengths.cumsum(1)
+    flat = rows.pool_row[:, None] * starts.shape[1] + ids
     return ends, torch.take(starts, flat) - (ends - lengths)
 
 
@@ -139,8 +141,7 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
     rows = plan_rows(plan, h)
     ring = pools.steady_k.shape[1] - pools.sink_cap
     n_cap = pools.row_tokens
-    ends, offs = retrieval_runs(pools.sizes, pools.starts, rows.pool_row, top, rows.n_ret,
-                                r_max)
+    ends, offs = retrieval_runs(pools.sizes, pools.starts, rows, top, r_max)
     j = torch.arange(width, device=dev)[None, :].expand(r, width)
     n_steady, sinks = rows.n_steady[:, None], rows.sinks[:, None]
     n_exact = rows.n_steady + ends[:, -1] if r_max else rows.n_steady
@@ -167,18 +168,23 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
     k_top = top.shape[1]
     est_slots = (rows.n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
         max(k_top - 1, 0))
-    cap = pools.sizes.shape[1]
-    flat_est = rows.pool_row[:, None] * cap + torch.gather(top, 1, est_slots)
-    cen_e = pools.centroids.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
-    vs_e = pools.value_sums.view(-1, d).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    est = torch.arange(e_max, device=dev)[None, :] < rows.n_est[:, None]
+    flat_est = torch.where(est, rows.meta_row[:, None] + torch.gather(top, 1, est_slots), 0)
+    # past a row's zone: zeros (a meta pool's free rows hold whatever was there)
+    cen = flat_meta(pools.centroids)  # Quest's page bounds, [.., 2D]: nothing estimated
+    cen_e = cen.index_select(0, flat_est.reshape(-1)).view(r, e_max, cen.shape[1])[..., :d]
+    cen_e = torch.where(est[..., None], cen_e, 0)
+    vs_e = flat_meta(pools.value_sums).index_select(0, flat_est.reshape(-1)).view(r, e_max, d)
+    vs_e = torch.where(est[..., None], vs_e, 0)
     terms = None
     if tilted and e_max:
         qvar, vshift = residual_query_terms(
             query, pools.profile.index_select(0, rows.pool_row),
             pools.key_factor.index_select(0, rows.pool_row),
             pools.value_factor.index_select(0, rows.pool_row), scale)
-        terms = TiltTerms(torch.take(pools.spreads, flat_est),
-                          torch.take(pools.deviates, flat_est), qvar, vshift)
+        terms = TiltTerms(torch.where(est, torch.take(pools.spreads, flat_est), 0),
+                          torch.where(est, torch.take(pools.deviates, flat_est), 0), qvar,
+                          vshift)
     local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
     out, _ = tripartite_decode_torch(query, exec_k, exec_v, n_exact, cen_e, vs_e,
                                      torch.take(pools.sizes, flat_est), local, rows.n_est,
@@ -283,6 +289,7 @@ def _resident_split_kernel(
     b = r // H
     head = r % H
     prow = tl.load(PLAN + b) * H + head  # the plan's rows: see PLAN_FIELDS
+    mrow = tl.load(PLAN + 9 * B + b) + head * tl.load(PLAN + 10 * B + b)  # its meta rows
     sslot = tl.load(PLAN + B + b)
     nret = tl.load(PLAN + 3 * B + b)
     ne = tl.load(PLAN + 4 * B + b)
@@ -293,7 +300,7 @@ def _resident_split_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < nret
     cid_r = tl.load(TOP + r * s_top + offs_r, mask=rmask, other=0)
-    len_r = tl.load(SZ + prow * C_CAP + cid_r, mask=rmask, other=0).to(tl.int64)
+    len_r = tl.load(SZ + mrow + cid_r, mask=rmask, other=0).to(tl.int64)
     ends = tl.cumsum(len_r, axis=0)
     offs_run = tl.load(ST + prow * C_CAP + cid_r, mask=rmask, other=0) - (ends - len_r)
     if CACHE:  # the cluster cache's row of zone token u is coff[j] + u while u < cend[j]
@@ -394,9 +401,9 @@ def _resident_split_kernel(
         pos = off + offs_n
         slot = tl.minimum(nret + pos - nx, K_TOP - 1)
         cid = tl.load(TOP + r * s_top + slot, mask=pos < end, other=0)
-        sz = tl.load(SZ + prow * C_CAP + cid, mask=pos < end, other=0).to(tl.float32)
+        sz = tl.load(SZ + mrow + cid, mask=pos < end, other=0).to(tl.float32)
         valid = (pos < end) & (sz > 0)
-        crow_e = (prow * C_CAP + cid).to(tl.int64)
+        crow_e = (mrow + cid).to(tl.int64)
         me = valid[:, None] & dmask[None, :]
         k = tl.load(CEN + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
         v = tl.load(VS + crow_e[:, None] * D + offs_d[None, :], mask=me, other=0.0)
@@ -468,10 +475,11 @@ def resident_attention_triton(query: torch.Tensor, pools: LayerPools, plan: torc
            if search else top)
     _resident_split_kernel[(r, splits)](
         query, plan, top, pools.keys, pools.values, pools.steady_k, pools.steady_v,
-        pools.centroids, pools.value_sums, pools.sizes, pools.starts, pools.spreads,
-        pools.deviates, pools.profile, pools.key_factor, pools.value_factor,
+        flat_meta(pools.centroids), flat_meta(pools.value_sums), flat_meta(pools.sizes, 0),
+        pools.starts, flat_meta(pools.spreads, 0), flat_meta(pools.deviates, 0),
+        pools.profile, pools.key_factor, pools.value_factor,
         ck, cv, runs, acc, mx, ls, ra, vsh, scr,
-        plan.shape[1], g, d, h, pools.row_tokens, pools.sizes.shape[1], pools.sink_cap,
+        plan.shape[1], g, d, h, pools.row_tokens, pools.starts.shape[1], pools.sink_cap,
         pools.steady_k.shape[1] - pools.sink_cap, max(r_max, 1), max(top.shape[1], 1), rank,
         t_cache, chunk, float(scale),
         query.stride(0), query.stride(1), top.stride(0),

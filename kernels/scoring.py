@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_retro.kernels._common import block_size, check_float, tl, triton
-from vllm_retro.kernels.step_plan import plan_rows
+from vllm_retro.kernels.step_plan import flat_meta, plan_rows
 
 
 def group_scores_from_logits(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -167,34 +167,42 @@ def pool_scores_ref(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     """Cluster scores of a step's rows read from a layer's meta pool, for ranking.
 
     query: [R, G, D] (R = B x H: request ``r // H``'s KV head ``r % H``); centroids:
-    [P, C_cap, D] and sizes: [P, C_cap] (the pool's rows, ``slot * H + head``); plan: the
-    step's [len(PLAN_FIELDS), B] int64 (:mod:`kernels.step_plan`: each request's slot and
-    clusters); ``width`` <= C_cap columns scored. Returns [R, width] fp32:
-    :func:`cluster_scores_ref` of the row's first ``width`` centroids, except that a row's
-    empty clusters (size 0, index < its clusters) score the lowest finite fp32 instead of
-    ``-inf`` — they rank above the padding past the row's clusters, so a top-k of at most
-    its clusters never reaches the padding."""
+    [..., Dc] and sizes: [...] int32, the meta rows seen flat (row ``meta_row + head *
+    meta_stride + c`` is the row's cluster c: :data:`~kernels.step_plan.PLAN_FIELDS`);
+    plan: the step's [len(PLAN_FIELDS), B] int64; ``width`` >= every row's clusters
+    columns scored (nothing past a row's clusters is read). Returns [R, width] fp32:
+    :func:`cluster_scores_ref` of the row's first ``width`` centroids, ``-inf`` past its
+    clusters, except that a row's empty clusters (size 0, index < its clusters) score the
+    lowest finite fp32 instead of ``-inf`` — they rank above the padding past the row's
+    clusters, so a top-k of at most its clusters never reaches the padding."""
     rows = plan_rows(plan, query.shape[0] // plan.shape[1])
-    sz = sizes[:, :width].index_select(0, rows.pool_row)
-    scores = cluster_scores_ref(query, centroids[:, :width].index_select(0, rows.pool_row), sz,
-                                scale)
+    r, dc = query.shape[0], centroids.shape[-1]
+    if sizes.numel() == 0:  # no meta rows at all: every column is padding
+        return torch.full((r, width), float("-inf"), device=query.device)
     col = torch.arange(width, device=query.device)
-    empty = (sz == 0) & (col[None, :] < rows.clusters[:, None])
-    return scores.masked_fill(empty, torch.finfo(torch.float32).min)
+    inside = col[None, :] < rows.clusters[:, None]
+    flat = torch.where(inside, rows.meta_row[:, None] + col, 0)
+    sz = torch.take(sizes, flat) * inside
+    cen = centroids.reshape(-1, dc).index_select(0, flat.view(-1)).view(r, width, dc)
+    scores = cluster_scores_ref(query, cen, sz, scale)
+    return scores.masked_fill((sz == 0) & inside, torch.finfo(torch.float32).min)
 
 
 @triton.jit
 def _pool_logits_kernel(
     Q, CEN, SZ, PLAN, LOGITS, PART,
-    G, W, D, H, scale,
-    sq_r, sq_g, sc_p, sc_c, ssz_p, sl_r, sl_g, sp_r, sp_b,
+    B, G, W, D, H, scale,
+    sq_r, sq_g, sc_c, sl_r, sl_g, sp_r, sp_b,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     # one program per (row, block of BLOCK_C clusters): its logits [G, BLOCK_C] stored, and
     # per query head the block's max and sum of exp (the softmax's partial terms)
     r = tl.program_id(0)
     blk = tl.program_id(1)
-    p = tl.load(PLAN + r // H) * H + r % H  # the request's slot, then its KV head
+    b = r // H
+    # the row's cluster 0 in the flat meta rows (PLAN_FIELDS: meta_row, meta_stride)
+    mrow = tl.load(PLAN + 9 * B + b) + (r % H) * tl.load(PLAN + 10 * B + b)
+    ncl = tl.load(PLAN + 2 * B + b)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -203,9 +211,9 @@ def _pool_logits_kernel(
     cmask = offs_c < W
     q = tl.load(Q + r * sq_r + offs_g[:, None] * sq_g + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    sz = tl.load(SZ + p * ssz_p + offs_c, mask=cmask, other=0)
+    sz = tl.load(SZ + mrow + offs_c, mask=cmask & (offs_c < ncl), other=0)
     valid = cmask & (sz > 0)
-    cen = tl.load(CEN + p * sc_p + offs_c[:, None] * sc_c + offs_d[None, :],
+    cen = tl.load(CEN + (mrow + offs_c)[:, None] * sc_c + offs_d[None, :],
                   mask=valid[:, None] & dmask[None, :], other=0.0)
     if IEEE:
         logit = tl.dot(q.to(tl.float32), tl.trans(cen.to(tl.float32)), input_precision="ieee")
@@ -225,7 +233,7 @@ def _pool_logits_kernel(
 def _pool_scores_kernel(
     LOGITS, PART, SZ, PLAN, OUT,
     B, G, W, H, NB,
-    sl_r, sl_g, sp_r, sp_b, ssz_p, so_r,
+    sl_r, sl_g, sp_r, sp_b, so_r,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     # one program per (row, block): each head's log-sum-exp from every block's partial
@@ -257,9 +265,10 @@ def _pool_scores_kernel(
     mx = tl.max(logp, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     score = mx_safe + tl.log(tl.maximum(tl.sum(tl.exp(logp - mx_safe[None, :]), axis=0), 1e-30))
-    p = tl.load(PLAN + r // H) * H + r % H
-    sz = tl.load(SZ + p * ssz_p + offs_c, mask=cmask, other=0)
-    ncl = tl.load(PLAN + 2 * B + r // H)  # the request's clusters
+    b = r // H
+    mrow = tl.load(PLAN + 9 * B + b) + (r % H) * tl.load(PLAN + 10 * B + b)
+    ncl = tl.load(PLAN + 2 * B + b)  # the request's clusters
+    sz = tl.load(SZ + mrow + offs_c, mask=cmask & (offs_c < ncl), other=0)
     score = tl.where(sz > 0, score, tl.where(offs_c < ncl, -3.4028234663852886e38,
                                              float("-inf")))
     tl.store(OUT + r * so_r + offs_c, score, mask=cmask)
@@ -275,9 +284,9 @@ def pool_scores_triton(query: torch.Tensor, centroids: torch.Tensor, sizes: torc
     check_float("query", query)
     check_float("centroids", centroids)
     r, g, d = query.shape
-    out = torch.empty(r, width, dtype=torch.float32, device=query.device)
-    if r == 0 or width == 0:
-        return out
+    if sizes.numel() == 0 or r == 0 or width == 0:
+        return torch.full((r, width), float("-inf"), device=query.device)
+    centroids, sizes = flat_meta(centroids), flat_meta(sizes, 0)
     block_d = block_size(d)
     block_c = 128 if block_d <= 128 else 64
     nb = triton.cdiv(width, block_c)
@@ -286,18 +295,18 @@ def pool_scores_triton(query: torch.Tensor, centroids: torch.Tensor, sizes: torc
     logits = torch.empty(r, g, width, dtype=torch.float32, device=query.device)
     part = torch.empty(r, nb, 2 * g, dtype=torch.float32, device=query.device)
     b = plan.shape[1]
+    out = torch.empty(r, width, dtype=torch.float32, device=query.device)
     _pool_logits_kernel[(r, nb)](
         q, centroids, sizes, plan, logits, part,
-        g, width, d, r // b, float(scale),
-        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), sizes.stride(0),
+        b, g, width, d, r // b, float(scale),
+        q.stride(0), q.stride(1), centroids.stride(0),
         logits.stride(0), logits.stride(1), part.stride(0), part.stride(1),
         BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_D=block_d, IEEE=ieee,
     )
     _pool_scores_kernel[(r, nb)](
         logits, part, sizes, plan, out,
         b, g, width, r // b, nb,
-        logits.stride(0), logits.stride(1), part.stride(0), part.stride(1), sizes.stride(0),
-        out.stride(0),
+        logits.stride(0), logits.stride(1), part.stride(0), part.stride(1), out.stride(0),
         BLOCK_G=block_size(g), BLOCK_C=block_c, BLOCK_B=min(64, block_size(nb)),
     )
     return out

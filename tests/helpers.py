@@ -126,3 +126,31 @@ def equivalence_cases(shapes: list[tuple[int, int]], stores: list) -> list:
                          id=f"{g}-{d}-{store}-{str(dtype).split('.')[-1]}-{est}")
             for g, d in shapes for store in stores
             for dtype, tol, est in tilted + (others if (g, d) == mid else [])]
+
+
+def as_meta_pool(fields: dict[str, torch.Tensor], heads: int, clusters: list[int],
+                 gen: torch.Generator) -> tuple[dict[str, torch.Tensor], list[int], int]:
+    """Meta rows laid out per (slot, head) (``[slots * heads, C, ...]`` each, as a device
+    layer's own pool) moved into a layer meta pool's layout (``[heads, capacity, ...]``,
+    slot s's rows in an extent of ``clusters[s]`` rows at a shuffled start, gaps between
+    extents, the last extent ending the pool): what lies outside an extent (the gaps, and
+    the columns past a slot's clusters) is NaN, or 1 for integer fields, so a kernel
+    reading it is caught. Returns (fields in the new layout, each slot's extent start,
+    the capacity): the plan's ``meta_row`` and ``meta_stride``."""
+    slots = len(clusters)
+    order = torch.randperm(slots, generator=gen).tolist()
+    starts, at = [0] * slots, 3
+    for s in order:
+        starts[s] = at
+        at += clusters[s] + 2
+    cap = at - 2  # no room after the last extent
+    out = {}
+    for name, x in fields.items():
+        trail = x.shape[2:]
+        fill = float("nan") if x.is_floating_point() else 1
+        pool = torch.full((heads, cap, *trail), fill, dtype=x.dtype)
+        rows = x.view(slots, heads, x.shape[1], *trail)
+        for s, (start, n) in enumerate(zip(starts, clusters, strict=True)):
+            pool[:, start:start + n] = rows[s, :, :n]
+        out[name] = pool
+    return out, starts, cap

@@ -9,6 +9,7 @@ from tests.helpers import equivalence_cases, random_indexes
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.device_layer import DeviceLayer, decode_step
+from vllm_retro.index.meta_pool import MetaPool
 from vllm_retro.index.steady import SteadyPool, ring_size
 from vllm_retro.kernels.step_plan import PLAN_FIELDS
 from vllm_retro.kernels.sync_check import SyncCheck
@@ -34,11 +35,20 @@ def _shared_steady(indexes, cfg, slots, capacity=0):
     return pool
 
 
-def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False, cache_blocks=0):
+def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False, cache_blocks=0,
+           meta=None):
     return DeviceLayer(cfg, first.num_kv_heads, first.head_dim, first.centroids.dtype, "cpu",
                        slots=slots, max_clusters=clusters, max_tokens=tokens,
                        rank=first.residuals.rank, in_place=in_place,
-                       cache_blocks=cache_blocks, cache_block_tokens=8)
+                       cache_blocks=cache_blocks, cache_block_tokens=8, meta=meta)
+
+
+def _shared_meta(indexes, pool=None):
+    """Move the indexes' meta rows into one layer meta pool (as serving does); the pool."""
+    pool = pool or MetaPool(*indexes[0].meta_pool_layout())
+    for index in indexes:
+        index.adopt_meta(pool)
+    return pool
 
 
 def _step(layer, slots, indexes, q, scale, check=None):
@@ -59,7 +69,10 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
     dense stores or from a wave buffer's host tier, or read in place from the host tier
     (its pool grows, and is replaced, as blocks land: the layer reloads its starts), also
     through a small cluster cache (6 blocks of 8 tokens per row: hits, admissions,
-    evictions, clusters larger than a block, a slot taken by a new request)."""
+    evictions, clusters larger than a block, a slot taken by a new request). With a wave
+    buffer's host tier and with the cache, the meta rows are read in the layer's meta
+    pool (extents growing, moving and freed as blocks land and requests come and go);
+    else copied into the layer."""
     g = torch.Generator().manual_seed(d + group)
     cfg = _cfg(estimator=estimator)
     h = 2
@@ -71,8 +84,10 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
             index.residuals.set_tilted_heads(torch.arange(h) % 2 == n % 2)
     slots = [5, 0, 3, 6]
     _shared_steady(indexes, cfg, [2, 7, 0, 4])
+    meta = _shared_meta(indexes) if store in ("wave_buffer", "in_place_cache") else None
     layer = _layer(cfg, indexes[0], in_place=store.startswith("in_place"),
-                   cache_blocks=6 if store == "in_place_cache" else 0)
+                   cache_blocks=6 if store == "in_place_cache" else 0, meta=meta)
+    meta_moves = set()
     scale = d ** -0.5
     updates = 0
     launches = set()
@@ -83,6 +98,8 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
             indexes.pop(2).free()
             new = random_indexes([900], cfg, h, d, dtype, g, mgr, first=4)
             new[0].adopt_steady(indexes[0].steady, 1)
+            if meta is not None:
+                _shared_meta(new, meta)
             indexes += new
             slots.append(2)
         q = torch.randn(len(indexes), h * group, d, generator=g).to(dtype)
@@ -93,6 +110,8 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
         out = _step(layer, slots, indexes, q, scale, check)
         launches.add(check.launches)
         layouts.add(layer.keys.data_ptr())
+        if meta is not None:
+            meta_moves.add((meta.generation, tuple(i.meta_place()[1] for i in indexes)))
         ref = torch.stack([i.decode(q[b], scale).output for b, i in enumerate(indexes)])
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
@@ -101,6 +120,10 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
     assert len(launches) == 1  # one fixed sequence of operations, whatever the step
     if store.startswith("in_place"):  # the layer reads the host tier's pool itself
         assert layouts == {indexes[0].store.cluster_rows()[0].data_ptr()}
+    if meta is not None:  # read where they were, as the pool moved them
+        assert len(meta_moves) >= 3 and layer.nbytes() < DeviceLayer.footprint(
+            8, h, d, dtype, 256, 0 if store == "in_place_cache" else 4096,
+            indexes[0].residuals.rank, store == "in_place_cache")
     cached, read = layer.cache_tokens()
     assert (cached > 0 and read > 0) if store == "in_place_cache" else cached == read == 0
     if mgr:
@@ -127,18 +150,21 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
     # step in five launches: test_decode_step_with_triton_kernels)
 
 
-def test_the_plan_holds_each_rows_integers_and_widths_over_every_row():
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_plan_holds_each_rows_integers_and_widths_over_every_row(shared):
     """Each column of a plan is its row's integers in PLAN_FIELDS' order (what changes only
     at a load, computed there; the window's place read per step); the widths bound every
     row of the batch, whichever batch came before; with ``upload=False`` the same
-    integers (on the CPU the host is the device)."""
+    integers (on the CPU the host is the device). The meta rows: the row's extent in the
+    layer's meta pool (``shared``), else its slot's columns of the layer's own."""
     g = torch.Generator().manual_seed(11)
     cfg = _cfg(update_rounds_per_step=0)
     h, d = 2, 32
     indexes = random_indexes([300, 1500, 700], cfg, h, d, torch.float32, g)
     slots = [2, 0, 1]
     _shared_steady(indexes, cfg, [1, 2, 0])
-    layer = _layer(cfg, indexes[0], slots=3, tokens=2048)
+    meta = _shared_meta(indexes) if shared else None
+    layer = _layer(cfg, indexes[0], slots=3, tokens=2048, meta=meta)
     for _ in range(20):  # windows of different lengths, an update block may land
         for i in indexes:
             i.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
@@ -156,7 +182,10 @@ def test_the_plan_holds_each_rows_integers_and_widths_over_every_row():
                         "estimation": [cfg.num_estimation(i.num_clusters) for i in rows],
                         "sinks": [i.num_sinks for i in rows],
                         "ring_start": [i.ring_start for i in rows],
-                        "window": [i.win_len for i in rows], "step": [step] * len(rows)}
+                        "window": [i.win_len for i in rows], "step": [step] * len(rows),
+                        "meta_row": [i.meta_place()[1] if shared else s * h * 256
+                                     for i, s in zip(rows, where, strict=True)],
+                        "meta_stride": [meta.capacity if shared else 256] * len(rows)}
             assert p.ints.dtype == torch.int64
             assert {f: p.ints[n].tolist() for n, f in enumerate(PLAN_FIELDS)} == expected
         most = max(i.num_clusters for i in rows)
@@ -181,6 +210,15 @@ def test_footprint_is_what_a_layer_allocates(dtype, in_place, cache):
     kv = 2 * 3 * 2 * 900 * 64 * layer.centroids.element_size()
     assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, True) == \
         DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, False) - kv
+    # reading the meta rows in the layer's meta pool, it holds each cluster's start alone
+    pool = MetaPool(2, {"sizes": ((), torch.int32)}, "cpu")
+    shared = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70,
+                         max_tokens=900, rank=4, in_place=in_place, cache_blocks=cache,
+                         cache_block_tokens=16, meta=pool)
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place, cache, 16,
+                                 shared_meta=True) == shared.nbytes()
+    assert layer.nbytes() - shared.nbytes() == 3 * 2 * 70 * (
+        2 * 64 * layer.value_sums.element_size() + 4 + 4 + 4)
 
 
 def test_read_in_place_follows_the_host_tier_when_its_pool_is_replaced():

@@ -54,7 +54,9 @@ def test_rows_survive_every_move_of_a_shared_pool():
     pool = MetaPool(2, FIELDS, "cpu")
     live: dict[int, tuple[MetaRows, dict[str, torch.Tensor]]] = {}
     generations = {pool.generation}
+    replaced = 0
     for step in range(400):
+        tensors, storage = pool.tensors, pool.storage
         op = rnd.random()
         if op < 0.15 or not live:  # a new index: built on its own, then adopted
             rows = MetaRows(MetaPool(2, FIELDS, "cpu"), own=True)
@@ -80,13 +82,16 @@ def test_rows_survive_every_move_of_a_shared_pool():
             for k in names:
                 want[k] = torch.cat([want[k], new[k]], dim=1)
         generations.add(pool.generation)
+        # the storage count moves exactly when the tensors are replaced
+        assert pool.storage - storage == (pool.tensors is not tensors)
+        replaced += pool.tensors is not tensors
         _check_no_overlap(pool)
         assert pool.table.used <= pool.capacity
         for rows, want in live.values():
             for k, v in want.items():
                 assert rows.counts[k] == v.shape[1]
                 assert torch.equal(rows.view(k), v), f"step {step}, field {k}"
-    assert len(generations) > 10  # the rows did move, many times
+    assert len(generations) > 10 and replaced > 5  # the rows did move, many times
     for rows, _ in live.values():
         rows.release()
     assert pool.capacity == 0 and pool.nbytes() == 0 and len(pool.table) == 0

@@ -15,6 +15,7 @@ from vllm_retro.index.device_layer import (
     decode_given_step,
     decode_step,
 )
+from vllm_retro.index.meta_pool import MetaPool
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.pages import PAGE_INDEXES
 from vllm_retro.index.resident import (
@@ -48,15 +49,20 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
     (append_batch, then decode_batch with the layer's cache): 90 steps through update blocks
     (incremental loads); a request leaves and a longer one joins in its slot (a full load and
     a grown layer). The tokens copied into the layer, or read in place from the wave
-    buffer's host tier."""
+    buffer's host tier. Over the wave buffer the meta rows are in the layer's meta pool (as
+    serving keeps them), and the layer reads them there; over dense stores, each index's
+    own, copied into the layer."""
     g = torch.Generator().manual_seed(11)
     cfg = _cfg(device_resident=mode)
     h, d = 2, 64
     mgr = WaveBufferManager(cfg) if wave_buffer else None
     indexes = random_indexes([40, 700, 1300], cfg, h, d, dtype, g, mgr)
     pool = _pool(cfg, h, d, dtype, 3)
+    meta = MetaPool(*indexes[0].meta_pool_layout()) if wave_buffer else None
     for slot, index in enumerate(indexes):
         index.adopt_steady(pool, slot)
+        if meta is not None:
+            index.adopt_meta(meta)
     cache = MetaViewCache()
     updates, grown = 0, set()
     for step in range(90):
@@ -66,6 +72,8 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
             old.free()
             new = random_indexes([3000], cfg, h, d, dtype, g, mgr, first=5)[0]
             new.adopt_steady(pool, slot)
+            if meta is not None:
+                new.adopt_meta(meta)
             indexes.insert(1, new)
         keys, values = torch.randn(2, len(indexes), h, d, generator=g).to(dtype)
         updates += append_batch(indexes, keys, values)[0]
@@ -80,6 +88,7 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
                                    msg=f"step {step}")
     assert updates >= 2 and len(grown) == 2  # one growth for the 3000-token request
     assert cache.resident.layer.in_place == (mode == "in_place")
+    assert cache.resident.layer.meta is meta
     if mode == "in_place":  # the device cache budget as a cluster cache, and it served reads
         assert min(cache.resident.layer.cache_tokens()) > 0
         # its counts reach the buffer's statistics (the server's device cache metrics),
@@ -127,7 +136,9 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
     cluster cache or not, equal to the per-row reference through update blocks, the step
     free of host synchronisation: Quest's pages scored there by their bounds (rows twice
     the head dimension, the query split by sign), SAAP's and StreamingLLM's clusters chosen
-    by the policy (select_batch) and read as given (no zones, nothing scored)."""
+    by the policy (select_batch) and read as given (no zones, nothing scored). The meta
+    rows read in the layer's meta pool (copied into the layer when read in place without
+    a cache)."""
     g = torch.Generator().manual_seed(21)
     cfg = _cfg(device_resident=mode, cache_fraction=0.1 if cache_on else 0.0,
                min_retrieval_clusters=0 if not cache_on else 16,
@@ -136,8 +147,12 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
     mgr = WaveBufferManager(cfg)
     indexes = _policy_indexes(policy, cfg, [300, 900, 1400], h, d, dtype, g, mgr)
     pool = _pool(cfg, h, d, dtype, 3)
+    shared = mode == "on" or cache_on
+    meta = MetaPool(*indexes[0].meta_pool_layout()) if shared else None
     for slot, index in enumerate(indexes):
         index.adopt_steady(pool, slot)
+        if shared:
+            index.adopt_meta(meta)
     cache = MetaViewCache()
     updates = 0
     for step in range(80):
@@ -147,6 +162,7 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
         out = decode_batch(indexes, q, d ** -0.5, cache=cache)
         layer = cache.resident.layer
         assert layer is not None and layer.in_place == (mode == "in_place")
+        assert layer.meta is meta
         ref = torch.stack([i.decode(q[b], d ** -0.5).output for b, i in enumerate(indexes)])
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
@@ -156,7 +172,7 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
         assert layer.cache is not None and min(layer.cache_tokens()) > 0
     # the step itself, on the loaded layer: no operation that would wait for the device
     slots = [i.slot for i in indexes]
-    assert layer.centroids.shape[-1] == (2 * d if policy == "quest" else d)
+    assert layer.score_dim == (2 * d if policy == "quest" else d)
     if policy == "quest":
         plan = layer.plan(slots, indexes)
         assert plan.estimation == 0 and plan.ints[4].tolist() == [0, 0, 0]

@@ -16,12 +16,13 @@ from vllm_retro.kernels.resident_attention import (
     resident_attention_torch,
     resident_attention_triton,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows, slot_meta
 
 
-def _plan(slots, n_ret, step, clusters=None):
+def _plan(slots, n_ret, step, clusters=None, heads=1, cap=10):
     fields = {"slot": slots, "retrieval": n_ret, "step": [step] * len(slots),
               "clusters": clusters if clusters is not None else n_ret}
+    fields["meta_row"], fields["meta_stride"] = slot_meta(torch.tensor(slots), heads, cap)
     return torch.stack([torch.as_tensor(fields.get(k, [0] * len(slots)))
                         for k in PLAN_FIELDS]).long()
 
@@ -90,7 +91,7 @@ def test_triton_lookup_matches_torch_over_many_steps(blocks, triton_device):
     weights = torch.linspace(3.0, 0.1, c_cap)
     for step in range(1, 13):
         n_ret = torch.randint(0, r_max + 1, (3,), generator=gen).tolist()
-        plan = _plan([2, 0, 1], n_ret, step)
+        plan = _plan([2, 0, 1], n_ret, step, heads=h, cap=c_cap)
         top = torch.stack([torch.multinomial(weights, r_max, generator=gen)
                            for _ in range(3 * h)])
         want = cache_lookup_torch(ref, sizes, plan, top, r_max)
@@ -134,6 +135,8 @@ def _step_case(gen, dtype, steps=6, h=2, slots=3, c_cap=40, n_cap=400, d=32, g=4
         fields = {"slot": [1, 2, 0], "steady_slot": [0, 1, 2], "clusters": [c_cap] * 3,
                   "retrieval": [r_max, 3, 0], "estimation": [e_max] * 3, "sinks": [4, 1, 0],
                   "ring_start": [3, 0, 9], "window": [16, 5, 10], "step": [step] * 3}
+        fields["meta_row"], fields["meta_stride"] = slot_meta(torch.tensor([1, 2, 0]), h,
+                                                              c_cap)
         plan = torch.stack([torch.as_tensor(fields[k]) for k in PLAN_FIELDS]).long()
         top = torch.stack([torch.multinomial(weights, r_max + e_max, generator=gen)
                            for _ in range(3 * h)])

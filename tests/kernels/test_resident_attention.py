@@ -4,6 +4,7 @@ vs the torch reference (which packs an execution buffer), on ragged random rows.
 import pytest
 import torch
 
+from tests.helpers import as_meta_pool
 from vllm_retro.kernels.resident_attention import (
     RETRIEVAL_MAPS,
     LayerPools,
@@ -11,7 +12,7 @@ from vllm_retro.kernels.resident_attention import (
     resident_attention_triton,
     retrieval_runs,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows, slot_meta
 from vllm_retro.kernels.tripartite_attention import tripartite_decode_ref
 
 
@@ -48,12 +49,13 @@ def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, 
                                                               torch.tensor(k_top - r_max)),
               "sinks": [4, 2, 0], "ring_start": [17, 0, 22],  # the first wraps the ring
               "window": [20, 24, 5], "step": [1, 1, 1]}
+    fields["meta_row"], fields["meta_stride"] = slot_meta(torch.tensor(order), h, c_cap)
     plan = torch.stack([torch.as_tensor(fields[k]) for k in PLAN_FIELDS]).long()
     rows = plan_rows(plan, h)
     scores = torch.rand(len(rows.pool_row), c_cap, generator=gen)
     scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
     top = scores.topk(k_top, dim=1).indices
-    ends, _ = retrieval_runs(sizes, starts, rows.pool_row, top, rows.n_ret, r_max)
+    ends, _ = retrieval_runs(sizes, starts, rows, top, r_max)
     width = int((rows.n_steady + ends[:, -1]).max()) + 5
     q = f(len(rows.pool_row), g, d).to(dtype)
     return q, pools, plan, top, width, r_max, k_top - r_max
@@ -72,7 +74,7 @@ def _all_retrieval(pools, plan, gen, r_max):
     scores = torch.rand(len(rows.pool_row), c_cap, generator=gen)
     scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
     top = scores.topk(r_max, dim=1).indices
-    ends, _ = retrieval_runs(pools.sizes, pools.starts, rows.pool_row, top, rows.n_ret, r_max)
+    ends, _ = retrieval_runs(pools.sizes, pools.starts, rows, top, r_max)
     return plan, top, int((rows.n_steady + ends[:, -1]).max()) + 5, 0
 
 
@@ -184,6 +186,35 @@ def test_a_shared_pool_read_in_place_gives_the_same_attention(dtype, tol, retrie
     got = resident_attention_triton(q.to(dev), _on(dev, shared), plan.to(dev), top.to(dev),
                                     width, r_max, e_max, 0.125,
                                     retrieval_map=retrieval_map).cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tilted", [True, False])
+def test_meta_rows_read_in_a_layer_meta_pool_give_the_same_attention(dtype, tol, tilted,
+                                                                     triton_device):
+    """The meta rows in a layer meta pool's layout ([H, capacity, ...], each request's
+    extent at its own start, NaN and nonzero sizes around them: any read outside a row's
+    zones shows) give exactly the attention of per-slot rows, in both paths."""
+    gen = torch.Generator().manual_seed(5)
+    q, pools, plan, top, width, r_max, e_max = _case(gen, dtype)
+    names = ("centroids", "value_sums", "sizes", "spreads", "deviates")
+    clusters = [40, 17, 1]  # the case's per-slot clusters (a slot with none: one row)
+    moved, starts, cap = as_meta_pool({n: getattr(pools, n) for n in names},
+                                      pools.steady_k.shape[2], clusters, gen)
+    shared = LayerPools(**{**vars(pools), **moved})
+    splan = plan.clone()
+    slots = plan[PLAN_FIELDS.index("slot")].tolist()
+    splan[PLAN_FIELDS.index("meta_row")] = torch.tensor([starts[s] for s in slots])
+    splan[PLAN_FIELDS.index("meta_stride")] = cap
+    ref = resident_attention_torch(q, pools, plan, top, width, r_max, e_max, 0.125, tilted)
+    got = resident_attention_torch(q, shared, splan, top, width, r_max, e_max, 0.125, tilted)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    dev = triton_device
+    got = resident_attention_triton(q.to(dev), _on(dev, shared), splan.to(dev), top.to(dev),
+                                    width, r_max, e_max, 0.125, tilted).cpu()
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import as_meta_pool
 from vllm_retro.kernels.scoring import (
     cluster_scores_ref,
     cluster_scores_triton,
@@ -12,7 +13,7 @@ from vllm_retro.kernels.scoring import (
     pool_scores_triton,
     top_clusters,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, slot_meta
 
 
 def test_ref_matches_naive(rng):
@@ -80,11 +81,14 @@ def _pool(rng, p, cap, d, dtype, counts):
     return cen.to(dtype), sizes
 
 
-def _plan(slots, clusters):
-    """A step plan (kernels.step_plan) of requests in ``slots`` with ``clusters`` each."""
+def _plan(slots, clusters, heads, cap):
+    """A step plan (kernels.step_plan) of requests in ``slots`` with ``clusters`` each, the
+    meta rows in a pool of ``cap`` columns per (slot, head)."""
     plan = torch.zeros(len(PLAN_FIELDS), len(slots), dtype=torch.int64)
     plan[PLAN_FIELDS.index("slot")] = torch.tensor(slots)
     plan[PLAN_FIELDS.index("clusters")] = torch.tensor(clusters)
+    where = slot_meta(torch.tensor(slots), heads, cap)
+    plan[PLAN_FIELDS.index("meta_row")], plan[PLAN_FIELDS.index("meta_stride")] = where
     return plan
 
 
@@ -98,7 +102,7 @@ def test_pool_scores_triton_matches_ref(g, d, width, dtype, tol, rng, triton_dev
     counts = [width, width // 2, 1, width - 3, 7, 2]  # per pool row (slot * 2 + head)
     cen, sizes = _pool(rng, 6, width + 16, d, dtype, counts)
     slots = [2, 0, 1, 0]
-    plan = _plan(slots, [max(counts[2 * s], counts[2 * s + 1]) for s in slots])
+    plan = _plan(slots, [max(counts[2 * s], counts[2 * s + 1]) for s in slots], 2, width + 16)
     q = torch.randn(2 * len(slots), g, d, generator=rng).to(dtype)
     ref = pool_scores_ref(q, cen, sizes, plan, width, d ** -0.5)
     dev = triton_device
@@ -116,9 +120,36 @@ def test_pool_scores_triton_matches_ref(g, d, width, dtype, tol, rng, triton_dev
     assert agree >= (1.0 if dtype == torch.float32 else 0.9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_scores_read_a_layer_meta_pool_in_place(dtype, rng, triton_device):
+    """The same rows in a layer meta pool's layout ([H, capacity, D], each request's extent
+    at its own start, NaN and nonzero sizes around them) score exactly as from per-slot
+    rows: nothing outside a row's clusters is read, even where the step's width reaches
+    past its extent (the last one ends the pool)."""
+    counts = [50, 50, 3, 3, 70, 70]  # per (slot, head): 3 slots of 2 heads
+    cen, sizes = _pool(rng, 6, 80, 64, dtype, counts)
+    pool, starts, cap = as_meta_pool({"centroids": cen, "sizes": sizes}, 2, [50, 3, 70], rng)
+    slots = [2, 0, 1]
+    plan = _plan(slots, [counts[2 * s] for s in slots], 2, 80)
+    shared = plan.clone()
+    shared[PLAN_FIELDS.index("meta_row")] = torch.tensor([starts[s] for s in slots])
+    shared[PLAN_FIELDS.index("meta_stride")] = cap
+    q = torch.randn(6, 4, 64, generator=rng).to(dtype)
+    want = pool_scores_ref(q, cen, sizes, plan, 80, 0.125)
+    got = pool_scores_ref(q, pool["centroids"], pool["sizes"], shared, 80, 0.125)
+    assert torch.equal(got, want)
+    dev = triton_device
+    tri = pool_scores_triton(q.to(dev), pool["centroids"].to(dev), pool["sizes"].to(dev),
+                             shared.to(dev), 80, 0.125).cpu()
+    assert not tri.isnan().any()
+    assert torch.equal(tri == float("-inf"), want == float("-inf"))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(tri[fin], want[fin], rtol=2e-3, atol=2e-3)
+
+
 def test_pool_scores_nan_query_row_stays_in_its_row(rng, triton_device):
     cen, sizes = _pool(rng, 4, 80, 64, torch.float32, [80, 40, 60, 10])
-    plan = _plan([0, 1], [80, 60])
+    plan = _plan([0, 1], [80, 60], 2, 80)
     q = torch.randn(4, 4, 64, generator=rng)
     q[1, 2, 5] = float("nan")
     dev = triton_device

@@ -4,9 +4,9 @@ The step's shapes depend only on the batch size and the plan's static widths
 (:class:`~vllm_retro.index.device_layer.StepPlan`), so one graph per such key replays it:
 per step the query and the plan's integers are copied into the graph's static inputs, then
 the whole step is one replay (no per-operation launch cost). A key also holds the steady
-pool's storage and the token pools', which the graph reads by address: a grown pool (or,
-read in place, a store's replaced one) is a new key. Off CUDA the
-step runs eagerly.
+pool's storage, the token pools' and the meta rows', which the graph reads by address: a
+grown pool (or, read in place, a store's replaced one; a grown meta pool) is a new key. Off
+CUDA the step runs eagerly.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class StepGraphs:
         return (tuple(query.shape), query.dtype, plan.clusters, plan.retrieval,
                 plan.estimation, plan.retrieval_tokens, plan.steady_tokens,
                 plan.steady.k.data_ptr(), plan.steady.v.data_ptr(),
-                self.layer.keys.data_ptr(), self.layer.values.data_ptr(), float(scale),
+                self.layer.keys.data_ptr(), self.layer.values.data_ptr(),
+                self.layer.meta_storage(), float(scale),
                 None if given is None else tuple(given.shape))
 
     def _step(self, plan: StepPlan, query: torch.Tensor, scale: float,

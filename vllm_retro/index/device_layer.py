@@ -12,8 +12,11 @@ KV head)):
   ``in_place`` (the KV does not fit the device), the store's own pool [M, D] that the whole
   batch shares — a wave buffer's host tier, pinned, read over the bus — with ``starts``
   absolute rows of it;
-- the meta pool [slots * H, C_cap, ...]: centroids, value sums (KV dtype), sizes (int32, 0
-  as padding), starts (int64), spreads and deviates (fp32) — and per row the tilted
+- the meta rows: centroids, value sums (KV dtype), sizes (int32), spreads and deviates
+  (fp32) — read in place from the layer's :class:`~vllm_retro.index.meta_pool.MetaPool`
+  (``meta``: the pool the indexes keep them in, each in its extent: nothing copied), or
+  copied into a pool of the layer's own [slots * H, C_cap, ...]; and its own starts
+  (int64, [slots * H, C_cap]: each cluster's first token row) and per row the tilted
   estimator's residual model (profile [D], key and value factors [D, rank], fp32);
 - the steady zone (sinks and the window's ring) is read in place from the layer's shared
   :class:`~vllm_retro.index.steady.SteadyPool`, where the route's append writes it.
@@ -70,6 +73,7 @@ import torch
 
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
+from vllm_retro.index.meta_pool import MetaPool
 from vllm_retro.index.steady import SteadyPool
 from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
@@ -185,13 +189,21 @@ class DeviceLayer:
     ``head_dim`` for Quest's page bounds, scored with the query split into its positive and
     negative parts. ``tilted``: the estimation zone by the tilted estimator (None: the
     config's; False for policies that estimate nothing).
+
+    ``meta``: the pool the layer's indexes keep their meta rows in (the attention layer's,
+    on this device): the step reads them there, each request's at its extent, and a load
+    copies none of them; every index loaded must be in it. ``scoring_field``: the pool's
+    field the clusters are scored by (:attr:`WaveIndex.scoring_field`). None: the layer
+    copies each index's meta rows into a meta pool of its own (an index in a pool of its
+    own, or on another device).
     """
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, slots: int,
                  max_clusters: int, max_tokens: int, rank: int, in_place: bool = False,
                  cache_blocks: int = 0, cache_block_tokens: int | None = None,
-                 score_dim: int | None = None, tilted: bool | None = None):
+                 score_dim: int | None = None, tilted: bool | None = None,
+                 meta: MetaPool | None = None, scoring_field: str = "centroids"):
         if score_dim not in (None, head_dim, 2 * head_dim):
             raise ValueError(f"DeviceLayer: score_dim={score_dim}; accepted: head_dim "
                              f"({head_dim}, centroids) or twice it (page bounds)")
@@ -218,19 +230,35 @@ class DeviceLayer:
         else:  # zero-filled: rows past a row's data are read (and masked) by the gathers
             self.keys = torch.zeros(rows, n, d, dtype=dtype, device=dev)
             self.values = torch.zeros(rows, n, d, dtype=dtype, device=dev)
-        self.centroids = torch.zeros(rows, c, score_dim or d, dtype=dtype, device=dev)
-        """[R, C_cap, score_dim] the rows each cluster is scored by (the centroids, or
-        Quest's page bounds)."""
+        self.score_dim = score_dim or d
+        """The width of the rows each cluster is scored by (the centroids, or Quest's page
+        bounds)."""
+        self.meta = meta
+        self.scoring_field = scoring_field
+        if meta is not None and (meta.device != dev or meta.num_heads != h):
+            raise ValueError(f"DeviceLayer: a meta pool of {meta.num_heads} heads on "
+                             f"{meta.device}; accepted: {h} heads on {dev}")
+        own = meta is None
+        self.centroids = torch.zeros(rows if own else 0, c, self.score_dim, dtype=dtype,
+                                     device=dev)
+        """Own meta rows: [R, C_cap, score_dim] the rows each cluster is scored by (empty
+        with ``meta``, as the four below)."""
         self.tilted = config.tilted_estimation if tilted is None else tilted
         inf = float("inf")
         self._sign_bounds = (torch.tensor([[0.0], [-inf]], dtype=dtype, device=dev),
                              torch.tensor([[inf], [0.0]], dtype=dtype, device=dev))
         """The clamp bounds of :meth:`split_by_sign` ([2, 1] each)."""
-        self.value_sums = torch.zeros(rows, c, d, dtype=dtype, device=dev)
-        self.sizes = torch.zeros(rows, c, dtype=torch.int32, device=dev)
+        self.value_sums = torch.zeros(rows if own else 0, c, d, dtype=dtype, device=dev)
+        self.sizes = torch.zeros(rows if own else 0, c, dtype=torch.int32, device=dev)
+        self.spreads = torch.zeros(rows if own else 0, c, dtype=f32, device=dev)
+        self.deviates = torch.zeros(rows if own else 0, c, dtype=f32, device=dev)
+        self._absent = {"centroids": torch.zeros(1, self.score_dim, dtype=dtype, device=dev),
+                        "value_sums": torch.zeros(1, d, dtype=dtype, device=dev),
+                        "spreads": torch.zeros(1, dtype=f32, device=dev),
+                        "deviates": torch.zeros(1, dtype=f32, device=dev)}
+        """With ``meta``: what the kernels are handed for a field the pool's policy keeps
+        none of (never read: nothing is estimated, or nothing scored)."""
         self.starts = torch.zeros(rows, c, dtype=torch.int64, device=dev)
-        self.spreads = torch.zeros(rows, c, dtype=f32, device=dev)
-        self.deviates = torch.zeros(rows, c, dtype=f32, device=dev)
         self.profile = torch.zeros(rows, d, dtype=f32, device=dev)
         self.key_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
         self.value_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
@@ -243,6 +271,10 @@ class DeviceLayer:
         """Plans made (the cache's clock)."""
         self._loaded: dict[int, _Loaded] = {}
         """What each slot holds."""
+        self._meta_starts: dict[int, int] = {}
+        """Slot -> its index's first meta row (the plan's ``meta_row``): with ``meta``, as
+        read at the pool's generation :attr:`_meta_at` (rows moved since: read again)."""
+        self._meta_at = -1
         self._widths: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
         """(most clusters, largest retrieval bound, largest zones) of a batch -> its plan's
         static widths (clusters, retrieval, estimation, retrieval tokens)."""
@@ -259,24 +291,40 @@ class DeviceLayer:
 
     # ------------------------------------------------------------------ host side
     def pools(self, steady: SteadyPool) -> LayerPools:
-        """The layer's tensors with ``steady``'s, as the attention kernels take them."""
-        return LayerPools(self.keys, self.values, self.centroids, self.value_sums, self.sizes,
-                          self.starts, self.spreads, self.deviates, self.profile,
-                          self.key_factor, self.value_factor, steady.k, steady.v,
-                          steady.sink_cap)
+        """The layer's tensors with ``steady``'s, as the attention kernels take them (the
+        meta rows: the meta pool's tensors as they are now, or the layer's own)."""
+        if self.meta is None:
+            meta = (self.centroids, self.value_sums, self.sizes, self.spreads, self.deviates)
+        else:
+            t, absent = self.meta.tensors, self._absent
+            meta = (t.get(self.scoring_field, absent["centroids"]),
+                    t.get("value_sums", absent["value_sums"]), t["sizes"],
+                    t.get("spreads", absent["spreads"]), t.get("deviates", absent["deviates"]))
+        return LayerPools(self.keys, self.values, *meta[:3], self.starts, *meta[3:],
+                          self.profile, self.key_factor, self.value_factor, steady.k,
+                          steady.v, steady.sink_cap)
+
+    def meta_storage(self) -> int:
+        """Which storage of the meta rows the step reads (a CUDA graph reads them by
+        address): the meta pool's :attr:`~MetaPool.storage` count (-1: the layer's own,
+        which never moves)."""
+        return -1 if self.meta is None else self.meta.storage
 
     @staticmethod
     def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
                   tokens: int, rank: int, in_place: bool = False, cache_blocks: int = 0,
-                  cache_block_tokens: int = 0, score_dim: int | None = None) -> int:
+                  cache_block_tokens: int = 0, score_dim: int | None = None,
+                  shared_meta: bool = False) -> int:
         """Device bytes a layer of these bounds allocates (its :meth:`nbytes`); with a
-        cluster cache, ``cache_blocks`` of ``cache_block_tokens`` each (both given)."""
+        cluster cache, ``cache_blocks`` of ``cache_block_tokens`` each (both given);
+        ``shared_meta``: the meta rows read from the layer's meta pool (not allocated
+        here)."""
         if cache_blocks and cache_block_tokens < 1:
             raise ValueError(f"DeviceLayer.footprint: cache_block_tokens={cache_block_tokens} "
                              "with a cache; accepted: an integer >= 1")
         elem = torch.empty(0, dtype=dtype).element_size()
         # scoring rows and value sums, sizes, starts, fp32 x2
-        per_cluster = ((score_dim or head_dim) + head_dim) * elem + 4 + 8 + 4 + 4
+        per_cluster = 8 if shared_meta else ((score_dim or head_dim) + head_dim) * elem + 20
         kv = 0 if in_place else 2 * tokens * head_dim * elem
         per_row = kv + clusters * per_cluster + 4 * head_dim * (1 + 2 * rank)
         cache = ClusterCache.footprint(slots * heads, clusters, cache_blocks,
@@ -284,7 +332,8 @@ class DeviceLayer:
         return slots * heads * per_row + cache
 
     def nbytes(self) -> int:
-        """Bytes held on the device (in place: the meta pool only; the KV is the store's)."""
+        """Bytes held on the device (in place: no KV, the store's; with ``meta``: no meta
+        rows, the meta pool's)."""
         held = [] if self.in_place else [self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in (
             *held, self.centroids, self.value_sums, self.sizes, self.starts,
@@ -321,10 +370,17 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: residual rank {index.residuals.rank}; the "
                              f"layer's is {self.key_factor.shape[2]}")
         scoring = index.fused_scoring()[0] if index.kernel_scores else None
-        if scoring is not None and scoring.shape[-1] != self.centroids.shape[-1]:
+        if scoring is not None and scoring.shape[-1] != self.score_dim:
             raise ValueError(f"DeviceLayer.load: the index scores rows of width "
-                             f"{scoring.shape[-1]}; the layer's are "
-                             f"{self.centroids.shape[-1]} (score_dim)")
+                             f"{scoring.shape[-1]}; the layer's are {self.score_dim} "
+                             "(score_dim)")
+        shared = self.meta is not None
+        if shared and (index.meta_place() or (None,))[0] is not self.meta:
+            raise ValueError("DeviceLayer.load: the index's meta rows are not in the layer's "
+                             "meta pool (adopt_meta first)")
+        if shared and index.kernel_scores and index.scoring_field != self.scoring_field:
+            raise ValueError(f"DeviceLayer.load: the index scores its "
+                             f"{index.scoring_field!r}; the layer reads {self.scoring_field!r}")
         sizes = index.sizes.long().cpu()
         prev = self._loaded.get(slot)
         same = prev is not None and prev.uid == index.uid and prev.clusters <= c
@@ -342,7 +398,8 @@ class DeviceLayer:
                              f"accepted: at most {self.max_tokens} (max_tokens)")
         rows = slice(slot * h, (slot + 1) * h)
         if not grow:
-            for pool in (self.sizes, self.starts, self.spreads, self.deviates):
+            for pool in (self.starts,) if shared else (self.sizes, self.starts, self.spreads,
+                                                       self.deviates):
                 pool[rows] = 0
             if self.cache is not None:  # another index, or its tokens moved: cached for none
                 self.cache.clear_rows(rows)
@@ -359,13 +416,8 @@ class DeviceLayer:
             else:
                 self._copy_tokens(slot, keys, values, src, added, held)
                 self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
-            self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
-            if index.kernel_scores:  # scored here (else the policy chooses the clusters)
-                self.centroids[rows, new] = scoring[:, new].to(dev, self.dtype)
-            for name, pool in (("value_sums", self.value_sums), ("spreads", self.spreads),
-                               ("deviates", self.deviates)):
-                if name in index.meta_kept:  # kept by the policies that estimate
-                    pool[rows, new] = getattr(index, name)[:, new].to(dev, pool.dtype)
+            if not shared:  # copied into the layer's own meta rows
+                self._copy_meta(rows, new, index, scoring)
         res = index.residuals
         self.profile[rows] = res.profile.to(dev)
         self.key_factor[rows] = res.key_factor.to(dev)
@@ -376,6 +428,30 @@ class DeviceLayer:
         bound = int(largest[zones[0] - 1]) if zones[0] else 0
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
                                      zones, largest, source)
+        self._meta_starts.pop(slot, None)  # an extent grown or another index: read again
+
+    def _meta_row(self, slot: int, index: WaveIndex) -> int:
+        """The first row of ``index``'s meta rows (cluster 0 of head 0) in the meta rows the
+        step reads: its extent's start in :attr:`meta`, or its slot's in the layer's own."""
+        if self.meta is None:
+            return slot * self.num_kv_heads * self.max_clusters
+        place = index.meta_place()
+        if place is None or place[0] is not self.meta:
+            raise ValueError("DeviceLayer.plan: an index's meta rows are not in the layer's "
+                             "meta pool")
+        return place[1]
+
+    def _copy_meta(self, rows: slice, new: slice, index: WaveIndex,
+                   scoring: torch.Tensor | None) -> None:
+        """Copy ``index``'s meta rows of clusters ``new`` into the layer's own, at ``rows``."""
+        dev = self.device
+        self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
+        if scoring is not None:  # scored here (else the policy chooses the clusters)
+            self.centroids[rows, new] = scoring[:, new].to(dev, self.dtype)
+        for name, pool in (("value_sums", self.value_sums), ("spreads", self.spreads),
+                           ("deviates", self.deviates)):
+            if name in index.meta_kept:  # kept by the policies that estimate
+                pool[rows, new] = getattr(index, name)[:, new].to(dev, pool.dtype)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -413,6 +489,7 @@ class DeviceLayer:
     def release(self, slot: int) -> None:
         """Forget ``slot``'s index (its rows are overwritten by the next load)."""
         self._loaded.pop(slot, None)
+        self._meta_starts.pop(slot, None)
 
     def refresh(self, slots: list[int], indexes: list[WaveIndex]) -> None:
         """(Re)load every slot whose index is not the one loaded there, or whose meta index
@@ -446,6 +523,11 @@ class DeviceLayer:
         steady = indexes[0].steady
         loaded = self._loaded
         step = self.steps + 1
+        meta = self.meta
+        stride = self.max_clusters if meta is None else meta.capacity
+        if meta is not None and self._meta_at != meta.generation:  # rows moved: read again
+            self._meta_starts, self._meta_at = {}, meta.generation
+        starts = self._meta_starts
         cols, held = [], []
         for b, (slot, index) in enumerate(zip(slots, indexes, strict=True)):
             x = loaded.get(slot)
@@ -457,8 +539,11 @@ class DeviceLayer:
                                  "different pools; a layer's decode needs them in one "
                                  "(adopt_steady)")
             zones = x.zones if given is None else (min(given[b], x.clusters), 0)
+            first = starts.get(slot)
+            if first is None:
+                first = starts[slot] = self._meta_row(slot, index)
             cols.append((slot, index.slot, x.clusters, *zones, index.num_sinks,
-                         index.ring_start, index.win_len, step))
+                         index.ring_start, index.win_len, step, first, stride))
             held.append(x)
         if self.in_place and any(x.source != self.keys.data_ptr() for x in held):
             raise ValueError("DeviceLayer.plan: the batch's stores keep their tokens in "
@@ -489,37 +574,42 @@ class DeviceLayer:
         return StepPlan(ints, steady, *widths, steady.sink_cap + steady.ring)
 
 
-def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float
-                  ) -> torch.Tensor:
+def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float,
+                  pools: LayerPools | None = None) -> torch.Tensor:
     """Step 1 of :func:`decode_step`: the rows' first ``plan.clusters`` meta columns scored in
     place, then each row's zones chosen from its scores. q [R, G, D] (row r: request r // H,
     KV head r % H). Returns the zones [R, K] int64 cluster ids (K = retrieval + estimation
     bounds): row r's retrieval zone in ``[:n_ret]``, then its estimation zone, each in
-    ascending id (:func:`vllm_retro.kernels.select_zones`: ties by cluster id, as on CPU)."""
+    ascending id (:func:`vllm_retro.kernels.select_zones`: ties by cluster id, as on CPU).
+    ``pools``: :meth:`DeviceLayer.pools` of the plan's steady pool (None: read here)."""
     backend = layer.config.kernel_backend
-    if layer.centroids.shape[-1] != q.shape[-1]:  # page bounds: max by q+, min by q-
+    pools = pools or layer.pools(plan.steady)
+    if layer.score_dim != q.shape[-1]:  # page bounds: max by q+, min by q-
         q = layer.split_by_sign(q)
-    scores = kernels.pool_scores(q, layer.centroids, layer.sizes, plan.ints, plan.clusters,
+    scores = kernels.pool_scores(q, pools.centroids, pools.sizes, plan.ints, plan.clusters,
                                  scale, backend=backend)  # [R, C]
     return kernels.select_zones(scores, plan.ints, plan.retrieval, plan.estimation,
                                 backend=backend)
 
 
 def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tensor,
-           scale: float, tilted: bool | None = None) -> torch.Tensor:
+           scale: float, tilted: bool | None = None, pools: LayerPools | None = None
+           ) -> torch.Tensor:
     """Step 2 of :func:`decode_step`: attention over the steady zone, the retrieved tokens
     and the estimated clusters of ranking ``top``, read in place — with a cluster cache,
     the retrieval zone looked up and admitted first (one more launch) and its hits read
-    there. ``tilted``: the tilted estimator (None: the layer's). Returns [R, G, D]."""
+    there. ``tilted``: the tilted estimator (None: the layer's); ``pools`` as for
+    :func:`rank_clusters`. Returns [R, G, D]."""
     backend = layer.config.kernel_backend
     if tilted is None:
         tilted = layer.tilted
+    pools = pools or layer.pools(plan.steady)
     runs = None
     if layer.cache is not None:
-        runs = kernels.cache_lookup(layer.cache, layer.sizes, plan.ints, top, plan.retrieval,
+        runs = kernels.cache_lookup(layer.cache, pools.sizes, plan.ints, top, plan.retrieval,
                                     backend=backend)
     return kernels.resident_attention(
-        q, layer.pools(plan.steady), plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
+        q, pools, plan.ints, top, plan.steady_tokens + plan.retrieval_tokens,
         plan.retrieval, plan.estimation, scale, tilted=tilted,
         cache=layer.cache, runs=runs, backend=backend)
 
@@ -532,7 +622,9 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the same
     clusters, exact ties of scores included)."""
     q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
-    res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale), scale)
+    pools = layer.pools(plan.steady)
+    res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale, pools), scale,
+                 pools=pools)
     if out is None:
         return res.view(query.shape)
     out.copy_(res.view(out.shape))

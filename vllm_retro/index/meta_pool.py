@@ -147,6 +147,9 @@ class MetaPool:
         """Field name -> [H, capacity, *trail]."""
         self.generation = 0
         """Counts moves of rows (resize, compaction, extent moved): see the module docstring."""
+        self.storage = 0
+        """Counts replacements of the tensors (resize, compaction, clear): what reads them by
+        address (a CUDA graph) is stale once it moves."""
 
     def _empty(self, capacity: int) -> dict[str, torch.Tensor]:
         return {name: torch.empty(self.num_heads, capacity, *trail, dtype=dtype,
@@ -219,6 +222,7 @@ class MetaPool:
         self.table = ExtentTable()
         self.tensors = self._empty(0)
         self.generation += 1
+        self.storage += 1
 
     def _relayout(self, capacity: int, last: int | None = None) -> None:
         """Copy the live extents, packed from row 0 (``last`` after the others), into new
@@ -231,6 +235,7 @@ class MetaPool:
                 new[name][:, starts[h]:starts[h] + length] = x[:, src:src + length]
         self.tensors = new
         self.generation += 1
+        self.storage += 1
 
     def view(self, name: str, handle: int, n: int) -> torch.Tensor:
         """[H, n, *trail]: the first ``n`` rows of the extent in field ``name``."""
@@ -271,9 +276,11 @@ class MetaRows:
         return v
 
     def shared_start(self) -> int | None:
-        """The extent's first row in a layer's pool; None while the pool is the index's
-        own or it holds no extent."""
-        return None if self.own or self.handle is None else self.pool.table.start(self.handle)
+        """The extent's first row in a layer's pool (0 while it holds no extent: no rows,
+        nothing there to read); None while the pool is the index's own."""
+        if self.own:
+            return None
+        return 0 if self.handle is None else self.pool.table.start(self.handle)
 
     def capacity(self) -> int:
         """Rows of the extent (0: none)."""

@@ -52,7 +52,7 @@ from vllm_retro.growth import grown
 from vllm_retro.index.resident import ResidentDecode
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import shared_batch_group
-from vllm_retro.index.wave_index import PhaseClock, WaveIndex
+from vllm_retro.index.wave_index import PhaseClock, WaveIndex, common_meta_pool
 from vllm_retro.kernels.tripartite_attention import residual_query_terms
 
 
@@ -204,14 +204,14 @@ def _pool_rows(indexes: list[WaveIndex], counts: list[int], width: int
     """When every index's meta rows are in one layer pool: a field's rows of all of them,
     [B * H, width, ...] zero-padded, by one gather from the pool at the rows' extents (an
     integer table of B x width pool rows); else None."""
-    places = [i.meta_place() for i in indexes]
-    pool = places[0][0] if places[0] is not None else None
-    if pool is None or any(p is None or p[0] is not pool for p in places):
+    common = common_meta_pool(indexes)
+    if common is None:
         return None
+    pool, firsts = common
     dev = pool.device
     col = torch.arange(width, device=dev)
     valid = col[None, :] < torch.tensor(counts, device=dev)[:, None]  # [B, width]
-    starts = torch.tensor([s for _, s in places], device=dev)
+    starts = torch.tensor(firsts, device=dev)
     at = torch.where(valid, starts[:, None] + col[None, :], 0).flatten()
 
     def rows(name: str) -> torch.Tensor:

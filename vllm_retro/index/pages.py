@@ -115,6 +115,7 @@ class QuestIndex(PageIndex):
     min and max; see the module docstring."""
 
     kernel_scores = True
+    scoring_field = "page_bounds"
     lands_in_store = False
 
     @staticmethod

@@ -30,7 +30,8 @@ from vllm_retro.index.device_layer import (
     readable_in_place,
     round_up,
 )
-from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.index.meta_pool import MetaPool
+from vllm_retro.index.wave_index import WaveIndex, common_meta_pool
 from vllm_retro.kernels.cluster_cache import ClusterCache
 
 GROWTH = 1.5
@@ -66,6 +67,14 @@ def layer_kind(index: WaveIndex) -> tuple[int, bool]:
     clusters themselves), and whether it estimates by the tilted estimator."""
     width = index.fused_scoring()[0].shape[-1] if index.kernel_scores else index.head_dim
     return width, index.selects_zones and index.config.tilted_estimation
+
+
+def layer_meta(indexes: list[WaveIndex], device: torch.device) -> MetaPool | None:
+    """The meta pool every one of ``indexes`` keeps its meta rows in (the attention layer's),
+    when it is on ``device``: a :class:`DeviceLayer` there reads them in place. None when
+    they are not in one such pool (the layer copies them)."""
+    common = common_meta_pool(indexes)
+    return common[0] if common is not None and common[0].device == device else None
 
 
 def in_place_capable(indexes: list[WaveIndex], device: torch.device) -> bool:
@@ -147,8 +156,9 @@ class ResidentDecode:
         lay = self.layer
         fits = lay is not None and lay.dtype == first.centroids.dtype and \
             lay.device == first.centroids.device and steady.num_slots <= lay.num_slots and \
-            (lay.centroids.shape[-1], lay.tilted) == layer_kind(first)
+            (lay.score_dim, lay.tilted) == layer_kind(first)
         if fits and all([lay.loaded(i.slot, i) for i in indexes]):
+            # (each was loaded from the meta rows' place, which an index keeps)
             self._checked = indexes  # decode's refresh has nothing to load
             return True  # the usual step: nothing to load, nothing read from the device
         batch = tuple((i.uid, i.meta_generation) for i in indexes)
@@ -159,7 +169,7 @@ class ResidentDecode:
                 max(int(i.sizes.sum(1).max()) if i.num_clusters else 0 for i in indexes))
         if fits and need[1] <= lay.max_clusters and (
                 in_place_capable(indexes, lay.device) if lay.in_place
-                else need[2] <= lay.max_tokens):
+                else need[2] <= lay.max_tokens) and layer_meta(indexes, lay.device) is lay.meta:
             return True
         if self._grow(indexes, need, mode):
             return True
@@ -180,12 +190,13 @@ class ResidentDecode:
         block = cache_block_size(first.config.cluster_size)
         blocks = cache_blocks_for(first.config, tokens, block)
         score_dim, tilted = layer_kind(first)
+        meta = layer_meta(indexes, dev)
         if mode == "auto":
             how = placement(
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank,
-                                      score_dim=score_dim),
+                                      score_dim=score_dim, shared_meta=meta is not None),
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, True, blocks,
-                                      block, score_dim),
+                                      block, score_dim, meta is not None),
                 torch.cuda.mem_get_info(dev)[0] + self.nbytes() - HEADROOM_BYTES,
                 in_place_capable(indexes, dev))
             if how is None:
@@ -197,7 +208,7 @@ class ResidentDecode:
                                  rank=rank, in_place=in_place,
                                  cache_blocks=blocks if in_place else 0,
                                  cache_block_tokens=block, score_dim=score_dim,
-                                 tilted=tilted)
+                                 tilted=tilted, meta=meta, scoring_field=first.scoring_field)
         self.graphs = StepGraphs(self.layer)
         self._refused = None
         return True

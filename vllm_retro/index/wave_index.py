@@ -142,6 +142,9 @@ class WaveIndex:
     kernel_scores: ClassVar[bool] = True
     """The fused CPU kernel scores and selects this policy's clusters itself
     (:meth:`fused_scoring`)."""
+    scoring_field: ClassVar[str] = "centroids"
+    """The meta field :meth:`fused_scoring` scores (the device step reads it in the layer's
+    meta pool)."""
     select_batch: ClassVar[Callable[..., tuple[torch.Tensor, list[int]]] | None] = None
     """The policy chooses whole clusters for all rows of a layer step before they are read:
     ``(indexes, query [B, Hq, D], scale) -> (ids [B, H, W] padded with -1, counts)``."""
@@ -357,8 +360,8 @@ class WaveIndex:
         self.fused_view = None
 
     def meta_place(self) -> tuple[MetaPool, int] | None:
-        """(the layer's meta pool, the first row of this index's extent in it), or None
-        while the index keeps its rows in a pool of its own (or has none)."""
+        """(the layer's meta pool, the first row of this index's extent in it: 0 while it
+        has no rows), or None while the index keeps its rows in a pool of its own."""
         start = self.meta_rows.shared_start()
         return None if start is None else (self.meta_rows.pool, start)
 
@@ -671,3 +674,13 @@ class WaveIndex:
             "exact_token_fraction": float(n_exact.double().mean().item()) / n,
             "estimated_token_fraction": float(est_sizes.sum(1).double().mean().item()) / n,
         }
+
+
+def common_meta_pool(indexes: list[WaveIndex]) -> tuple[MetaPool, list[int]] | None:
+    """(the layer meta pool every one of ``indexes`` keeps its meta rows in, the first row
+    of each one's extent there), or None when they are not all in one layer pool."""
+    places = [i.meta_place() for i in indexes]
+    pool = places[0][0] if places[0] is not None else None
+    if pool is None or any(p is None or p[0] is not pool for p in places):
+        return None
+    return pool, [start for _, start in places]
