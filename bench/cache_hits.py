@@ -41,6 +41,7 @@ from vllm_retro.index.device_layer import (  # noqa: E402
     decode_step,
     round_up,
 )
+from vllm_retro.index.meta_pool import MetaPool  # noqa: E402
 from vllm_retro.index.steady import SteadyPool, ring_size  # noqa: E402
 from vllm_retro.index.wave_index import WaveIndex  # noqa: E402
 
@@ -66,9 +67,12 @@ def replay(data: dict[str, Any], config: RetroConfig, fraction: float, block: in
                                   ring_size(cfg.local_window, cfg.update_segment), k.dtype,
                                   "cpu", slots=1, zeroed=True)
                 index.adopt_steady(pool, 0)
+                meta = MetaPool(*index.meta_pool_layout())  # the layer's, as served
+                index.adopt_meta(meta)
                 layer = DeviceLayer(cfg, h, dim, k.dtype, "cpu", slots=1,
                                     max_clusters=round_up(2 * index.num_clusters),
-                                    max_tokens=0, rank=index.residuals.rank, in_place=True,
+                                    max_tokens=0, rank=index.residuals.rank, meta=meta,
+                                    in_place=True,
                                     cache_blocks=cache_blocks_for(cfg, k.shape[1], block),
                                     cache_block_tokens=block)
                 first = None

@@ -73,7 +73,7 @@ from vllm_retro.index.device_layer import (  # noqa: E402
 )
 from vllm_retro.index.meta_pool import MetaPool  # noqa: E402
 from vllm_retro.index.pages import QuestIndex  # noqa: E402
-from vllm_retro.index.resident import layer_kind, layer_meta  # noqa: E402
+from vllm_retro.index.resident import layer_kind  # noqa: E402
 from vllm_retro.kernels.flash_decode import flash_decode_triton  # noqa: E402
 from vllm_retro.kernels.sync_check import SyncCheck  # noqa: E402
 
@@ -302,8 +302,8 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     score_dim, tilted = layer_kind(index)
     layer = DeviceLayer(cfg, hkv, d, dtype, device, slots=b, max_clusters=index.num_clusters,
                         max_tokens=0 if in_place else n, rank=index.residuals.rank,
-                        in_place=in_place, cache_blocks=blocks, cache_block_tokens=block,
-                        score_dim=score_dim, tilted=tilted, meta=layer_meta([index], device),
+                        meta=index.meta_place()[0], in_place=in_place, cache_blocks=blocks,
+                        cache_block_tokens=block, score_dim=score_dim, tilted=tilted,
                         scoring_field=index.scoring_field)
     slots, rows = list(range(b)), [index] * b
     layer.refresh(slots, rows)

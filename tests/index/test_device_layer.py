@@ -24,7 +24,7 @@ def _cfg(**kw):
 
 def _shared_steady(indexes, cfg, slots, capacity=0):
     """Move the indexes' steady zones into one layer pool (as serving does), in ``slots``
-    (of at least ``capacity``)."""
+    (of at least ``capacity``), and their meta rows into one layer meta pool."""
     first = indexes[0]
     pool = SteadyPool(first.num_kv_heads, first.head_dim, cfg.sink_tokens,
                       ring_size(cfg.local_window, cfg.update_segment),
@@ -32,15 +32,17 @@ def _shared_steady(indexes, cfg, slots, capacity=0):
                       zeroed=True)
     for index, slot in zip(indexes, slots, strict=True):
         index.adopt_steady(pool, slot)
+    _shared_meta(indexes)
     return pool
 
 
-def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False, cache_blocks=0,
-           meta=None):
+def _layer(cfg, first, slots=8, clusters=256, tokens=4096, in_place=False, cache_blocks=0):
+    """A layer over ``first``'s meta pool (moved into one first when it has its own)."""
+    meta = (first.meta_place() or (_shared_meta([first]),))[0]
     return DeviceLayer(cfg, first.num_kv_heads, first.head_dim, first.centroids.dtype, "cpu",
                        slots=slots, max_clusters=clusters, max_tokens=tokens,
-                       rank=first.residuals.rank, in_place=in_place,
-                       cache_blocks=cache_blocks, cache_block_tokens=8, meta=meta)
+                       rank=first.residuals.rank, meta=meta, in_place=in_place,
+                       cache_blocks=cache_blocks, cache_block_tokens=8)
 
 
 def _shared_meta(indexes, pool=None):
@@ -69,10 +71,9 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
     dense stores or from a wave buffer's host tier, or read in place from the host tier
     (its pool grows, and is replaced, as blocks land: the layer reloads its starts), also
     through a small cluster cache (6 blocks of 8 tokens per row: hits, admissions,
-    evictions, clusters larger than a block, a slot taken by a new request). With a wave
-    buffer's host tier and with the cache, the meta rows are read in the layer's meta
-    pool (extents growing, moving and freed as blocks land and requests come and go);
-    else copied into the layer."""
+    evictions, clusters larger than a block, a slot taken by a new request). The meta rows
+    are read in the layer's meta pool (extents growing, moving and freed as blocks land
+    and requests come and go)."""
     g = torch.Generator().manual_seed(d + group)
     cfg = _cfg(estimator=estimator)
     h = 2
@@ -84,9 +85,9 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
             index.residuals.set_tilted_heads(torch.arange(h) % 2 == n % 2)
     slots = [5, 0, 3, 6]
     _shared_steady(indexes, cfg, [2, 7, 0, 4])
-    meta = _shared_meta(indexes) if store in ("wave_buffer", "in_place_cache") else None
+    meta = indexes[0].meta_place()[0]
     layer = _layer(cfg, indexes[0], in_place=store.startswith("in_place"),
-                   cache_blocks=6 if store == "in_place_cache" else 0, meta=meta)
+                   cache_blocks=6 if store == "in_place_cache" else 0)
     meta_moves = set()
     scale = d ** -0.5
     updates = 0
@@ -98,8 +99,7 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
             indexes.pop(2).free()
             new = random_indexes([900], cfg, h, d, dtype, g, mgr, first=4)
             new[0].adopt_steady(indexes[0].steady, 1)
-            if meta is not None:
-                _shared_meta(new, meta)
+            _shared_meta(new, meta)
             indexes += new
             slots.append(2)
         q = torch.randn(len(indexes), h * group, d, generator=g).to(dtype)
@@ -110,8 +110,7 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
         out = _step(layer, slots, indexes, q, scale, check)
         launches.add(check.launches)
         layouts.add(layer.keys.data_ptr())
-        if meta is not None:
-            meta_moves.add((meta.generation, tuple(i.meta_place()[1] for i in indexes)))
+        meta_moves.add((meta.generation, tuple(i.meta_place()[1] for i in indexes)))
         ref = torch.stack([i.decode(q[b], scale).output for b, i in enumerate(indexes)])
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
@@ -120,10 +119,7 @@ def test_decode_step_equals_per_row_decode(dtype, tol, estimator, store, group, 
     assert len(launches) == 1  # one fixed sequence of operations, whatever the step
     if store.startswith("in_place"):  # the layer reads the host tier's pool itself
         assert layouts == {indexes[0].store.cluster_rows()[0].data_ptr()}
-    if meta is not None:  # read where they were, as the pool moved them
-        assert len(meta_moves) >= 3 and layer.nbytes() < DeviceLayer.footprint(
-            8, h, d, dtype, 256, 0 if store == "in_place_cache" else 4096,
-            indexes[0].residuals.rank, store == "in_place_cache")
+    assert len(meta_moves) >= 3  # read where they were, as the pool moved them
     cached, read = layer.cache_tokens()
     assert (cached > 0 and read > 0) if store == "in_place_cache" else cached == read == 0
     if mgr:
@@ -150,21 +146,20 @@ def test_the_step_is_one_fixed_sequence_whatever_the_batch():
     # step in five launches: test_decode_step_with_triton_kernels)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_the_plan_holds_each_rows_integers_and_widths_over_every_row(shared):
+def test_the_plan_holds_each_rows_integers_and_widths_over_every_row():
     """Each column of a plan is its row's integers in PLAN_FIELDS' order (what changes only
     at a load, computed there; the window's place read per step); the widths bound every
     row of the batch, whichever batch came before; with ``upload=False`` the same
     integers (on the CPU the host is the device). The meta rows: the row's extent in the
-    layer's meta pool (``shared``), else its slot's columns of the layer's own."""
+    layer's meta pool."""
     g = torch.Generator().manual_seed(11)
     cfg = _cfg(update_rounds_per_step=0)
     h, d = 2, 32
     indexes = random_indexes([300, 1500, 700], cfg, h, d, torch.float32, g)
     slots = [2, 0, 1]
     _shared_steady(indexes, cfg, [1, 2, 0])
-    meta = _shared_meta(indexes) if shared else None
-    layer = _layer(cfg, indexes[0], slots=3, tokens=2048, meta=meta)
+    meta = indexes[0].meta_place()[0]
+    layer = _layer(cfg, indexes[0], slots=3, tokens=2048)
     for _ in range(20):  # windows of different lengths, an update block may land
         for i in indexes:
             i.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
@@ -183,9 +178,8 @@ def test_the_plan_holds_each_rows_integers_and_widths_over_every_row(shared):
                         "sinks": [i.num_sinks for i in rows],
                         "ring_start": [i.ring_start for i in rows],
                         "window": [i.win_len for i in rows], "step": [step] * len(rows),
-                        "meta_row": [i.meta_place()[1] if shared else s * h * 256
-                                     for i, s in zip(rows, where, strict=True)],
-                        "meta_stride": [meta.capacity if shared else 256] * len(rows)}
+                        "meta_row": [i.meta_place()[1] for i in rows],
+                        "meta_stride": [meta.capacity] * len(rows)}
             assert p.ints.dtype == torch.int64
             assert {f: p.ints[n].tolist() for n, f in enumerate(PLAN_FIELDS)} == expected
         most = max(i.num_clusters for i in rows)
@@ -202,23 +196,20 @@ def test_the_plan_holds_each_rows_integers_and_widths_over_every_row(shared):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_place,cache", [(False, 0), (True, 0), (True, 12)])
 def test_footprint_is_what_a_layer_allocates(dtype, in_place, cache):
+    """What a layer holds: its tokens (none read in place), each cluster's first token row,
+    the residual model, the cluster cache; not the meta rows (the meta pool's)."""
+    pool = MetaPool(2, {"sizes": ((), torch.int32)}, "cpu")
     layer = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70, max_tokens=900,
-                        rank=4, in_place=in_place, cache_blocks=cache, cache_block_tokens=16)
+                        rank=4, meta=pool, in_place=in_place, cache_blocks=cache,
+                        cache_block_tokens=16)
     assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place, cache, 16) == \
         layer.nbytes()
     # read in place, the layer holds no token: 2 x 3 x 2 x 900 x 64 elements fewer
-    kv = 2 * 3 * 2 * 900 * 64 * layer.centroids.element_size()
+    kv = 2 * 3 * 2 * 900 * 64 * torch.empty(0, dtype=dtype).element_size()
     assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, True) == \
         DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, False) - kv
-    # reading the meta rows in the layer's meta pool, it holds each cluster's start alone
-    pool = MetaPool(2, {"sizes": ((), torch.int32)}, "cpu")
-    shared = DeviceLayer(_cfg(), 2, 64, dtype, "cpu", slots=3, max_clusters=70,
-                         max_tokens=900, rank=4, in_place=in_place, cache_blocks=cache,
-                         cache_block_tokens=16, meta=pool)
-    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 900, 4, in_place, cache, 16,
-                                 shared_meta=True) == shared.nbytes()
-    assert layer.nbytes() - shared.nbytes() == 3 * 2 * 70 * (
-        2 * 64 * layer.value_sums.element_size() + 4 + 4 + 4)
+    assert DeviceLayer.footprint(3, 2, 64, dtype, 70, 0, 4, True) == 3 * 2 * (
+        70 * 8 + 4 * 64 * (1 + 2 * 4))
 
 
 def test_read_in_place_follows_the_host_tier_when_its_pool_is_replaced():
@@ -238,6 +229,7 @@ def test_read_in_place_follows_the_host_tier_when_its_pool_is_replaced():
     before = (indexes[0].store.layout_generation, layer.keys.data_ptr())
     big = random_indexes([6000], cfg, h, d, torch.float32, g, mgr, first=2)
     big[0].adopt_steady(indexes[0].steady, 2)
+    _shared_meta(big, layer.meta)
     indexes += big
     big[0].store.cluster_rows()  # (waits until the buffer's worker has laid it out)
     assert indexes[0].store.layout_generation != before[0]  # the pool was replaced
@@ -263,7 +255,9 @@ def test_read_in_place_needs_one_pool_the_device_can_read():
     with pytest.raises(ValueError, match="different pools"):
         layer.plan([0, 1], a + b)
     meta = DeviceLayer(cfg, h, d, torch.float32, "meta", slots=2, max_clusters=256,
-                       max_tokens=0, rank=a[0].residuals.rank, in_place=True)
+                       max_tokens=0, rank=a[0].residuals.rank,
+                       meta=MetaPool(h, a[0].meta_fields(torch.float32), "meta"),
+                       in_place=True)
     with pytest.raises(ValueError, match="pool is on cpu, unpinned; accepted: on meta, or "
                                          "pinned host memory for a CUDA layer"):
         meta.load(0, a[0])
@@ -288,6 +282,9 @@ def test_load_rejects_what_does_not_fit_naming_the_bound():
         layer.plan([0], indexes)
     with pytest.raises(ValueError, match=r"slots=0; accepted: an integer >= 1"):
         _layer(cfg, indexes[0], slots=0)
+    alone = random_indexes([300], cfg, 2, 32, torch.float32, g)[0]  # its own meta pool
+    with pytest.raises(ValueError, match="meta rows are not in the layer's meta pool"):
+        layer.load(1, alone)
 
 
 def test_a_stale_slot_is_reloaded_when_its_block_lands():
@@ -366,9 +363,10 @@ def test_decode_step_on_cuda_never_syncs_and_replays_from_a_graph(dtype, tol, in
                       dtype, dev, slots=2, zeroed=True)
     for slot, index in enumerate(indexes):
         index.adopt_steady(pool, slot)
+    meta = _shared_meta(indexes)
     layer = DeviceLayer(cfg, h, d, dtype, dev, slots=4, max_clusters=256, max_tokens=4096,
-                        rank=indexes[0].residuals.rank, in_place=in_place, cache_blocks=cache,
-                        cache_block_tokens=16)
+                        rank=indexes[0].residuals.rank, meta=meta, in_place=in_place,
+                        cache_blocks=cache, cache_block_tokens=16)
     graphs = StepGraphs(layer)
     slots = [3, 1]
     for _ in range(3):

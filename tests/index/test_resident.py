@@ -42,6 +42,16 @@ def _pool(cfg, h, d, dtype, slots):
                       dtype, "cpu", slots=slots, zeroed=True)
 
 
+def _adopt(indexes, steady):
+    """The indexes' steady zones into ``steady`` (slot by slot) and their meta rows into one
+    layer meta pool, as a layer's requests are kept in serving; the meta pool."""
+    meta = MetaPool(*indexes[0].meta_pool_layout())
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(steady, slot)
+        index.adopt_meta(meta)
+    return meta
+
+
 @pytest.mark.parametrize("wave_buffer,mode", [(True, "on"), (False, "on"), (True, "in_place")])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode, dtype, tol):
@@ -49,20 +59,15 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
     (append_batch, then decode_batch with the layer's cache): 90 steps through update blocks
     (incremental loads); a request leaves and a longer one joins in its slot (a full load and
     a grown layer). The tokens copied into the layer, or read in place from the wave
-    buffer's host tier. Over the wave buffer the meta rows are in the layer's meta pool (as
-    serving keeps them), and the layer reads them there; over dense stores, each index's
-    own, copied into the layer."""
+    buffer's host tier. The meta rows are in the layer's meta pool (as serving keeps them),
+    and the layer reads them there."""
     g = torch.Generator().manual_seed(11)
     cfg = _cfg(device_resident=mode)
     h, d = 2, 64
     mgr = WaveBufferManager(cfg) if wave_buffer else None
     indexes = random_indexes([40, 700, 1300], cfg, h, d, dtype, g, mgr)
     pool = _pool(cfg, h, d, dtype, 3)
-    meta = MetaPool(*indexes[0].meta_pool_layout()) if wave_buffer else None
-    for slot, index in enumerate(indexes):
-        index.adopt_steady(pool, slot)
-        if meta is not None:
-            index.adopt_meta(meta)
+    meta = _adopt(indexes, pool)
     cache = MetaViewCache()
     updates, grown = 0, set()
     for step in range(90):
@@ -72,8 +77,7 @@ def test_decode_batch_decodes_resident_layers_as_the_reference(wave_buffer, mode
             old.free()
             new = random_indexes([3000], cfg, h, d, dtype, g, mgr, first=5)[0]
             new.adopt_steady(pool, slot)
-            if meta is not None:
-                new.adopt_meta(meta)
+            new.adopt_meta(meta)
             indexes.insert(1, new)
         keys, values = torch.randn(2, len(indexes), h, d, generator=g).to(dtype)
         updates += append_batch(indexes, keys, values)[0]
@@ -137,8 +141,7 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
     free of host synchronisation: Quest's pages scored there by their bounds (rows twice
     the head dimension, the query split by sign), SAAP's and StreamingLLM's clusters chosen
     by the policy (select_batch) and read as given (no zones, nothing scored). The meta
-    rows read in the layer's meta pool (copied into the layer when read in place without
-    a cache)."""
+    rows read in the layer's meta pool."""
     g = torch.Generator().manual_seed(21)
     cfg = _cfg(device_resident=mode, cache_fraction=0.1 if cache_on else 0.0,
                min_retrieval_clusters=0 if not cache_on else 16,
@@ -147,12 +150,7 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
     mgr = WaveBufferManager(cfg)
     indexes = _policy_indexes(policy, cfg, [300, 900, 1400], h, d, dtype, g, mgr)
     pool = _pool(cfg, h, d, dtype, 3)
-    shared = mode == "on" or cache_on
-    meta = MetaPool(*indexes[0].meta_pool_layout()) if shared else None
-    for slot, index in enumerate(indexes):
-        index.adopt_steady(pool, slot)
-        if shared:
-            index.adopt_meta(meta)
+    meta = _adopt(indexes, pool)
     cache = MetaViewCache()
     updates = 0
     for step in range(80):
@@ -211,8 +209,7 @@ def test_the_baselines_device_step_with_triton_kernels(triton_device, policy, ca
     mgr = WaveBufferManager(cfg)
     indexes = _policy_indexes(policy, cfg, [300, 700], h, d, torch.float32, g, mgr)
     pool = _pool(cfg, h, d, torch.float32, 2)
-    for slot, index in enumerate(indexes):
-        index.adopt_steady(pool, slot)
+    _adopt(indexes, pool)
     cache = MetaViewCache()
     for _ in range(3):
         keys, values = torch.randn(2, 2, h, d, generator=g)
@@ -257,8 +254,7 @@ def test_the_baselines_device_step_on_cuda_replays_from_a_graph(policy, mode):
     indexes = _policy_indexes(policy, cfg, [700, 1500], h, d, dtype, g, mgr, dev)
     pool = SteadyPool(h, d, cfg.sink_tokens, ring_size(cfg.local_window, cfg.update_segment),
                       dtype, dev, slots=2, zeroed=True)
-    for slot, index in enumerate(indexes):
-        index.adopt_steady(pool, slot)
+    _adopt(indexes, pool)
     cache = MetaViewCache()
     for _ in range(4):
         keys, values = torch.randn(2, 2, h, d, generator=g).to(dev, dtype)
@@ -317,6 +313,15 @@ def test_resident_path_only_where_it_applies():
     cfg = _cfg()
     indexes = random_indexes([300, 500], cfg, h, d, torch.float32, g)
     assert not MetaViewCache().resident.applies(indexes, torch.zeros(2, h, d))
+    # one steady pool, but the meta rows each in the index's own pool: the layer reads them
+    # where the attention layer keeps them, so not here either
+    pool = _pool(cfg, h, d, torch.float32, 2)
+    for slot, index in enumerate(indexes):
+        index.adopt_steady(pool, slot)
+    cache = MetaViewCache()
+    assert not cache.resident.applies(indexes, torch.zeros(2, h, d))
+    _adopt(indexes, pool)
+    assert MetaViewCache().resident.applies(indexes, torch.zeros(2, h, d))
 
 
 def test_auto_copies_what_fits_and_reads_the_rest_in_place():
@@ -339,8 +344,7 @@ def test_in_place_only_over_one_pool():
     assert in_place_capable(one, torch.device("cpu"))
     assert not in_place_capable(one + two, torch.device("cpu"))
     pool = _pool(cfg, h, d, torch.float32, 3)
-    for slot, index in enumerate(one + two):
-        index.adopt_steady(pool, slot)
+    _adopt(one + two, pool)
     cache = MetaViewCache()
     assert cache.resident.applies(one, torch.zeros(2, h, d))
     assert not cache.resident.applies(one + two, torch.zeros(3, h, d))

@@ -13,11 +13,11 @@ KV head)):
   batch shares — a wave buffer's host tier, pinned, read over the bus — with ``starts``
   absolute rows of it;
 - the meta rows: centroids, value sums (KV dtype), sizes (int32), spreads and deviates
-  (fp32) — read in place from the layer's :class:`~vllm_retro.index.meta_pool.MetaPool`
-  (``meta``: the pool the indexes keep them in, each in its extent: nothing copied), or
-  copied into a pool of the layer's own [slots * H, C_cap, ...]; and its own starts
-  (int64, [slots * H, C_cap]: each cluster's first token row) and per row the tilted
-  estimator's residual model (profile [D], key and value factors [D, rank], fp32);
+  (fp32) — read in place from the attention layer's
+  :class:`~vllm_retro.index.meta_pool.MetaPool` (``meta``: the pool the indexes keep them
+  in, each in its extent; nothing copied); and the layer's own starts (int64, [slots * H,
+  C_cap]: each cluster's first token row) and per row the tilted estimator's residual model
+  (profile [D], key and value factors [D, rank], fp32);
 - the steady zone (sinks and the window's ring) is read in place from the layer's shared
   :class:`~vllm_retro.index.steady.SteadyPool`, where the route's append writes it.
 
@@ -191,19 +191,19 @@ class DeviceLayer:
     config's; False for policies that estimate nothing).
 
     ``meta``: the pool the layer's indexes keep their meta rows in (the attention layer's,
-    on this device): the step reads them there, each request's at its extent, and a load
-    copies none of them; every index loaded must be in it. ``scoring_field``: the pool's
-    field the clusters are scored by (:attr:`WaveIndex.scoring_field`). None: the layer
-    copies each index's meta rows into a meta pool of its own (an index in a pool of its
-    own, or on another device).
+    on this device, :meth:`WaveIndex.adopt_meta`): the step reads them there, each
+    request's at its extent, and a load copies none of them; every index loaded must be in
+    it. ``scoring_field``: the pool's field the clusters are scored by
+    (:attr:`WaveIndex.scoring_field`).
     """
 
     def __init__(self, config: RetroConfig, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, slots: int,
-                 max_clusters: int, max_tokens: int, rank: int, in_place: bool = False,
+                 max_clusters: int, max_tokens: int, rank: int, meta: MetaPool,
+                 in_place: bool = False,
                  cache_blocks: int = 0, cache_block_tokens: int | None = None,
                  score_dim: int | None = None, tilted: bool | None = None,
-                 meta: MetaPool | None = None, scoring_field: str = "centroids"):
+                 scoring_field: str = "centroids"):
         if score_dim not in (None, head_dim, 2 * head_dim):
             raise ValueError(f"DeviceLayer: score_dim={score_dim}; accepted: head_dim "
                              f"({head_dim}, centroids) or twice it (page bounds)")
@@ -235,29 +235,20 @@ class DeviceLayer:
         bounds)."""
         self.meta = meta
         self.scoring_field = scoring_field
-        if meta is not None and (meta.device != dev or meta.num_heads != h):
+        if meta.device != dev or meta.num_heads != h:
             raise ValueError(f"DeviceLayer: a meta pool of {meta.num_heads} heads on "
                              f"{meta.device}; accepted: {h} heads on {dev}")
-        own = meta is None
-        self.centroids = torch.zeros(rows if own else 0, c, self.score_dim, dtype=dtype,
-                                     device=dev)
-        """Own meta rows: [R, C_cap, score_dim] the rows each cluster is scored by (empty
-        with ``meta``, as the four below)."""
         self.tilted = config.tilted_estimation if tilted is None else tilted
         inf = float("inf")
         self._sign_bounds = (torch.tensor([[0.0], [-inf]], dtype=dtype, device=dev),
                              torch.tensor([[inf], [0.0]], dtype=dtype, device=dev))
         """The clamp bounds of :meth:`split_by_sign` ([2, 1] each)."""
-        self.value_sums = torch.zeros(rows if own else 0, c, d, dtype=dtype, device=dev)
-        self.sizes = torch.zeros(rows if own else 0, c, dtype=torch.int32, device=dev)
-        self.spreads = torch.zeros(rows if own else 0, c, dtype=f32, device=dev)
-        self.deviates = torch.zeros(rows if own else 0, c, dtype=f32, device=dev)
         self._absent = {"centroids": torch.zeros(1, self.score_dim, dtype=dtype, device=dev),
                         "value_sums": torch.zeros(1, d, dtype=dtype, device=dev),
                         "spreads": torch.zeros(1, dtype=f32, device=dev),
                         "deviates": torch.zeros(1, dtype=f32, device=dev)}
-        """With ``meta``: what the kernels are handed for a field the pool's policy keeps
-        none of (never read: nothing is estimated, or nothing scored)."""
+        """What the kernels are handed for a field the pool's policy keeps none of (never
+        read: nothing is estimated, or nothing scored)."""
         self.starts = torch.zeros(rows, c, dtype=torch.int64, device=dev)
         self.profile = torch.zeros(rows, d, dtype=f32, device=dev)
         self.key_factor = torch.zeros(rows, d, rank, dtype=f32, device=dev)
@@ -272,8 +263,8 @@ class DeviceLayer:
         self._loaded: dict[int, _Loaded] = {}
         """What each slot holds."""
         self._meta_starts: dict[int, int] = {}
-        """Slot -> its index's first meta row (the plan's ``meta_row``): with ``meta``, as
-        read at the pool's generation :attr:`_meta_at` (rows moved since: read again)."""
+        """Slot -> its index's first meta row (the plan's ``meta_row``), as read at the
+        pool's generation :attr:`_meta_at` (rows moved since: read again)."""
         self._meta_at = -1
         self._widths: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
         """(most clusters, largest retrieval bound, largest zones) of a batch -> its plan's
@@ -292,52 +283,44 @@ class DeviceLayer:
     # ------------------------------------------------------------------ host side
     def pools(self, steady: SteadyPool) -> LayerPools:
         """The layer's tensors with ``steady``'s, as the attention kernels take them (the
-        meta rows: the meta pool's tensors as they are now, or the layer's own)."""
-        if self.meta is None:
-            meta = (self.centroids, self.value_sums, self.sizes, self.spreads, self.deviates)
-        else:
-            t, absent = self.meta.tensors, self._absent
-            meta = (t.get(self.scoring_field, absent["centroids"]),
-                    t.get("value_sums", absent["value_sums"]), t["sizes"],
-                    t.get("spreads", absent["spreads"]), t.get("deviates", absent["deviates"]))
+        meta rows: the meta pool's tensors as they are now)."""
+        t, absent = self.meta.tensors, self._absent
+        meta = (t.get(self.scoring_field, absent["centroids"]),
+                t.get("value_sums", absent["value_sums"]), t["sizes"],
+                t.get("spreads", absent["spreads"]), t.get("deviates", absent["deviates"]))
         return LayerPools(self.keys, self.values, *meta[:3], self.starts, *meta[3:],
                           self.profile, self.key_factor, self.value_factor, steady.k,
                           steady.v, steady.sink_cap)
 
     def meta_storage(self) -> int:
         """Which storage of the meta rows the step reads (a CUDA graph reads them by
-        address): the meta pool's :attr:`~MetaPool.storage` count (-1: the layer's own,
-        which never moves)."""
-        return -1 if self.meta is None else self.meta.storage
+        address): the meta pool's :attr:`~MetaPool.storage` count."""
+        return self.meta.storage
 
     @staticmethod
     def footprint(slots: int, heads: int, head_dim: int, dtype: torch.dtype, clusters: int,
                   tokens: int, rank: int, in_place: bool = False, cache_blocks: int = 0,
-                  cache_block_tokens: int = 0, score_dim: int | None = None,
-                  shared_meta: bool = False) -> int:
-        """Device bytes a layer of these bounds allocates (its :meth:`nbytes`); with a
-        cluster cache, ``cache_blocks`` of ``cache_block_tokens`` each (both given);
-        ``shared_meta``: the meta rows read from the layer's meta pool (not allocated
-        here)."""
+                  cache_block_tokens: int = 0) -> int:
+        """Device bytes a layer of these bounds allocates (its :meth:`nbytes`: not the meta
+        rows, the meta pool's); with a cluster cache, ``cache_blocks`` of
+        ``cache_block_tokens`` each (both given)."""
         if cache_blocks and cache_block_tokens < 1:
             raise ValueError(f"DeviceLayer.footprint: cache_block_tokens={cache_block_tokens} "
                              "with a cache; accepted: an integer >= 1")
         elem = torch.empty(0, dtype=dtype).element_size()
-        # scoring rows and value sums, sizes, starts, fp32 x2
-        per_cluster = 8 if shared_meta else ((score_dim or head_dim) + head_dim) * elem + 20
         kv = 0 if in_place else 2 * tokens * head_dim * elem
-        per_row = kv + clusters * per_cluster + 4 * head_dim * (1 + 2 * rank)
+        # each cluster's first token row (int64), the residual model (fp32)
+        per_row = kv + clusters * 8 + 4 * head_dim * (1 + 2 * rank)
         cache = ClusterCache.footprint(slots * heads, clusters, cache_blocks,
                                        cache_block_tokens, head_dim, dtype) if cache_blocks else 0
         return slots * heads * per_row + cache
 
     def nbytes(self) -> int:
-        """Bytes held on the device (in place: no KV, the store's; with ``meta``: no meta
-        rows, the meta pool's)."""
+        """Bytes held on the device (in place: no KV, the store's; no meta rows, the meta
+        pool's)."""
         held = [] if self.in_place else [self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in (
-            *held, self.centroids, self.value_sums, self.sizes, self.starts,
-            self.spreads, self.deviates, self.profile, self.key_factor, self.value_factor)) + \
+            *held, self.starts, self.profile, self.key_factor, self.value_factor)) + \
             (self.cache.nbytes() if self.cache is not None else 0)
 
     def cache_tokens(self) -> tuple[int, int]:
@@ -374,11 +357,7 @@ class DeviceLayer:
             raise ValueError(f"DeviceLayer.load: the index scores rows of width "
                              f"{scoring.shape[-1]}; the layer's are {self.score_dim} "
                              "(score_dim)")
-        shared = self.meta is not None
-        if shared and (index.meta_place() or (None,))[0] is not self.meta:
-            raise ValueError("DeviceLayer.load: the index's meta rows are not in the layer's "
-                             "meta pool (adopt_meta first)")
-        if shared and index.kernel_scores and index.scoring_field != self.scoring_field:
+        if index.kernel_scores and index.scoring_field != self.scoring_field:
             raise ValueError(f"DeviceLayer.load: the index scores its "
                              f"{index.scoring_field!r}; the layer reads {self.scoring_field!r}")
         sizes = index.sizes.long().cpu()
@@ -396,16 +375,17 @@ class DeviceLayer:
         if not self.in_place and int(tokens.max()) > self.max_tokens:
             raise ValueError(f"DeviceLayer.load: {int(tokens.max())} indexed tokens per head; "
                              f"accepted: at most {self.max_tokens} (max_tokens)")
+        if self.in_place:
+            self._read_in_place(rows_of[0], rows_of[1])
+        if (index.meta_place() or (None,))[0] is not self.meta:
+            raise ValueError("DeviceLayer.load: the index's meta rows are not in the layer's "
+                             "meta pool (adopt_meta first)")
         rows = slice(slot * h, (slot + 1) * h)
         if not grow:
-            for pool in (self.starts,) if shared else (self.sizes, self.starts, self.spreads,
-                                                       self.deviates):
-                pool[rows] = 0
+            self.starts[rows] = 0
             if self.cache is not None:  # another index, or its tokens moved: cached for none
                 self.cache.clear_rows(rows)
         dev = self.device
-        if self.in_place:
-            self._read_in_place(rows_of[0], rows_of[1])
         if c > first:
             keys, values, starts, head_rows, mult = rows_of
             new = slice(first, c)
@@ -416,8 +396,6 @@ class DeviceLayer:
             else:
                 self._copy_tokens(slot, keys, values, src, added, held)
                 self.starts[rows, new] = (held[:, None] + added.cumsum(1) - added).to(dev)
-            if not shared:  # copied into the layer's own meta rows
-                self._copy_meta(rows, new, index, scoring)
         res = index.residuals
         self.profile[rows] = res.profile.to(dev)
         self.key_factor[rows] = res.key_factor.to(dev)
@@ -432,26 +410,12 @@ class DeviceLayer:
 
     def _meta_row(self, slot: int, index: WaveIndex) -> int:
         """The first row of ``index``'s meta rows (cluster 0 of head 0) in the meta rows the
-        step reads: its extent's start in :attr:`meta`, or its slot's in the layer's own."""
-        if self.meta is None:
-            return slot * self.num_kv_heads * self.max_clusters
+        step reads: its extent's start in :attr:`meta`."""
         place = index.meta_place()
         if place is None or place[0] is not self.meta:
             raise ValueError("DeviceLayer.plan: an index's meta rows are not in the layer's "
                              "meta pool")
         return place[1]
-
-    def _copy_meta(self, rows: slice, new: slice, index: WaveIndex,
-                   scoring: torch.Tensor | None) -> None:
-        """Copy ``index``'s meta rows of clusters ``new`` into the layer's own, at ``rows``."""
-        dev = self.device
-        self.sizes[rows, new] = index.sizes[:, new].to(dev, torch.int32)
-        if scoring is not None:  # scored here (else the policy chooses the clusters)
-            self.centroids[rows, new] = scoring[:, new].to(dev, self.dtype)
-        for name, pool in (("value_sums", self.value_sums), ("spreads", self.spreads),
-                           ("deviates", self.deviates)):
-            if name in index.meta_kept:  # kept by the policies that estimate
-                pool[rows, new] = getattr(index, name)[:, new].to(dev, pool.dtype)
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
                      src: torch.Tensor, added: torch.Tensor, held: torch.Tensor) -> None:
@@ -524,8 +488,8 @@ class DeviceLayer:
         loaded = self._loaded
         step = self.steps + 1
         meta = self.meta
-        stride = self.max_clusters if meta is None else meta.capacity
-        if meta is not None and self._meta_at != meta.generation:  # rows moved: read again
+        stride = meta.capacity
+        if self._meta_at != meta.generation:  # rows moved: read again
             self._meta_starts, self._meta_at = {}, meta.generation
         starts = self._meta_starts
         cols, held = [], []

@@ -104,8 +104,9 @@ READS = 8
 def placement(copy_bytes: int, meta_bytes: int, free_bytes: int, in_place_ok: bool
               ) -> str | None:
     """Under 'auto', how a layer is held: 'copy' (its tokens copied to the device) when
-    ``copy_bytes`` fit the ``free_bytes`` the layer may take, else 'in_place' (the meta index
-    alone, ``meta_bytes``, the tokens read where the store keeps them) when that fits and
+    ``copy_bytes`` fit the ``free_bytes`` the layer may take, else 'in_place' (no token on the
+    device: ``meta_bytes``, its tables and cluster cache; the tokens read where the store
+    keeps them) when that fits and
     ``in_place_ok``, else None (the host tier's path serves the layer)."""
     if copy_bytes <= free_bytes:
         return "copy"
@@ -191,12 +192,13 @@ class ResidentDecode:
         blocks = cache_blocks_for(first.config, tokens, block)
         score_dim, tilted = layer_kind(first)
         meta = layer_meta(indexes, dev)
+        if meta is None:  # the layer reads the meta rows where the attention layer keeps them
+            return False
         if mode == "auto":
             how = placement(
-                DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank,
-                                      score_dim=score_dim, shared_meta=meta is not None),
+                DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, True, blocks,
-                                      block, score_dim, meta is not None),
+                                      block),
                 torch.cuda.mem_get_info(dev)[0] + self.nbytes() - HEADROOM_BYTES,
                 in_place_capable(indexes, dev))
             if how is None:
@@ -205,10 +207,10 @@ class ResidentDecode:
         self.clear()  # the old layer's memory first
         self.layer = DeviceLayer(first.config, h, d, dtype, dev, slots=slots,
                                  max_clusters=clusters, max_tokens=0 if in_place else tokens,
-                                 rank=rank, in_place=in_place,
+                                 rank=rank, meta=meta, in_place=in_place,
                                  cache_blocks=blocks if in_place else 0,
                                  cache_block_tokens=block, score_dim=score_dim,
-                                 tilted=tilted, meta=meta, scoring_field=first.scoring_field)
+                                 tilted=tilted, scoring_field=first.scoring_field)
         self.graphs = StepGraphs(self.layer)
         self._refused = None
         return True
