@@ -21,15 +21,8 @@ window (first ring row, tokens), the layer's step counter (the same in every col
 the cluster cache's clock, :mod:`kernels.cluster_cache`), and where its meta rows are:
 cluster ``c`` of its KV head ``h`` is row ``meta_row + h * meta_stride + c`` of the meta
 tensors seen flat (``[M, ...]``: a layer's meta pool, ``[H, capacity, ...]`` with the
-request's extent at ``meta_row`` and ``meta_stride`` = capacity; or a pool of
-``C_cap`` columns per (slot, head): ``slot * H * C_cap`` and ``C_cap``,
-:func:`slot_meta`)."""
-
-
-def slot_meta(slots: torch.Tensor, heads: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(meta_row, meta_stride) of requests in ``slots`` ([B] int64) of a meta pool laid out
-    ``[slots x heads, columns, ...]`` (row ``slot * heads + head``)."""
-    return slots * heads * columns, torch.full_like(slots, columns)
+request's extent at ``meta_row`` and ``meta_stride`` = capacity; or any layout with a row
+per (request, head) of ``C`` columns: ``slot * H * C`` and ``C``)."""
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,10 @@ def as_meta_pool(fields: dict[str, torch.Tensor], heads: int, clusters: list[int
             pool[:, start:start + n] = rows[s, :, :n]
         out[name] = pool
     return out, starts, cap
+
+
+def slot_meta(slots: torch.Tensor, heads: int, columns: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step plan's (meta_row, meta_stride) for requests in ``slots`` ([B] int64) of meta
+    rows laid out ``[slots x heads, columns, ...]`` (row ``slot * heads + head``)."""
+    return slots * heads * columns, torch.full_like(slots, columns)

@@ -5,6 +5,7 @@ attention through the cache equal to the attention without it."""
 import pytest
 import torch
 
+from tests.helpers import slot_meta
 from vllm_retro.kernels.cluster_cache import (
     ClusterCache,
     cache_lookup_torch,
@@ -16,7 +17,7 @@ from vllm_retro.kernels.resident_attention import (
     resident_attention_torch,
     resident_attention_triton,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows, slot_meta
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows
 
 
 def _plan(slots, n_ret, step, clusters=None, heads=1, cap=10):

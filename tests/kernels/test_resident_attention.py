@@ -4,7 +4,7 @@ vs the torch reference (which packs an execution buffer), on ragged random rows.
 import pytest
 import torch
 
-from tests.helpers import as_meta_pool
+from tests.helpers import as_meta_pool, slot_meta
 from vllm_retro.kernels.resident_attention import (
     RETRIEVAL_MAPS,
     LayerPools,
@@ -12,7 +12,7 @@ from vllm_retro.kernels.resident_attention import (
     resident_attention_triton,
     retrieval_runs,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows, slot_meta
+from vllm_retro.kernels.step_plan import PLAN_FIELDS, plan_rows
 from vllm_retro.kernels.tripartite_attention import tripartite_decode_ref
 
 

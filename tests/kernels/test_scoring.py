@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import as_meta_pool
+from tests.helpers import as_meta_pool, slot_meta
 from vllm_retro.kernels.scoring import (
     cluster_scores_ref,
     cluster_scores_triton,
@@ -13,7 +13,7 @@ from vllm_retro.kernels.scoring import (
     pool_scores_triton,
     top_clusters,
 )
-from vllm_retro.kernels.step_plan import PLAN_FIELDS, slot_meta
+from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 
 def test_ref_matches_naive(rng):

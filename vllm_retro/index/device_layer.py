@@ -377,9 +377,7 @@ class DeviceLayer:
                              f"accepted: at most {self.max_tokens} (max_tokens)")
         if self.in_place:
             self._read_in_place(rows_of[0], rows_of[1])
-        if (index.meta_place() or (None,))[0] is not self.meta:
-            raise ValueError("DeviceLayer.load: the index's meta rows are not in the layer's "
-                             "meta pool (adopt_meta first)")
+        self._meta_row(index)  # (checks that the meta rows are in the layer's pool)
         rows = slice(slot * h, (slot + 1) * h)
         if not grow:
             self.starts[rows] = 0
@@ -408,13 +406,13 @@ class DeviceLayer:
                                      zones, largest, source)
         self._meta_starts.pop(slot, None)  # an extent grown or another index: read again
 
-    def _meta_row(self, slot: int, index: WaveIndex) -> int:
+    def _meta_row(self, index: WaveIndex) -> int:
         """The first row of ``index``'s meta rows (cluster 0 of head 0) in the meta rows the
         step reads: its extent's start in :attr:`meta`."""
         place = index.meta_place()
         if place is None or place[0] is not self.meta:
-            raise ValueError("DeviceLayer.plan: an index's meta rows are not in the layer's "
-                             "meta pool")
+            raise ValueError("DeviceLayer: the index's meta rows are not in the layer's meta "
+                             "pool (adopt_meta first)")
         return place[1]
 
     def _copy_tokens(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
@@ -505,7 +503,7 @@ class DeviceLayer:
             zones = x.zones if given is None else (min(given[b], x.clusters), 0)
             first = starts.get(slot)
             if first is None:
-                first = starts[slot] = self._meta_row(slot, index)
+                first = starts[slot] = self._meta_row(index)
             cols.append((slot, index.slot, x.clusters, *zones, index.num_sinks,
                          index.ring_start, index.win_len, step, first, stride))
             held.append(x)

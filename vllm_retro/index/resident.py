@@ -72,7 +72,7 @@ def layer_kind(index: WaveIndex) -> tuple[int, bool]:
 def layer_meta(indexes: list[WaveIndex], device: torch.device) -> MetaPool | None:
     """The meta pool every one of ``indexes`` keeps its meta rows in (the attention layer's),
     when it is on ``device``: a :class:`DeviceLayer` there reads them in place. None when
-    they are not in one such pool (the layer copies them)."""
+    they are not in one such pool (the device step does not serve the batch)."""
     common = common_meta_pool(indexes)
     return common[0] if common is not None and common[0].device == device else None
 
