@@ -326,6 +326,7 @@ def bench_case(index: WaveIndex, kv: tuple[torch.Tensor, torch.Tensor], centers:
     with SyncCheck() as check:  # the op sequence (host-side dispatch: counts only)
         decode_step(layer, plan, q, scale)
     checks["torch_ops"] = check.launches
+    checks["fused_cpu"] = layer.fused  # one extension call (no torch op) on the CPU
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -12,6 +12,9 @@ residual-model terms), its KV pool of cluster-contiguous rows with each cluster'
 and its steady zone (sinks and window). Nothing is copied into a padded batch, so rows may
 differ in clusters, steady-zone length and budgets; the extension runs the (row, KV head)
 pairs in parallel (ATen's OpenMP pool) with one online softmax per query head in fp32.
+:func:`decode_plan` runs the same computation for a layer that holds its rows in pools
+(:class:`~vllm_retro.index.device_layer.DeviceLayer`), each row addressed by the integers
+of the layer's step plan.
 
 :func:`decode_rows_ref` is the plain-torch reference of the same function, built from the
 per-row kernels' references (:func:`~vllm_retro.kernels.scoring.cluster_scores_ref`,
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_retro.kernels import cpu_ext
+from vllm_retro.kernels.resident_attention import LayerPools
 from vllm_retro.kernels.scoring import cluster_scores_ref, page_bound_scores_ref, top_clusters
 from vllm_retro.kernels.tripartite_attention import TiltTerms, tripartite_decode_ref
 
@@ -251,6 +255,35 @@ def decode_packed(query: torch.Tensor, rows: list[PackedRow] | PackedBatch, scal
         for name, f in zip(PHASES, share.tolist(), strict=True):
             phases["kernel " + name] = phases.get("kernel " + name, 0.0) + wall * f
     return out, lse, sel
+
+
+def decode_plan(query: torch.Tensor, pools: LayerPools, plan: torch.Tensor, scale: float,
+                tilted: bool, given: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The device step of a layer (:func:`vllm_retro.index.device_layer.decode_step`) on the
+    CPU in one call: :func:`decode_rows`' computation for plan column ``b``'s request over
+    the layer's pools, each row addressed by the plan's integers (``plan``: [len(PLAN_FIELDS),
+    B] int64, :data:`~vllm_retro.kernels.step_plan.PLAN_FIELDS`) instead of tensors of its
+    own. ``given`` ([B, H, W] int64): each head's retrieval clusters, the first ``retrieval``
+    of column b (:func:`~vllm_retro.index.device_layer.decode_given_step`; nothing scored or
+    estimated). query: [B, Hq, D] in the pools' dtype. Returns ``out`` ([B, Hq, D];
+    allocated when None). Equals :func:`decode_rows` on the same rows exactly (the same
+    per-head computation, addressed differently)."""
+    mod = cpu_ext.load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {cpu_ext.load_error()}")
+    if out is None:
+        out = torch.empty_like(query)
+    p = pools
+    mod.decode_plan(query, out, float(scale),
+                    [p.keys, p.values, p.centroids, p.value_sums, p.sizes, p.starts, p.spreads,
+                     p.deviates, p.profile, p.key_factor, p.value_factor, p.steady_k,
+                     p.steady_v],
+                    plan, p.sink_cap, tilted, _NO_GIVEN if given is None else given)
+    return out
+
+
+_NO_GIVEN = torch.empty(0, dtype=torch.int64)
 
 
 def steady_write(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,

@@ -924,6 +924,11 @@ void run_head(const RowArgs<T>& a, int64_t h, const T* q_in, int64_t q_head_stri
 }
 
 template <typename T>
+void run_rows(const std::vector<RowArgs<T>>& rows, const torch::Tensor& query,
+              torch::Tensor& out, torch::Tensor& lse, torch::Tensor& sel, double scale,
+              bool tilted, int64_t* phase_ns, int64_t H);
+
+template <typename T>
 void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Tensor& lse,
                       torch::Tensor& sel, double scale, const std::vector<torch::Tensor>& meta,
                       const std::vector<torch::Tensor>& tilt,
@@ -934,7 +939,6 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = meta.empty() ? 0 : meta[0].size(0);
   RETRO_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
-  const int G = int(Hq / H);
   std::vector<RowArgs<T>> rows(B);
   for (int64_t b = 0; b < B; ++b) {
     RowArgs<T>& a = rows[b];
@@ -991,6 +995,17 @@ void decode_rows_impl(const torch::Tensor& query, torch::Tensor& out, torch::Ten
       a.given = gv.data_ptr<int64_t>(); a.given_h = gv.stride(0); a.n_given = gv.size(1);
     }
   }
+  run_rows<T>(rows, query, out, lse, sel, scale, tilted, phase_ns, H);
+}
+
+// The (row, KV head) pairs of `rows` (H heads each) run in parallel into out, lse and sel
+// (see decode_rows).
+template <typename T>
+void run_rows(const std::vector<RowArgs<T>>& rows, const torch::Tensor& query,
+              torch::Tensor& out, torch::Tensor& lse, torch::Tensor& sel, double scale,
+              bool tilted, int64_t* phase_ns, int64_t H) {
+  const int64_t B = query.size(0), D = query.size(2);
+  const int G = int(query.size(1) / H);
   const T* qp = query.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
@@ -1259,6 +1274,187 @@ void decode_rows(torch::Tensor query, torch::Tensor out, torch::Tensor lse, torc
   }
 }
 
+// A layer's pools as decode_plan reads them (kernels.resident_attention.LayerPools' fields,
+// in that order).
+enum PoolField {
+  kKeys, kValues, kScoring, kValueSums, kSizes, kStarts, kSpreads, kDeviates, kProfile,
+  kKeyFactor, kValueFactor, kSteadyK, kSteadyV, kPoolFields
+};
+// The rows of a step plan (kernels.step_plan.PLAN_FIELDS).
+enum PlanField {
+  kSlot, kSteadySlot, kClusters, kRetrieval, kEstimation, kSinks, kRingStart, kWindow,
+  kStep, kMetaRow, kMetaStride, kPlanFields
+};
+
+template <typename T>
+void decode_plan_impl(const torch::Tensor& query, torch::Tensor& out, double scale,
+                      const std::vector<torch::Tensor>& pools, const torch::Tensor& plan,
+                      int64_t sink_cap, bool tilted, const torch::Tensor& given) {
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const torch::Tensor &keys = pools[kKeys], &values = pools[kValues],
+                      &scoring = pools[kScoring], &vsum = pools[kValueSums],
+                      &sizes = pools[kSizes], &starts = pools[kStarts],
+                      &spreads = pools[kSpreads], &deviates = pools[kDeviates],
+                      &profile = pools[kProfile], &kfac = pools[kKeyFactor],
+                      &vfac = pools[kValueFactor], &stk = pools[kSteadyK], &stv = pools[kSteadyV];
+  RETRO_CHECK(stk.dim() == 4 && stk.is_contiguous() && stv.sizes() == stk.sizes() &&
+                  stv.is_contiguous() && stk.size(3) == D && stk.scalar_type() == query.scalar_type(),
+              "retro_cpu: the steady pool must be contiguous [S, sinks + ring, H, ", D, "] ",
+              query.scalar_type());
+  const int64_t H = stk.size(2), S = stk.size(0), ring = stk.size(1) - sink_cap;
+  RETRO_CHECK(H > 0 && Hq % H == 0, "retro_cpu: query heads ", Hq, " not a multiple of KV heads ", H);
+  RETRO_CHECK(sink_cap >= 0 && ring >= 0, "retro_cpu: sink_cap ", sink_cap, " of ", stk.size(1),
+              " steady rows");
+  const int64_t W = scoring.size(-1);
+  for (const torch::Tensor* t : {&scoring, &vsum, &sizes, &spreads, &deviates, &starts, &keys,
+                                 &values})
+    RETRO_CHECK(t->is_contiguous(), "retro_cpu: the layer's pools must be contiguous");
+  RETRO_CHECK((W == D || W == 2 * D) && scoring.scalar_type() == query.scalar_type() &&
+                  vsum.size(-1) == D && vsum.scalar_type() == query.scalar_type() &&
+                  sizes.scalar_type() == torch::kInt32 && spreads.scalar_type() == torch::kFloat &&
+                  deviates.scalar_type() == torch::kFloat,
+              "retro_cpu: meta rows: scoring [M, ", D, " or ", 2 * D, "] and value sums [M, ", D,
+              "] in the query's dtype, sizes int32, spreads and deviates float32");
+  // rows of each meta field seen flat
+  const int64_t m_score = scoring.numel() / W, m_vsum = vsum.numel() / D, m_sizes = sizes.numel(),
+                m_spreads = spreads.numel(), m_dev = deviates.numel();
+  RETRO_CHECK(starts.dim() == 2 && starts.scalar_type() == torch::kInt64,
+              "retro_cpu: cluster starts must be int64 [rows, C]");
+  const int64_t P = starts.size(0), C_cap = starts.size(1);
+  // in place: one pool [M, D] that every row shares (starts absolute); else [P, N, D], a
+  // region of N rows per pool row (starts relative to it)
+  const bool shared = keys.dim() == 2;
+  RETRO_CHECK((keys.dim() == 2 || (keys.dim() == 3 && keys.size(0) == P)) && keys.size(-1) == D &&
+                  values.sizes() == keys.sizes() && keys.scalar_type() == query.scalar_type() &&
+                  values.scalar_type() == query.scalar_type(),
+              "retro_cpu: the cluster pool must be [M, ", D, "] or [", P, ", N, ", D,
+              "] in the query's dtype");
+  const int64_t N = shared ? 0 : keys.size(1);
+  int64_t rank = 0;
+  if (tilted) {
+    RETRO_CHECK(profile.is_contiguous() && kfac.is_contiguous() && vfac.is_contiguous() &&
+                    profile.scalar_type() == torch::kFloat && kfac.scalar_type() == torch::kFloat &&
+                    vfac.scalar_type() == torch::kFloat && profile.sizes() == at::IntArrayRef({P, D}) &&
+                    kfac.dim() == 3 && kfac.size(0) == P && kfac.size(1) == D &&
+                    vfac.sizes() == kfac.sizes(),
+                "retro_cpu: the residual model must be float32 [", P, ", ", D, "] and [", P, ", ",
+                D, ", rank], contiguous");
+    rank = kfac.size(2);
+  }
+  RETRO_CHECK(plan.dim() == 2 && plan.size(0) == kPlanFields && plan.size(1) == B &&
+                  plan.scalar_type() == torch::kInt64 && plan.is_contiguous() && !plan.is_cuda(),
+              "retro_cpu: the plan must be int64 [", int64_t(kPlanFields), ", ", B,
+              "] on the CPU, contiguous");
+  const bool has_given = given.numel() > 0;
+  RETRO_CHECK(!has_given || (given.dim() == 3 && given.size(0) == B && given.size(1) == H &&
+                             given.scalar_type() == torch::kInt64 && given.is_contiguous()),
+              "retro_cpu: given clusters must be int64 [", B, ", ", H, ", W], contiguous");
+  const int64_t* pl = plan.data_ptr<int64_t>();
+  auto field = [&](PlanField f, int64_t b) { return pl[f * B + b]; };
+  std::vector<RowArgs<T>> rows(B);
+  for (int64_t b = 0; b < B; ++b) {
+    RowArgs<T>& a = rows[b];
+    const int64_t slot = field(kSlot, b), st = field(kSteadySlot, b), C = field(kClusters, b);
+    const int64_t m0 = field(kMetaRow, b), stride = field(kMetaStride, b);
+    a.C = C; a.r = field(kRetrieval, b); a.e = field(kEstimation, b);
+    a.n_sink = field(kSinks, b); a.win_first = field(kRingStart, b); a.n_win = field(kWindow, b);
+    RETRO_CHECK(slot >= 0 && (slot + 1) * H <= P && st >= 0 && st < S && C >= 0 && C <= C_cap &&
+                    a.r >= 0 && a.e >= 0,
+                "retro_cpu: plan column ", b, ": slot ", slot, " (layer rows ", P, "), steady slot ",
+                st, " (of ", S, "), ", C, " clusters (at most ", C_cap, "), zones ", a.r, " + ", a.e);
+    const int64_t last = m0 + (H - 1) * stride + C;  // one past the row's last meta row
+    const bool scored = !has_given && C > 0 && a.r + a.e > 0, estimated = !has_given && a.e > 0;
+    RETRO_CHECK(m0 >= 0 && (H == 1 || stride >= C) && last <= m_sizes &&
+                    (!scored || last <= m_score) && (!estimated || last <= m_vsum) &&
+                    (!(estimated && tilted) || (last <= m_spreads && last <= m_dev)),
+                "retro_cpu: plan column ", b, ": meta rows ", m0, " + h * ", stride, " + ", C,
+                " lie outside the meta pool");
+    a.cent = scoring.data_ptr<T>() + m0 * W; a.cent_h = stride * W; a.cent_c = W;
+    a.split = W == 2 * D;
+    RETRO_CHECK(!a.split || a.e == 0 || has_given, "retro_cpu: page bounds [M, 2D] estimate "
+                "nothing; rows scored by them need e = 0, got ", a.e);
+    a.vsum = vsum.data_ptr<T>() + (estimated ? m0 * D : 0); a.vsum_h = stride * D; a.vsum_c = D;
+    a.sizes = sizes.data_ptr<int32_t>() + m0; a.sizes_h = stride; a.sizes_c = 1;
+    if (tilted && estimated) {
+      a.spreads = spreads.data_ptr<float>() + m0; a.spreads_h = stride; a.spreads_c = 1;
+      a.deviates = deviates.data_ptr<float>() + m0; a.dev_h = stride; a.dev_c = 1;
+    }
+    if (tilted) {
+      a.profile = profile.data_ptr<float>() + slot * H * D;
+      a.kfac = kfac.data_ptr<float>() + slot * H * D * rank;
+      a.vfac = vfac.data_ptr<float>() + slot * H * D * rank;
+      a.rank = rank;
+    }
+    a.kv_k = keys.data_ptr<T>() + (shared ? 0 : slot * H * N * D);
+    a.kv_v = values.data_ptr<T>() + (shared ? 0 : slot * H * N * D);
+    a.kv_row = D;
+    a.head_rows = N; a.start_mult = 1;
+    a.cstart = starts.data_ptr<int64_t>() + slot * H * C_cap; a.cstart_h = C_cap; a.cstart_c = 1;
+    const int64_t row_elems = H * D;  // a steady pool row: every head's token
+    const T* slot_k = stk.data_ptr<T>() + st * stk.stride(0);
+    const T* slot_v = stv.data_ptr<T>() + st * stv.stride(0);
+    a.sink_k = {slot_k, D, row_elems}; a.sink_v = {slot_v, D, row_elems};
+    a.win_k = {slot_k + sink_cap * row_elems, D, row_elems};
+    a.win_v = {slot_v + sink_cap * row_elems, D, row_elems};
+    a.win_cap = ring;
+    check_window(a.n_sink, sink_cap, a.n_win, a.win_first, ring);
+    if (has_given) {
+      RETRO_CHECK(a.r <= given.size(2), "retro_cpu: plan column ", b, ": ", a.r,
+                  " given clusters of ", given.size(2));
+      const int64_t* gv = given.data_ptr<int64_t>() + b * H * given.size(2);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < a.r; ++i) {
+          const int64_t c = gv[h * given.size(2) + i];
+          RETRO_CHECK(c >= 0 && c < C, "retro_cpu: a given cluster id is out of range: ", c,
+                      " (row ", b, ", head ", h, "); accepted: 0 to ", C - 1);
+        }
+      a.has_given = true; a.given = gv; a.given_h = given.size(2); a.n_given = a.r;
+    }
+  }
+  torch::Tensor lse = torch::empty({B, Hq}, torch::kFloat);
+  torch::Tensor sel = torch::empty({0}, torch::kLong);
+  run_rows<T>(rows, query, out, lse, sel, scale, tilted, nullptr, H);
+}
+
+// The fused decode of a layer's batch read from the layer's pools by a step plan
+// (vllm_retro.index.device_layer: the CPU's device step, one call per layer step):
+//   pools  the layer's tensors in PoolField order: the cluster pool's keys and values ([M, D]
+//          shared, starts absolute; or [P, N, D], starts relative to the pool row's region),
+//          the meta rows seen flat (scoring rows [M, D] or Quest's page bounds [M, 2D], value
+//          sums [M, D], sizes [M] int32, spreads and deviates [M] f32: cluster c of KV head h
+//          of plan column b at row meta_row + h * meta_stride + c), cluster starts [P, C_cap]
+//          int64 (pool row slot * H + h), the residual model ([P, D], [P, D, rank], [P, D,
+//          rank] f32), the steady pool's keys and values [S, sink_cap + ring, H, D];
+//   plan   int64 [kPlanFields, B] (kernels.step_plan.PLAN_FIELDS);
+//   given  (empty: none) int64 [B, H, W]: each head's retrieval clusters, the first
+//          `retrieval` of plan column b, chosen by the caller (no scoring, no estimation).
+// Pool rows and meta rows the plan does not name are never read.
+void decode_plan(torch::Tensor query, torch::Tensor out, double scale,
+                 std::vector<torch::Tensor> pools, torch::Tensor plan, int64_t sink_cap,
+                 bool tilted, torch::Tensor given) {
+  RETRO_CHECK(query.dim() == 3 && query.stride(2) == 1 && !query.is_cuda(),
+              "retro_cpu: query must be [B, Hq, D] on the CPU");
+  RETRO_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+                  out.stride(2) == 1, "retro_cpu: out must match query");
+  RETRO_CHECK(int64_t(pools.size()) == kPoolFields, "retro_cpu: ", int64_t(kPoolFields),
+              " pool tensors expected, got ", int64_t(pools.size()));
+  if (query.size(0) == 0) return;
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      decode_plan_impl<float>(query, out, scale, pools, plan, sink_cap, tilted, given);
+      break;
+    case torch::kBFloat16:
+      decode_plan_impl<c10::BFloat16>(query, out, scale, pools, plan, sink_cap, tilted, given);
+      break;
+    case torch::kHalf:
+      decode_plan_impl<c10::Half>(query, out, scale, pools, plan, sink_cap, tilted, given);
+      break;
+    default:
+      RETRO_CHECK(false, "retro_cpu: dtype ", query.scalar_type(),
+                  " is not supported; accepted: float32, bfloat16, float16");
+  }
+}
+
 // The step's new token of every row of a layer's steady pool in one call:
 // pool_k[slots[i], rows[i]] = keys[i] (and pool_v from values) for i < B. Pools [S, R, H, D]
 // contiguous; keys, values [B, H, D] with D contiguous (views of the step's QKV); slots,
@@ -1388,6 +1584,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_scoring_isa", &set_scoring_isa, "Cap the bf16 scoring path (tests, benchmarks)");
   m.def("scoring_isa", &scoring_isa, "Instruction set of bf16 cluster scoring on this CPU");
   m.def("decode_rows", &decode_rows, "Fused tripartite decode of a batch of rows (CPU)");
+  m.def("decode_plan", &decode_plan,
+        "Fused tripartite decode of a layer's batch from its pools by a step plan (CPU)");
   m.def("steady_write", &steady_write, "A step's new token of every row of a steady pool (CPU)");
   m.def("log_tilt_grid", &log_tilt_grid, "The fused kernel's tilted correction (CPU, tests)");
   m.def("pq_decode", &pq_decode, "PQCache decode step of a batch of rows (CPU)");

@@ -22,7 +22,11 @@ def test_device_step_bench_runs_and_checks_against_the_reference(tmp_path):
     for case in result["cases"]:
         assert case["rel_err_vs_reference"] < 1e-5  # fp32: the step is the reference's
         assert case["graph_vs_eager_max_abs"] == 0  # off CUDA the "graph" runs eagerly
-        assert case["dense_ms"] > 0 and case["eager_ms"] > 0 and case["torch_ops"] > 0
+        assert case["dense_ms"] > 0 and case["eager_ms"] > 0
+        # the CPU's step is the fused kernel (one extension call) where the layer has no
+        # cluster cache and the backend is 'auto'; else the torch reference's operations
+        assert case["fused_cpu"] == (case["placement"] != "in_place_cache")
+        assert (case["torch_ops"] == 0) == case["fused_cpu"]
         assert case["rank_ms"] > 0 and case["attend_ms"] > 0
 
 

@@ -308,6 +308,56 @@ def test_a_stale_slot_is_reloaded_when_its_block_lands():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("estimator", ["tilted", "centroid"])
+@pytest.mark.parametrize("store", ["dense", "in_place"])
+def test_the_cpu_step_is_the_fused_kernel_reading_the_layer(dtype, tol, estimator, store):
+    """With the 'auto' backend on the CPU the step is one call of the fused kernel over the
+    layer's pools (:func:`cpu_decode.decode_plan`): through update blocks, a departure and
+    a join, it equals the fused kernel on the rows' own tensors exactly (the CPU's path
+    before the layer held them) and the per-row reference to tolerance; copied into the
+    layer from dense stores, or read in place from the wave buffer's host tier."""
+    from vllm_retro.index.batched import decode_batch
+
+    g = torch.Generator().manual_seed(12)
+    cfg = _cfg(kernel_backend="auto", estimator=estimator)
+    h, d = 2, 64
+    mgr = WaveBufferManager(cfg) if store != "dense" else None
+    indexes = random_indexes([40, 700, 1300, 333], cfg, h, d, dtype, g, mgr)
+    slots = [5, 0, 3, 6]
+    _shared_steady(indexes, cfg, [2, 7, 0, 4])
+    meta = indexes[0].meta_place()[0]
+    layer = _layer(cfg, indexes[0], in_place=store == "in_place")
+    assert layer.fused
+    updates = 0
+    for step in range(70):
+        if step == 30:
+            layer.release(slots.pop(2))
+            indexes.pop(2).free()
+            new = random_indexes([900], cfg, h, d, dtype, g, mgr, first=4)
+            new[0].adopt_steady(indexes[0].steady, 1)
+            _shared_meta(new, meta)
+            indexes += new
+            slots.append(2)
+        q = torch.randn(len(indexes), h * 4, d, generator=g).to(dtype)
+        for index in indexes:
+            updates += index.append(torch.randn(h, 1, d, generator=g).to(dtype),
+                                    torch.randn(h, 1, d, generator=g).to(dtype))
+        check = SyncCheck()
+        out = _step(layer, slots, indexes, q, d ** -0.5, check)
+        assert check.launches == 0  # one extension call: nothing through the dispatcher
+        rows = decode_batch(indexes, q, d ** -0.5)  # each row's own tensors
+        torch.testing.assert_close(out, rows, rtol=0, atol=0, msg=f"step {step}")
+        if step % 5 == 0:
+            ref = torch.stack([i.decode(q[b], d ** -0.5).output
+                               for b, i in enumerate(indexes)])
+            assert not torch.isnan(out).any()
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert updates >= 3
+    if mgr:
+        mgr.close()
+
+
 @pytest.mark.parametrize("cache", [False, True])
 def test_decode_step_with_triton_kernels(triton_device, cache):
     """The same step with the Triton kernels (the CUDA configuration; on the CPU under the

@@ -460,3 +460,172 @@ def test_bf16_scoring_uses_the_best_path_the_cpu_has():
         assert isa in ("avx2", "scalar")
     with pytest.raises(ValueError, match="'sse' is not one of avx512bf16, avx2"):
         cpu_ext.set_scoring_isa("sse")
+
+
+def _layer_pools(rows, tilted, shared, rng, scoring_width=None):
+    """``rows`` laid out as a layer holds them (:class:`LayerPools`) and the step plan naming
+    them: meta rows in one pool [H, capacity, ...] at shuffled extents with NaN around them,
+    the tokens in one shared pool (absolute starts) or a region per pool row (relative
+    starts), the steady zones in one steady pool, the residual model per pool row. Rows
+    sit in scattered slots; every pool row and meta row no plan column names is NaN."""
+    from vllm_retro.kernels.resident_attention import LayerPools
+    from vllm_retro.kernels.step_plan import PLAN_FIELDS
+
+    b = len(rows)
+    h, _, d = rows[0].sink_k.shape
+    dtype = rows[0].kv_keys.dtype
+    width = scoring_width or d
+    nan = float("nan")
+    cap = max(r.centroids.shape[1] for r in rows) + 5
+    extents = torch.randperm(b, generator=rng).tolist()  # row i's extent is the extents[i]th
+    lengths = [r.centroids.shape[1] for r in rows]
+    meta_row, at = [0] * b, 3
+    for i in sorted(range(b), key=lambda i: extents[i]):
+        meta_row[i], at = at, at + lengths[i] + 2
+    capacity = at + 1
+
+    def meta(field, trail, fill, kind):
+        t = torch.full((h, capacity, *trail), fill, dtype=kind)
+        for i, r in enumerate(rows):
+            t[:, meta_row[i]:meta_row[i] + lengths[i]] = getattr(r, field)
+        return t
+
+    score = meta("centroids", (width,), nan, dtype)
+    vsum = meta("value_sums", (d,), nan, dtype)
+    sizes = meta("sizes", (), 7, torch.int32)  # nonzero around the extents: never read
+    spreads = meta("spreads", (), nan, torch.float32)
+    deviates = meta("deviates", (), nan, torch.float32)
+    slots = torch.randperm(b + 3, generator=rng)[:b].tolist()
+    steady_slots = torch.randperm(b + 2, generator=rng)[:b].tolist()
+    p = (b + 3) * h
+    starts = torch.full((p, cap), -(10 ** 9), dtype=torch.int64)
+    profile = torch.full((p, d), nan)
+    rank = rows[0].key_factor.shape[2] if tilted else 1
+    kf = torch.full((p, d, rank), nan)
+    vf = torch.full((p, d, rank), nan)
+    heads = torch.arange(h)[:, None]
+    if shared:
+        offsets = torch.tensor([0] + [r.kv_keys.shape[0] for r in rows]).cumsum(0).tolist()
+        keys = torch.cat([r.kv_keys for r in rows])
+        values = torch.cat([r.kv_values for r in rows])
+    else:
+        n = max(int((r.sizes.sum(1)).max()) if r.sizes.numel() else 0 for r in rows) + 4
+        keys = torch.full((p, n, d), nan, dtype=dtype)
+        values = torch.full((p, n, d), nan, dtype=dtype)
+    for i, r in enumerate(rows):
+        c = lengths[i]
+        pr = slice(slots[i] * h, (slots[i] + 1) * h)
+        first = r.head_rows * heads + r.cluster_starts[:, :c] * r.start_mult  # [H, C]
+        if shared:
+            starts[pr, :c] = first + offsets[i]
+        else:  # each head's clusters packed at the front of its region
+            for hh in range(h):
+                at = 0
+                for cl in range(c):
+                    sz = int(r.sizes[hh, cl])
+                    src = int(first[hh, cl])
+                    keys[pr.start + hh, at:at + sz] = r.kv_keys[src:src + sz]
+                    values[pr.start + hh, at:at + sz] = r.kv_values[src:src + sz]
+                    starts[pr.start + hh, cl] = at
+                    at += sz
+        if tilted:
+            profile[pr], kf[pr], vf[pr] = r.profile, r.key_factor, r.value_factor
+    sink_cap = max(r.sink_k.shape[1] for r in rows) + 1
+    ring = max(r.win_k.shape[1] for r in rows)
+    steady_k = torch.full((b + 2, sink_cap + ring, h, d), nan, dtype=dtype)
+    steady_v = torch.full_like(steady_k, nan)
+    cols = []
+    for i, r in enumerate(rows):
+        s, ns, w = steady_slots[i], r.sink_k.shape[1], r.win_k.shape[1]
+        steady_k[s, :ns] = r.sink_k.transpose(0, 1)
+        steady_v[s, :ns] = r.sink_v.transpose(0, 1)
+        # the row's ring is rows 0..w-1 of the pool's ring (w <= ring): the window from its
+        # first ring row, wrapping at w, is rebased so it wraps at the pool's ring
+        n_win = cpu_decode.window_len(r)
+        order = (r.win_first + torch.arange(n_win)) % max(w, 1)
+        steady_k[s, sink_cap:sink_cap + n_win] = r.win_k[:, order].transpose(0, 1)
+        steady_v[s, sink_cap:sink_cap + n_win] = r.win_v[:, order].transpose(0, 1)
+        cols.append((slots[i], s, lengths[i], r.n_retrieval, r.n_estimation, ns, 0, n_win, 1,
+                     meta_row[i], capacity))
+    plan = torch.tensor(cols, dtype=torch.int64).T.contiguous()
+    assert plan.shape[0] == len(PLAN_FIELDS)
+    pools = LayerPools(keys, values, score.view(-1, width), vsum.view(-1, d), sizes.view(-1),
+                       starts, spreads.view(-1), deviates.view(-1), profile, kf, vf, steady_k,
+                       steady_v, sink_cap)
+    return pools, plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tilted", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (7, 64)])
+def test_decode_plan_reads_the_layers_pools_as_decode_rows_reads_the_rows(
+        dtype, tilted, shared, group, d):
+    """``decode_plan`` (the CPU's device step: rows addressed by a step plan in the layer's
+    pools) gives exactly ``decode_rows``' result on the same rows, whatever the layout: meta
+    extents shuffled in one pool, slots scattered, the tokens in one shared pool or a region
+    per pool row, windows wrapping; NaN everywhere the plan does not point."""
+    rng = torch.Generator().manual_seed(group * 100 + d + 10 * tilted + shared)
+    h = 2
+    shapes = [(300, 4, 70, True), (41, 0, 12, False), (0, 4, 9, True), (160, 4, 1, False),
+              (2, 1, 64, True)]
+    rows = [_row(h, d, c, s, w, dtype, rng, paged) for c, s, w, paged in shapes]
+    q = torch.randn(len(rows), h * group, d, generator=rng).to(dtype)
+    scale = d ** -0.5
+    want, _, _ = decode_rows(q, rows, scale, tilted)
+    pools, plan = _layer_pools(rows, tilted, shared, rng)
+    got = cpu_decode.decode_plan(q, pools, plan, scale, tilted)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_plan_with_page_bounds_and_given_clusters(dtype):
+    """Quest's page bounds (scoring rows 2D wide) and clusters given by the policy (the plan's
+    retrieval column of each row's, -1 past it) read from the layer's pools equal the
+    per-row kernel's; a given id outside the row's clusters is named."""
+    rng = torch.Generator().manual_seed(5)
+    h, d = 2, 64
+    rows = [_row(h, d, c, 4, 20, dtype, rng, paged) for c, paged in
+            ((200, True), (90, False), (40, True))]
+    q = torch.randn(3, 8, d, generator=rng).to(dtype)
+    bounds = [dataclasses.replace(
+        r, centroids=torch.cat([r.centroids, r.centroids - 1], -1), n_estimation=0)
+        for r in rows]
+    want, _, _ = decode_rows(q, bounds, 0.125, False)
+    pools, plan = _layer_pools(bounds, False, True, rng, scoring_width=2 * d)
+    torch.testing.assert_close(cpu_decode.decode_plan(q, pools, plan, 0.125, False), want,
+                               rtol=0, atol=0)
+    counts = (17, 0, 40)
+    given = torch.full((3, h, 40), -1, dtype=torch.int64)
+    for b, (r, n) in enumerate(zip(rows, counts, strict=True)):
+        for hh in range(h):
+            given[b, hh, :n] = torch.randperm(r.centroids.shape[1], generator=rng)[:n]
+    want, _, _ = cpu_decode.decode_packed(
+        q, [cpu_decode.pack_row(r, False) for r in rows], 0.125, False,
+        given=[given[b, :, :n] for b, n in enumerate(counts)])
+    pools, plan = _layer_pools(rows, False, False, rng)
+    plan[3] = torch.tensor(counts)
+    plan[4] = 0
+    got = cpu_decode.decode_plan(q, pools, plan, 0.125, False, given=given)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bad = given.clone()
+    bad[2, 1, 3] = 40
+    with pytest.raises(RuntimeError, match="given cluster id is out of range: 40"):
+        cpu_decode.decode_plan(q, pools, plan, 0.125, False, given=bad)
+
+
+def test_decode_plan_names_a_plan_outside_the_layer():
+    """A plan column pointing outside the layer's pools is refused, naming the value and the
+    bound; nothing is read."""
+    rng = torch.Generator().manual_seed(6)
+    rows = [_row(2, 64, 30, 4, 20, torch.float32, rng, True) for _ in range(2)]
+    q = torch.randn(2, 4, 64, generator=rng)
+    pools, plan = _layer_pools(rows, True, True, rng)
+    for field, value, message in ((0, 99, "slot 99"), (1, 50, "steady slot 50"),
+                                  (9, 10 ** 6, "outside the meta pool"),
+                                  (7, 10 ** 4, "steady zone out of range")):
+        bad = plan.clone()
+        bad[field, 1] = value
+        with pytest.raises(RuntimeError, match=message):
+            cpu_decode.decode_plan(q, pools, bad, 0.125, True)

@@ -58,10 +58,10 @@ class StepGraphs:
                 None if given is None else tuple(given.shape))
 
     def _step(self, plan: StepPlan, query: torch.Tensor, scale: float,
-              given: torch.Tensor | None) -> torch.Tensor:
+              given: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if given is None:
-            return decode_step(self.layer, plan, query, scale)
-        return decode_given_step(self.layer, plan, query, given, scale)
+            return decode_step(self.layer, plan, query, scale, out)
+        return decode_given_step(self.layer, plan, query, given, scale, out)
 
     def _capture(self, plan: StepPlan, query: torch.Tensor, scale: float,
                  given: torch.Tensor | None) -> _Captured:
@@ -85,15 +85,16 @@ class StepGraphs:
         return _Captured(graph, static_q, static_plan.ints, static_given, out)
 
     def __call__(self, plan: StepPlan, query: torch.Tensor, scale: float,
-                 given: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's output [B, Hq, D] (on CUDA a view of the graph's static output, valid
-        until the next call with the same key): :func:`decode_step`, or with ``given``
-        (the clusters the policy chose, [B, H, W]) :func:`decode_given_step`. On CUDA
-        ``plan``'s integers may be on the device or pinned on the host
-        (:meth:`DeviceLayer.plan` with ``upload=False``: one copy, straight into the
+                 given: torch.Tensor | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The step's output [B, Hq, D]: :func:`decode_step`, or with ``given`` (the clusters
+        the policy chose, [B, H, W]) :func:`decode_given_step`; written into ``out`` when
+        given, else on CUDA a view of the graph's static output, valid until the next call
+        with the same key. On CUDA ``plan``'s integers may be on the device or pinned on the
+        host (:meth:`DeviceLayer.plan` with ``upload=False``: one copy, straight into the
         graph's input)."""
         if query.device.type != "cuda":
-            return self._step(plan, query, scale, given)
+            return self._step(plan, query, scale, given, out)
         key = self._key(plan, query, scale, given)
         cap = self._graphs.get(key)
         if cap is None:
@@ -108,7 +109,7 @@ class StepGraphs:
         if given is not None:
             cap.given.copy_(given)
         cap.graph.replay()
-        return cap.out
+        return cap.out if out is None else out.copy_(cap.out)
 
     def clear(self) -> None:
         """Drop every graph (their memory pools with them)."""

@@ -44,9 +44,10 @@ clusters, its tables on the device): between the two steps one launch looks the 
 zone up, stamps its hits and admits its misses into the least recently used blocks, and the
 attention reads hits there and writes admitted misses as it reads them over the bus.
 
-On CUDA that is five launches per layer step (six with a cluster cache); the torch path
-(CPU, and the reference) spells the same step out in plain operations, packing an
-execution buffer.
+On CUDA that is five launches per layer step (six with a cluster cache); on the CPU with the
+'auto' backend the whole step is one call of the fused CPU kernel reading the same pools by
+the same plan (:func:`~vllm_retro.kernels.cpu_decode.decode_plan`); the torch path (the
+reference) spells the step out in plain operations, packing an execution buffer.
 
 The baselines are strategies over the same pools. Quest scores its pages in step 1 by
 their bounds (the layer's scoring rows twice the head dimension wide, ``[max, min]``,
@@ -77,6 +78,7 @@ from vllm_retro.index.meta_pool import MetaPool
 from vllm_retro.index.steady import SteadyPool
 from vllm_retro.index.store import expand_runs
 from vllm_retro.index.wave_index import WaveIndex
+from vllm_retro.kernels import cpu_decode
 from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.resident_attention import LayerPools
 
@@ -258,6 +260,11 @@ class DeviceLayer:
                                            dev) if cache_blocks else None
         """In place: the retrieval clusters kept on the device (None: every retrieved token
         read over the bus)."""
+        self.fused = cache_blocks == 0 and cpu_decode.fused_path(config.kernel_backend, dev)
+        """The step is one call of the fused CPU kernel over the layer's pools
+        (:func:`~vllm_retro.kernels.cpu_decode.decode_plan`): on the CPU with the 'auto'
+        backend and the extension built, no cluster cache (on a CPU the host tier is the
+        memory attention reads)."""
         self.steps = 0
         """Plans made (the cache's clock)."""
         self._loaded: dict[int, _Loaded] = {}
@@ -576,6 +583,12 @@ def attend(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, top: torch.Tenso
         cache=layer.cache, runs=runs, backend=backend)
 
 
+def _fused(layer: DeviceLayer, query: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """True when the step runs as one call of the fused CPU kernel (:attr:`DeviceLayer.fused`,
+    the query and ``out`` in the layer's dtype)."""
+    return layer.fused and query.dtype == layer.dtype and (out is None or out.dtype == query.dtype)
+
+
 def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Tripartite decode of ``query[b]`` ([B, Hq, D]) over the index in the plan's batch row
@@ -583,6 +596,9 @@ def decode_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor, scale: 
     :func:`rank_clusters`, then :func:`attend`. Returns ``out`` ([B, Hq, D], query dtype;
     allocated when None). Equals :meth:`WaveIndex.decode` per row (fp32 1e-5; the same
     clusters, exact ties of scores included)."""
+    if _fused(layer, query, out):
+        return cpu_decode.decode_plan(query, layer.pools(plan.steady), plan.ints, scale,
+                                      layer.tilted, out=out)
     q = query.reshape(query.shape[0] * layer.num_kv_heads, -1, layer.head_dim)
     pools = layer.pools(plan.steady)
     res = attend(layer, plan, q, rank_clusters(layer, plan, q, scale, pools), scale,
@@ -611,6 +627,9 @@ def decode_given_step(layer: DeviceLayer, plan: StepPlan, query: torch.Tensor,
         raise ValueError(f"decode_given_step: {w} given clusters per row for a plan of "
                          f"{plan.retrieval} retrieval and {plan.estimation} estimation slots; "
                          "accepted: a plan made with given counts")
+    if _fused(layer, query, out):
+        return cpu_decode.decode_plan(query, layer.pools(plan.steady), plan.ints, scale, False,
+                                      given=given.contiguous(), out=out)
     top = given.reshape(r, w).clamp_min(0)  # past a row's count: never read
     if w < plan.retrieval:
         top = torch.nn.functional.pad(top, (0, plan.retrieval - w))
