@@ -30,17 +30,21 @@ import statistics
 import sys
 import time
 
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def worker(args: argparse.Namespace) -> dict:
     """Time the layer calls in this process, importing the package from ``$ROUTE_ROOT``."""
     sys.path.insert(0, os.environ.get("ROUTE_ROOT", str(ROOT)))
-    import torch
 
-    from bench.append_step import build_layers
-    from vllm_retro.index.batched import append_batch, decode_batch
-    from vllm_retro.index.padded import MetaViewCache
+    # the package first: bench.append_step (this tree's bench package, imported already)
+    # puts this tree's root first on sys.path, and a revision's package imported after it
+    # would be this tree's
+    from vllm_retro.index.batched import append_batch, decode_batch  # isort: skip
+    from vllm_retro.index.padded import MetaViewCache  # isort: skip
+    from bench.append_step import build_layers  # isort: skip
     try:
         from vllm_retro.kernels import cpu_ext as loader
     except ImportError:  # revisions before the loader had a module of its own
@@ -62,13 +66,25 @@ def worker(args: argparse.Namespace) -> dict:
             finally:
                 kernel_s[0] += time.perf_counter() - t
 
+        def decode_plan(self, *a):  # the layer's step (revisions since it came)
+            t = time.perf_counter()
+            try:
+                return mod.decode_plan(*a)
+            finally:
+                kernel_s[0] += time.perf_counter() - t
+
     timed = Timed()
     loader.load = lambda: timed
     h, group, d, dtype = args.kv_heads, args.group, args.head_dim, torch.bfloat16
     torch.manual_seed(0)
     out = {}
+    managers = []
     for batch in args.batches:
-        layers = build_layers(args.layers, batch, args.context, h, d, dtype, pooled=True)
+        if args.stores == "dense":
+            layers = build_layers(args.layers, batch, args.context, h, d, dtype, pooled=True)
+        else:
+            layers, manager = wave_buffer_layers(args.layers, batch, args.context, h, d, dtype)
+            managers.append(manager)
         caches = [MetaViewCache() for _ in layers]
         g = torch.Generator().manual_seed(1)
         res = []
@@ -92,7 +108,41 @@ def worker(args: argparse.Namespace) -> dict:
         out[str(batch)] = dict(zip(("append_us", "decode_python_us", "kernel_us"), per,
                                    strict=True))
         out[str(batch)]["calls"] = count_calls(layers, caches, k_new, q, o, d ** -0.5)
+    for manager in managers:
+        manager.close()
     return out
+
+
+def wave_buffer_layers(layers: int, batch: int, context: int, heads: int, dim: int,
+                       dtype: torch.dtype) -> tuple[list[list], object]:
+    """``layers`` x ``batch`` wave indexes over random KV in a wave buffer's host tier (one
+    pool per layer), each layer's steady zones and meta rows in one pool: as a served
+    layer's (only APIs every compared revision has). Returns (layers, the manager)."""
+    from vllm_retro.buffer import WaveBufferManager
+    from vllm_retro.config import RetroConfig
+    from vllm_retro.index.meta_pool import MetaPool
+    from vllm_retro.index.steady import SteadyPool
+    from vllm_retro.index.wave_index import WaveIndex
+
+    cfg = RetroConfig()
+    manager = WaveBufferManager(cfg)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for layer in range(layers):
+        row = []
+        for b in range(batch):
+            kv = torch.randn(2, heads, context, dim, generator=g).to(dtype)
+            store = manager.store(f"r{b}", heads, dim, dtype, "cpu", layer=f"L{layer}")
+            row.append(WaveIndex.build(kv[0], kv[1], cfg, store=store))
+        own = row[0].steady
+        pool = SteadyPool(heads, dim, own.sink_cap, own.ring, dtype, own.device,
+                          slots=batch, zeroed=True)
+        meta = MetaPool(*row[0].meta_pool_layout())
+        for b, index in enumerate(row):
+            index.adopt_steady(pool, b)
+            index.adopt_meta(meta)
+        out.append(row)
+    return out, manager
 
 
 def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[str, float]:
@@ -130,6 +180,10 @@ def main() -> None:
     ap = revisions.parser(__doc__.splitlines()[0], batches=[3, 8], context=2048, kv_heads=2,
                           group=7, head_dim=64, steps=60, rounds=2)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--stores", choices=["wave_buffer", "dense"], default="wave_buffer",
+                    help="the rows' KV in a wave buffer's host tier, one pool per layer (as "
+                    "served), or dense stores of their own (the route_overhead runs before "
+                    "2026-12-03)")
     done = revisions.run(ap, __file__, worker, "ROUTE_ROOT")
     if done is None:
         return

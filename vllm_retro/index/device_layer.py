@@ -67,6 +67,7 @@ would wait for the device) and against the per-row reference :meth:`WaveIndex.de
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,7 @@ from vllm_retro.index.wave_index import WaveIndex
 from vllm_retro.kernels import cpu_decode
 from vllm_retro.kernels.cluster_cache import ClusterCache
 from vllm_retro.kernels.resident_attention import LayerPools
+from vllm_retro.kernels.step_plan import PLAN_FIELDS
 
 CACHE_BLOCK_CLUSTERS = 1.25
 """A block of an in-place layer's cluster cache holds this many average clusters' tokens
@@ -167,6 +169,16 @@ class _Loaded:
     """In place: the address of the keys pool the slot's starts point into (a store's pool,
     once replaced, keeps the rows laid out before: a slot stays valid until a load from
     the new pool moves the layer there, and every slot with it)."""
+
+
+_STEADY_SLOT, _SINKS, _STEP = (PLAN_FIELDS.index(f) for f in ("steady_slot", "sinks", "step"))
+"""The plan's rows a row gives at every step (:meth:`DeviceLayer.plan`: its steady slot,
+sinks, ring start and window, the three last in a row from ``_SINKS``) and the step
+counter's; the others change only when a slot loads or the meta rows move."""
+assert PLAN_FIELDS[_SINKS:_SINKS + 3] == ("sinks", "ring_start", "window")
+
+_MISSING = _Loaded(-1, -1, 0, torch.empty(0), 0, (0, 0), np.empty(0, dtype=np.int64))
+"""What :meth:`DeviceLayer.all_loaded` reads for a slot that holds nothing (no index's)."""
 
 
 class DeviceLayer:
@@ -273,6 +285,12 @@ class DeviceLayer:
         """Slot -> its index's first meta row (the plan's ``meta_row``), as read at the
         pool's generation :attr:`_meta_at` (rows moved since: read again)."""
         self._meta_at = -1
+        self._loads = 0
+        """Loads so far (a batch's plan columns are kept until the next)."""
+        self._batch: tuple | None = None
+        """(key, columns, widths) of the last batch planned (:meth:`_batch_columns`)."""
+        self._pools: tuple | None = None
+        """(what they were made of, :class:`LayerPools`) of the last :meth:`pools`."""
         self._widths: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
         """(most clusters, largest retrieval bound, largest zones) of a batch -> its plan's
         static widths (clusters, retrieval, estimation, retrieval tokens)."""
@@ -291,13 +309,20 @@ class DeviceLayer:
     def pools(self, steady: SteadyPool) -> LayerPools:
         """The layer's tensors with ``steady``'s, as the attention kernels take them (the
         meta rows: the meta pool's tensors as they are now)."""
+        made_of = (self.meta.storage, steady.k, steady.v, self.keys, self.values)
+        held = self._pools
+        if held is not None and all([a is b for a, b in zip(held[0], made_of, strict=True)]) \
+                and held[0][0] == made_of[0]:
+            return held[1]
         t, absent = self.meta.tensors, self._absent
         meta = (t.get(self.scoring_field, absent["centroids"]),
                 t.get("value_sums", absent["value_sums"]), t["sizes"],
                 t.get("spreads", absent["spreads"]), t.get("deviates", absent["deviates"]))
-        return LayerPools(self.keys, self.values, *meta[:3], self.starts, *meta[3:],
-                          self.profile, self.key_factor, self.value_factor, steady.k,
-                          steady.v, steady.sink_cap)
+        pools = LayerPools(self.keys, self.values, *meta[:3], self.starts, *meta[3:],
+                           self.profile, self.key_factor, self.value_factor, steady.k,
+                           steady.v, steady.sink_cap)
+        self._pools = (made_of, pools)
+        return pools
 
     def meta_storage(self) -> int:
         """Which storage of the meta rows the step reads (a CUDA graph reads them by
@@ -412,6 +437,7 @@ class DeviceLayer:
         self._loaded[slot] = _Loaded(index.uid, index.meta_generation, c, tokens, bound,
                                      zones, largest, source)
         self._meta_starts.pop(slot, None)  # an extent grown or another index: read again
+        self._loads += 1
 
     def _meta_row(self, index: WaveIndex) -> int:
         """The first row of ``index``'s meta rows (cluster 0 of head 0) in the meta rows the
@@ -455,6 +481,15 @@ class DeviceLayer:
         return held is not None and (held.uid, held.generation) == (index.uid,
                                                                       index.meta_generation)
 
+    def all_loaded(self, indexes: list[WaveIndex], slots: list[int] | None = None) -> bool:
+        """:meth:`loaded` of every index in its slot (``slots[b]``; None: each index's own,
+        :attr:`WaveIndex.slot`), in one call (asked per layer at every step)."""
+        held, missing = self._loaded, _MISSING
+        if slots is None:
+            slots = [i.slot for i in indexes]
+        return all([(held.get(s, missing).uid, held.get(s, missing).generation)
+                    == (i.uid, i.meta_generation) for s, i in zip(slots, indexes, strict=True)])
+
     def release(self, slot: int) -> None:
         """Forget ``slot``'s index (its rows are overwritten by the next load)."""
         self._loaded.pop(slot, None)
@@ -474,24 +509,60 @@ class DeviceLayer:
             for slot, index in stale:
                 self.load(slot, index)
     def plan(self, slots: list[int], indexes: list[WaveIndex], upload: bool = True,
-             given: list[int] | None = None) -> StepPlan:
+             given: list[int] | None = None, checked: bool = False) -> StepPlan:
         """The step's integers for ``indexes`` in ``slots`` (each loaded, see
-        :meth:`refresh`), sharing one steady pool. Host work per row is a handful of
-        attribute reads (what changes only at a load was computed there); ``upload``: one
-        host->device copy, not waited for; else (for :class:`StepGraphs`, which copies them
-        into its graph's own inputs) the integers stay on the host, pinned on CUDA.
+        :meth:`refresh`), sharing one steady pool. What changes only when a slot loads or
+        the meta rows move (slots, clusters, zones, meta rows, the static widths) is kept
+        for the batch; per step a row adds its steady slot, sinks and window (one call
+        each). ``upload``: one host->device copy, not waited for; else (for
+        :class:`StepGraphs`, which copies them into its graph's own inputs) the integers
+        stay on the host, pinned on CUDA.
 
         ``given``: the step's clusters are chosen by the policy (:func:`decode_given_step`),
         ``given[b]`` of them for row b (its retrieval zone; no estimation zone): the plan's
-        retrieval width is then the most of them, rounded up."""
+        retrieval width is then the most of them, rounded up. ``checked``: the caller found
+        every slot loaded (:meth:`all_loaded`) and the steady zones in one pool this step;
+        not asked again."""
         if not indexes:
             raise ValueError("DeviceLayer.plan: an empty batch")
         if given is not None and len(given) != len(indexes):
             raise ValueError(f"DeviceLayer.plan: {len(given)} given counts for a batch of "
                              f"{len(indexes)}")
         steady = indexes[0].steady
-        loaded = self._loaded
+        if not checked and not self.all_loaded(indexes, slots):
+            stale = next(s for s, i in zip(slots, indexes, strict=True)
+                         if not self.loaded(s, i))
+            raise ValueError(f"DeviceLayer.plan: slot {stale} does not hold this index's "
+                             "current meta index (refresh first)")
+        if not checked and not all([i.steady is steady for i in indexes]):
+            raise ValueError("DeviceLayer.plan: the indexes' steady zones are in different "
+                             "pools; a layer's decode needs them in one (adopt_steady)")
+        key = (tuple(slots), self._loads, self.meta.generation,
+               None if given is None else tuple(given))
+        batch = self._batch
+        if batch is None or batch[0] != key:
+            batch = self._batch = (key, *self._batch_columns(slots, indexes, given))
         step = self.steps + 1
+        cols = batch[1].copy()  # [fields, B]
+        # (a flat buffer: numpy converts a list of tuples at ~1 us a row)
+        per_step = np.frombuffer(array("q", [v for i in indexes for v in (
+            i.slot, i.num_sinks, *i.window_span())]), dtype=np.int64).reshape(-1, 4)
+        cols[_STEADY_SLOT] = per_step[:, 0]
+        cols[_SINKS:_SINKS + 3] = per_step[:, 1:].T  # sinks, ring start, window
+        cols[_STEP] = step
+        ints = torch.from_numpy(cols)
+        if self.device.type == "cuda":
+            ints = ints.pin_memory()
+            if upload:
+                ints = ints.to(self.device, non_blocking=True)
+        self.steps = step
+        return StepPlan(ints, steady, *batch[2], steady.sink_cap + steady.ring)
+
+    def _batch_columns(self, slots: list[int], indexes: list[WaveIndex],
+                       given: list[int] | None) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        """:meth:`plan`'s columns that change only at a load or a move of the meta rows
+        ([fields, B] int64; the per-step rows left 0) and the plan's static widths
+        (clusters, retrieval, estimation, retrieval tokens)."""
         meta = self.meta
         stride = meta.capacity
         if self._meta_at != meta.generation:  # rows moved: read again
@@ -499,37 +570,24 @@ class DeviceLayer:
         starts = self._meta_starts
         cols, held = [], []
         for b, (slot, index) in enumerate(zip(slots, indexes, strict=True)):
-            x = loaded.get(slot)
-            if x is None or x.uid != index.uid or x.generation != index.meta_generation:
-                raise ValueError(f"DeviceLayer.plan: slot {slot} does not hold this index's "
-                                 "current meta index (refresh first)")
-            if index.steady is not steady:
-                raise ValueError("DeviceLayer.plan: the indexes' steady zones are in "
-                                 "different pools; a layer's decode needs them in one "
-                                 "(adopt_steady)")
+            x = self._loaded[slot]
             zones = x.zones if given is None else (min(given[b], x.clusters), 0)
             first = starts.get(slot)
             if first is None:
                 first = starts[slot] = self._meta_row(index)
-            cols.append((slot, index.slot, x.clusters, *zones, index.num_sinks,
-                         index.ring_start, index.win_len, step, first, stride))
+            cols.append((slot, 0, x.clusters, *zones, 0, 0, 0, 0, first, stride))
             held.append(x)
-        if self.in_place and any(x.source != self.keys.data_ptr() for x in held):
+        source = self.keys.data_ptr()
+        if self.in_place and any([x.source != source for x in held]):
             raise ValueError("DeviceLayer.plan: the batch's stores keep their tokens in "
                              "different pools; read in place, a layer's batch needs one")
-        ints = torch.from_numpy(np.array(cols, dtype=np.int64).T.copy())  # [fields, B]
-        if self.device.type == "cuda":
-            ints = ints.pin_memory()
-            if upload:
-                ints = ints.to(self.device, non_blocking=True)
-        self.steps = step
+        columns = np.array(cols, dtype=np.int64).T.copy()
         if given is not None:
             width = max(given)
             bound = max([int(x.largest[min(width, x.clusters) - 1]) if width and x.clusters
                          else 0 for x in held])
-            return StepPlan(ints, steady, min(round_up(max([x.clusters for x in held])),
-                                              self.max_clusters),
-                            round_up(width), 0, round_up(bound), steady.sink_cap + steady.ring)
+            return columns, (min(round_up(max([x.clusters for x in held])), self.max_clusters),
+                             round_up(width), 0, round_up(bound))
         most = (max([x.clusters for x in held]), max([x.retrieval_bound for x in held]),
                 max([x.zones[0] for x in held]), max([x.zones[1] for x in held]))
         widths = self._widths.get(most)
@@ -540,7 +598,7 @@ class DeviceLayer:
             r, e = indexes[0].zone_sizes(c_live)
             widths = self._widths[most] = (c_live, max(r, most[2]), max(e, most[3]),
                                            round_up(most[1]))
-        return StepPlan(ints, steady, *widths, steady.sink_cap + steady.ring)
+        return columns, widths
 
 
 def rank_clusters(layer: DeviceLayer, plan: StepPlan, q: torch.Tensor, scale: float,

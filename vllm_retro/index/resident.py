@@ -127,6 +127,9 @@ class ResidentDecode:
         self._checked: list[WaveIndex] | None = None
         """The batch :meth:`applies` last found loaded, slot for slot (its :meth:`decode`,
         next, then skips the refresh)."""
+        self._fitted: tuple[WaveIndex, ...] | None = None
+        """The batch last found to fit the layer (the same index objects in order):
+        :meth:`applies` then only checks that its slots are loaded."""
         self._refused: tuple | None = None
         """The batch ((uid, meta generation) of each index) whose layer did not fit the
         device under 'auto': it decodes through the host tier without asking (or reading
@@ -141,27 +144,36 @@ class ResidentDecode:
         if self.layer is not None and self.layer.cache is not None:
             self.counts.report(self.layer.cache, wait=True)
         self.counts = CacheCounts(self.counts.stats)
-        self.layer = self.graphs = self._checked = None
+        self.layer = self.graphs = self._checked = self._fitted = None
 
     def applies(self, indexes: list[WaveIndex], query: torch.Tensor) -> bool:
         """True when this batch decodes here (see the module docstring); grows the layer
         when it must and can."""
         self._checked = None
         first = indexes[0]
+        lay = self.layer
+        steady = first.steady
+        batch = tuple(indexes)
+        if batch == self._fitted and lay is not None and \
+                all([i.steady is steady for i in indexes]) and lay.all_loaded(indexes):
+            # the usual step: the batch this layer was found to fit (nothing an index
+            # holds changes that, but its steady pool), every slot loaded: nothing to load,
+            # nothing read from the device; decode's refresh is skipped
+            self._checked = indexes
+            return True
+        self._fitted = None
         mode = first.config.device_resident
         if mode == "off" or (not query.is_cuda and mode == "auto"):
             return False
-        steady = first.steady
         if not all([resident_capable(i) and i.steady is steady for i in indexes]):
             return False
-        lay = self.layer
         fits = lay is not None and lay.dtype == first.centroids.dtype and \
             lay.device == first.centroids.device and steady.num_slots <= lay.num_slots and \
             (lay.score_dim, lay.tilted) == layer_kind(first)
-        if fits and all([lay.loaded(i.slot, i) for i in indexes]):
+        if fits and lay.all_loaded(indexes):
             # (each was loaded from the meta rows' place, which an index keeps)
-            self._checked = indexes  # decode's refresh has nothing to load
-            return True  # the usual step: nothing to load, nothing read from the device
+            self._checked, self._fitted = indexes, batch
+            return True
         batch = tuple((i.uid, i.meta_generation) for i in indexes)
         if batch == self._refused:
             return False
@@ -221,7 +233,8 @@ class ResidentDecode:
         said yes) into ``out``."""
         assert self.layer is not None and self.graphs is not None
         slots = [i.slot for i in indexes]
-        if self._checked is not indexes:
+        checked = self._checked is indexes  # applies found every slot loaded, one steady pool
+        if not checked:
             self.layer.refresh(slots, indexes)
         self._checked = None
         first = indexes[0]
@@ -229,12 +242,13 @@ class ResidentDecode:
         if not first.kernel_scores:  # the policy chooses the clusters, no zones
             given, counts = first.select_batch(indexes, query, scale)
         # the graphs copy the plan's integers into their own inputs: no upload of its own
-        plan = self.layer.plan(slots, indexes, upload=not query.is_cuda, given=counts)
+        plan = self.layer.plan(slots, indexes, upload=not query.is_cuda, given=counts,
+                               checked=checked)
         if given is not None and given.shape[2] < plan.retrieval:
             # padded to the plan's width: one graph serves every count up to it
             given = torch.nn.functional.pad(given, (0, plan.retrieval - given.shape[2]),
                                             value=-1)
-        out.copy_(self.graphs(plan, query, scale, given))
+        self.graphs(plan, query, scale, given, out)
         # the wave buffer's counters (the server's metrics); a dense store has none
         stats = self.counts.stats = self.counts.stats or getattr(first.store, "stats", None)
         if stats is not None:
