@@ -35,18 +35,21 @@ from vllm_retro.index.wave_index import WaveIndex  # noqa: E402
 
 
 def build_layers(layers: int, batch: int, context: int, heads: int, dim: int,
-                 dtype: torch.dtype, pooled: bool) -> list[list[WaveIndex]]:
+                 dtype: torch.dtype, pooled: bool, manager=None) -> list[list[WaveIndex]]:
     """``layers`` x ``batch`` indexes over random KV (short enough to stay dense: only the
     steady zone matters here), each layer's in one steady pool and one meta pool when
-    ``pooled``, as a served layer's."""
-    cfg = RetroConfig()
+    ``pooled``, as a served layer's; their KV in ``manager``'s wave buffer (one host pool
+    per layer, as served) when given, else in dense stores of their own."""
+    cfg = RetroConfig() if manager is None else manager.config
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(layers):
+    for layer in range(layers):
         row = []
-        for _ in range(batch):
+        for b in range(batch):
             kv = torch.randn(2, heads, context, dim, generator=g).to(dtype)
-            row.append(WaveIndex.build(kv[0], kv[1], cfg))
+            store = None if manager is None else manager.store(
+                f"r{b}", heads, dim, dtype, "cpu", layer=f"L{layer}")
+            row.append(WaveIndex.build(kv[0], kv[1], cfg, store=store))
         if pooled:
             own = row[0].steady
             pool = SteadyPool(heads, dim, own.sink_cap, own.ring, dtype, own.device,

@@ -80,11 +80,15 @@ def worker(args: argparse.Namespace) -> dict:
     out = {}
     managers = []
     for batch in args.batches:
-        if args.stores == "dense":
-            layers = build_layers(args.layers, batch, args.context, h, d, dtype, pooled=True)
-        else:
-            layers, manager = wave_buffer_layers(args.layers, batch, args.context, h, d, dtype)
+        manager = None
+        if args.stores == "wave_buffer":
+            from vllm_retro.buffer import WaveBufferManager
+            from vllm_retro.config import RetroConfig
+
+            manager = WaveBufferManager(RetroConfig())
             managers.append(manager)
+        layers = build_layers(args.layers, batch, args.context, h, d, dtype, pooled=True,
+                              manager=manager)
         caches = [MetaViewCache() for _ in layers]
         g = torch.Generator().manual_seed(1)
         res = []
@@ -111,38 +115,6 @@ def worker(args: argparse.Namespace) -> dict:
     for manager in managers:
         manager.close()
     return out
-
-
-def wave_buffer_layers(layers: int, batch: int, context: int, heads: int, dim: int,
-                       dtype: torch.dtype) -> tuple[list[list], object]:
-    """``layers`` x ``batch`` wave indexes over random KV in a wave buffer's host tier (one
-    pool per layer), each layer's steady zones and meta rows in one pool: as a served
-    layer's (only APIs every compared revision has). Returns (layers, the manager)."""
-    from vllm_retro.buffer import WaveBufferManager
-    from vllm_retro.config import RetroConfig
-    from vllm_retro.index.meta_pool import MetaPool
-    from vllm_retro.index.steady import SteadyPool
-    from vllm_retro.index.wave_index import WaveIndex
-
-    cfg = RetroConfig()
-    manager = WaveBufferManager(cfg)
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for layer in range(layers):
-        row = []
-        for b in range(batch):
-            kv = torch.randn(2, heads, context, dim, generator=g).to(dtype)
-            store = manager.store(f"r{b}", heads, dim, dtype, "cpu", layer=f"L{layer}")
-            row.append(WaveIndex.build(kv[0], kv[1], cfg, store=store))
-        own = row[0].steady
-        pool = SteadyPool(heads, dim, own.sink_cap, own.ring, dtype, own.device,
-                          slots=batch, zeroed=True)
-        meta = MetaPool(*row[0].meta_pool_layout())
-        for b, index in enumerate(row):
-            index.adopt_steady(pool, b)
-            index.adopt_meta(meta)
-        out.append(row)
-    return out, manager
 
 
 def count_calls(layers: list, caches: list, k_new, q, o, scale: float) -> dict[str, float]:
