@@ -290,7 +290,8 @@ class DeviceLayer:
         self._batch: tuple | None = None
         """(key, columns, widths) of the last batch planned (:meth:`_batch_columns`)."""
         self._pools: tuple | None = None
-        """(what they were made of, :class:`LayerPools`) of the last :meth:`pools`."""
+        """(the meta pool's storage count, the tensors they were made of, the
+        :class:`LayerPools`) of the last :meth:`pools`."""
         self._widths: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
         """(most clusters, largest retrieval bound, largest zones) of a batch -> its plan's
         static widths (clusters, retrieval, estimation, retrieval tokens)."""
@@ -309,11 +310,11 @@ class DeviceLayer:
     def pools(self, steady: SteadyPool) -> LayerPools:
         """The layer's tensors with ``steady``'s, as the attention kernels take them (the
         meta rows: the meta pool's tensors as they are now)."""
-        made_of = (self.meta.storage, steady.k, steady.v, self.keys, self.values)
+        storage, made_of = self.meta.storage, (steady.k, steady.v, self.keys, self.values)
         held = self._pools
-        if held is not None and all([a is b for a, b in zip(held[0], made_of, strict=True)]) \
-                and held[0][0] == made_of[0]:
-            return held[1]
+        if held is not None and held[0] == storage and \
+                all([a is b for a, b in zip(held[1], made_of, strict=True)]):
+            return held[2]
         t, absent = self.meta.tensors, self._absent
         meta = (t.get(self.scoring_field, absent["centroids"]),
                 t.get("value_sums", absent["value_sums"]), t["sizes"],
@@ -321,7 +322,7 @@ class DeviceLayer:
         pools = LayerPools(self.keys, self.values, *meta[:3], self.starts, *meta[3:],
                            self.profile, self.key_factor, self.value_factor, steady.k,
                            steady.v, steady.sink_cap)
-        self._pools = (made_of, pools)
+        self._pools = (storage, made_of, pools)
         return pools
 
     def meta_storage(self) -> int:
