@@ -70,8 +70,11 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[Any]:
 
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
-    "stock": None, "retro": {}, "retro-background": {"build_steps": 16}}
-"""Configuration name -> retro settings (None: stock vLLM)."""
+    "stock": None, "retro": {}, "retro-background": {"build_steps": 16},
+    "retro-rows": {"device_resident": "off"}}
+"""Configuration name -> retro settings (None: stock vLLM). 'retro-rows': the fused CPU
+kernel on each row's own tensors, as the CPU decoded before a layer's step read its pools
+(the A/B of that change)."""
 
 
 def make_engine(model: str, retro: dict[str, Any] | None, max_len: int, blocks: int | None,

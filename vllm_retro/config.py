@@ -309,7 +309,8 @@ class RetroConfig:
     over a device-resident copy of its indexed KV or, read in place, over the wave buffer's
     pinned host tier: 'auto' on CUDA, copied while the copy fits the device's free memory,
     else in place (the meta index alone on the device), else the host tier and device block
-    cache serve it; 'on' (copied) and 'in_place' on any device (tests, benchmarks); 'off'
+    cache serve it; 'auto' on the CPU, in place from the host tier (one fused kernel call
+    per layer step); 'on' (copied) and 'in_place' on any device (tests, benchmarks); 'off'
     never."""
 
     def __init__(self, **values: Any) -> None:

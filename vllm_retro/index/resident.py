@@ -7,7 +7,10 @@ resident copy fits the device's free memory, else, when the batch's tokens are i
 host pool (a wave buffer's host tier), reads them there in place with only the meta index and
 a cluster cache (the wave buffer's device cache budget, ``cache_fraction``) on the device
 (checked when the layer grows); else the wave buffer's host tier and device cache
-serve the layer (:func:`vllm_retro.index.padded.decode_padded`). 'on' copies on any device,
+serve the layer (:func:`vllm_retro.index.padded.decode_padded`). On the CPU 'auto' reads a
+batch whose tokens are in one host pool in place, with no cache, and the step is one call
+of the fused CPU kernel (:attr:`DeviceLayer.fused`); other batches decode through the fused
+kernel on each row's own tensors (:mod:`vllm_retro.index.batched`). 'on' copies on any device,
 'in_place' reads in place on any device (tests, benchmarks), 'off' never. A request keeps its
 steady-pool slot as its slot here, so the layer's tables are indexed the same way. The wave
 index and Quest (their clusters scored on the device) decode by
@@ -33,6 +36,7 @@ from vllm_retro.index.device_layer import (
 from vllm_retro.index.meta_pool import MetaPool
 from vllm_retro.index.wave_index import WaveIndex, common_meta_pool
 from vllm_retro.kernels.cluster_cache import ClusterCache
+from vllm_retro.kernels.cpu_decode import fused_path
 
 GROWTH = 1.5
 """A grown layer holds this many times what its batch needs (fewer regrowths)."""
@@ -163,7 +167,8 @@ class ResidentDecode:
             return True
         self._fitted = None
         mode = first.config.device_resident
-        if mode == "off" or (not query.is_cuda and mode == "auto"):
+        if mode == "off" or (mode == "auto" and not query.is_cuda and
+                             not fused_path(first.config.kernel_backend, query.device)):
             return False
         if not all([resident_capable(i) and i.steady is steady for i in indexes]):
             return False
@@ -206,7 +211,12 @@ class ResidentDecode:
         meta = layer_meta(indexes, dev)
         if meta is None:  # the layer reads the meta rows where the attention layer keeps them
             return False
-        if mode == "auto":
+        if mode == "auto" and dev.type == "cpu":
+            # the host tier is the memory a CPU attends from: read in place, nothing cached
+            in_place, blocks = True, 0
+            if not in_place_capable(indexes, dev):
+                return False
+        elif mode == "auto":
             how = placement(
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, tokens, rank),
                 DeviceLayer.footprint(slots, h, d, dtype, clusters, 0, rank, True, blocks,

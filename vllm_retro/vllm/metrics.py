@@ -55,8 +55,9 @@ FAMILIES: tuple[Family, ...] = (
            "(request, layer) decode steps served by the GPU decode step with the KV on the "
            "device (the context fits the device).", "device_step_rows"),
     Family(PREFIX + "device_step_in_place_rows_total", "counter",
-           "(request, layer) decode steps served by the GPU decode step reading the KV in "
-           "place from the pinned host tier (memory pressure).", "device_step_in_place_rows"),
+           "(request, layer) decode steps served by the layer's step reading the KV in "
+           "place from the host tier (a GPU under memory pressure: pinned; a CPU: every "
+           "sparse decode of a batch in the host tier).", "device_step_in_place_rows"),
     Family(PREFIX + "indexed_requests_total", "counter",
            "Requests whose context was indexed (a preempted request indexed again counts "
            "again).", "indexed_requests"),
