@@ -97,12 +97,12 @@ def test_budget_counts():
     c = RetroConfig()
     assert (c.num_retrieval(0), c.num_estimation(0)) == (0, 0)
     assert (c.num_retrieval(1), c.num_estimation(1)) == (1, 0)
-    assert (c.num_retrieval(500), c.num_estimation(500)) == (16, 116)
+    assert (c.num_retrieval(500), c.num_estimation(500)) == (32, 116)
     assert RetroConfig(min_retrieval_clusters=0).num_retrieval(500) == 9
-    # the floor binds up to min_retrieval_clusters / retrieval_budget clusters (~13K tokens)
-    assert (c.num_retrieval(833), c.num_retrieval(834)) == (16, 16)
-    assert RetroConfig(min_retrieval_clusters=0).num_retrieval(833) == 15
-    assert (c.num_retrieval(888), c.num_retrieval(889)) == (16, 17)
+    # the floor binds up to min_retrieval_clusters / retrieval_budget clusters (~28K tokens)
+    assert RetroConfig(min_retrieval_clusters=0).num_retrieval(1777) == 32
+    assert (c.num_retrieval(1777), c.num_retrieval(1778)) == (32, 33)
+    assert RetroConfig(min_retrieval_clusters=16).num_retrieval(889) == 17
     assert (c.num_retrieval(10), c.num_estimation(10)) == (10, 0)
     full = RetroConfig(retrieval_budget=1.0, estimation_budget=0.0)
     assert (full.num_retrieval(37), full.num_estimation(37)) == (37, 0)
@@ -112,16 +112,16 @@ def test_budget_counts():
 
 def test_the_device_cache_keeps_the_papers_ratio_to_the_retrieval_zone():
     """cache_fraction of the tokens (5%, the paper's), never less than 5/1.8 times the
-    retrieval zone's floor of 16 clusters x 16 tokens (712 tokens), never more than all."""
+    retrieval zone's floor of 32 clusters x 16 tokens (1423 tokens), never more than all."""
     c = RetroConfig()
-    assert c.cache_tokens(4096) == 712  # 5% would be 205, less than the zone's 256
-    assert c.cache_tokens(14336) == 717  # from ~14.2K tokens on, 5% again
+    assert c.cache_tokens(4096) == 1423  # 5% would be 205, less than the zone's 512
+    assert (c.cache_tokens(28460), c.cache_tokens(28461)) == (1423, 1424)  # 5% again
     assert c.cache_tokens(131072) == 6554
     assert c.cache_tokens(500) == 500 and c.cache_tokens(0) == 0
     assert RetroConfig(min_retrieval_clusters=0).cache_tokens(4096) == 205
     assert RetroConfig(cache_fraction=0.0).cache_tokens(4096) == 0
     assert RetroConfig(cache_pages=10).cache_tokens(4096) == 80
-    for tokens in (1000, 4096, 8192, 13000):  # the ratio to the zone the cache serves
+    for tokens in (2048, 4096, 8192, 13000, 26000):  # the ratio to the zone the cache serves
         zone = c.num_retrieval(tokens // c.cluster_size) * c.cluster_size
         assert c.cache_tokens(tokens) / zone == pytest.approx(0.05 / 0.018, rel=0.01)
 
@@ -150,7 +150,9 @@ ANSWER_DEFAULTS = {
     "enabled": True, "index": "wave",
     "cluster_size": 16, "segment_size": 8192, "kmeans_iters": 10, "kmeans_tol": 0.01,
     "sink_tokens": 4, "local_window": 64, "retrieval_budget": 0.018, "estimation_budget": 0.232,
-    "min_retrieval_clusters": 16,  # 0 -> 16: bench/results/accuracy_*_retrieval_floor.json
+    # 0 -> 16: bench/results/accuracy_*_retrieval_floor.json; 16 -> 32:
+    # accuracy_{4096,8192}_5samples_floor32.json, accuracy_16384_floor32.json
+    "min_retrieval_clusters": 32,
     "estimator": "tilted",
     "update_segment": 1024, "update_clusters": 64, "update_rounds_per_step": 1,
     "build_steps": None,

@@ -215,13 +215,15 @@ class RetroConfig:
     """Steady zone: the most recent tokens, always attended exactly."""
     retrieval_budget: float = 0.018
     """Fraction of clusters (top by centroid score) whose tokens are attended exactly."""
-    min_retrieval_clusters: int = 16
-    """Floor on the retrieval zone, in clusters (~256 tokens at ``cluster_size`` 16): at
+    min_retrieval_clusters: int = 32
+    """Floor on the retrieval zone, in clusters (~512 tokens at ``cluster_size`` 16): at
     short contexts ``retrieval_budget`` alone leaves too few exact tokens (5 clusters, ~80
     tokens at 4K) and the model loops on aggregation tasks (bench/README, "The 4K
-    regression hunt", "A floor on the retrieval zone": at 4K it gives full attention's
-    score). Binds up to ``min_retrieval_clusters / retrieval_budget`` clusters (~13K tokens
-    at the defaults), so longer contexts read exactly what they did. 0: none."""
+    regression hunt", "A floor on the retrieval zone": 16 clusters gave full attention's
+    score at 4K; "A retrieval floor of 32 clusters": 16 still lost aggregation prompts at
+    16K, 32 closed it at 4K-16K). Binds up to ``min_retrieval_clusters / retrieval_budget``
+    clusters (~28K tokens at the defaults), so longer contexts read exactly what they did.
+    0: none."""
     estimation_budget: float = 0.232
     """Fraction of clusters (the next ones by score) estimated from centroid and value sum."""
     estimator: str = "tilted"
@@ -442,9 +444,9 @@ class RetroConfig:
         (``min_retrieval_clusters`` clusters of ``cluster_size``), at most all of them.
 
         The paper sizes the cache against the retrieval zone it serves (5% of the KV for a
-        1.8% zone: 2.8x). Below ~14K tokens the floor makes the zone larger than 1.8% of the
+        1.8% zone: 2.8x). Below ~28K tokens the floor makes the zone larger than 1.8% of the
         KV, and a cache of 5% would then hold less than the zone (205 tokens at 4K against
-        its 256), so the cache keeps that ratio to the zone instead (712 tokens at the
+        its 512), so the cache keeps that ratio to the zone instead (1423 tokens at the
         defaults); from where the floor stops binding on, it is ``cache_fraction``'s."""
         if self.cache_pages is not None:
             return self.cache_pages * self.page_size

@@ -22,8 +22,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "full": None,
     "retro": {},
     # half and twice the retrieval zone at every length (its fraction and its floor)
-    "retro_half": {"retrieval_budget": 0.009, "min_retrieval_clusters": 8},
-    "retro_double": {"retrieval_budget": 0.036, "min_retrieval_clusters": 32},
+    "retro_half": {"retrieval_budget": 0.009, "min_retrieval_clusters": 16},
+    "retro_double": {"retrieval_budget": 0.036, "min_retrieval_clusters": 64},
     "retro_no_est": {"estimation_budget": 0.0},
     "retro_centroid": {"estimator": "centroid"},
     "retro_auto": {"estimator": "auto"},
@@ -36,9 +36,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "retro_est_all": {"estimation_budget": 0.982},
     # 16 clusters (~256 tokens) retrieved at 4K: a floor on exact tokens at short contexts
     "retro_r16": {"retrieval_budget": 0.0625},
-    # the retrieval zone without its floor (the default before 2026-11-28), and with twice
-    # it (32 clusters, ~512 tokens: binds up to ~28K tokens, so 16K's 19 clusters become 32)
+    # the retrieval zone without its floor (the default before 2026-11-28), with the floor
+    # of 16 clusters (~256 tokens, the default until 2026-12-03) and of 32 (~512 tokens, the
+    # default since: binds up to ~28K tokens, so 16K's 19 clusters become 32)
     "retro_nofloor": {"min_retrieval_clusters": 0},
+    "retro_floor16": {"min_retrieval_clusters": 16},
     "retro_floor32": {"min_retrieval_clusters": 32},
     # PQCache through the same engine: the paper's defaults (1/5 of the tokens read), and
     # at the wave index's bytes per step (about 1/15 of full attention's: 6% of the tokens)
