@@ -71,10 +71,11 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[Any]:
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "stock": None, "retro": {}, "retro-background": {"build_steps": 16},
-    "retro-rows": {"device_resident": "off"}}
+    "retro-rows": {"device_resident": "off"}, "retro-floor16": {"min_retrieval_clusters": 16}}
 """Configuration name -> retro settings (None: stock vLLM). 'retro-rows': the fused CPU
 kernel on each row's own tensors, as the CPU decoded before a layer's step read its pools
-(the A/B of that change)."""
+(the A/B of that change); 'retro-floor16': the retrieval zone's floor of 16 clusters, the
+default until 2026-12-03 (the A/B of 32)."""
 
 
 def make_engine(model: str, retro: dict[str, Any] | None, max_len: int, blocks: int | None,
