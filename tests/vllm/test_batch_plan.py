@@ -83,3 +83,46 @@ def test_released_requests_are_freed_before_the_step():
     assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert rt.counters.requests_released == 3
     rt.close()
+
+
+def test_the_builder_plans_where_every_layer_appends_its_tokens():
+    """The plan's column holds the steady-pool rows of the step's tokens, made once by the
+    builder: every layer's append writes there (the rows each index reads its window from),
+    and a plan whose rows are not the indexes' next ones (a stale step's) is not used."""
+    from vllm_retro.config import RetroConfig
+    from vllm_retro.index.batched import append_batch
+
+    rt = RetroRuntime()
+    rt.attach(object(), RetroConfig(update_segment=64, local_window=16, segment_size=256))
+    g = torch.Generator().manual_seed(3)
+    lengths = {"x": 300, "y": 217}
+    for layer in ("l0", "l1"):
+        for rid, n in lengths.items():
+            rt.build_index(rid, layer, torch.randn(2, n, 32, generator=g),
+                           torch.randn(2, n, 32, generator=g))
+    stale = None
+    for step in range(3):
+        rt.begin_step(RetroStepMetadata(rows={
+            rid: RowStep(slot=10 * j + 1, start=n + step, num_tokens=1, indexed=True,
+                         build_index=False) for j, (rid, n) in enumerate(lengths.items())}))
+        plan = plan_batch(rt, torch.tensor([0, 1, 2]), torch.tensor([1, 11]),
+                          torch.zeros(2, 4, dtype=torch.long), 2)
+        (col,) = plan.columns
+        assert col.append is not None
+        for layer in ("l0", "l1"):
+            indexes = [rt.index(rid, layer) for rid in lengths]
+            want = ([i.slot for i in indexes], [i.next_ring_row() for i in indexes])
+            k, v = torch.randn(2, 2, 32, generator=g), torch.randn(2, 2, 32, generator=g)
+            if stale is not None and layer == "l1":  # the last step's rows: made anew
+                _, rows = append_batch(indexes, k, v, stale)
+                assert rows is not stale
+            else:
+                _, rows = append_batch(indexes, k, v, col.append)
+                assert rows is col.append
+            assert (rows[1].tolist(), rows[2].tolist()) == want
+            for b, (index, n) in enumerate(zip(indexes, lengths.values(), strict=True)):
+                assert index.num_tokens == n + step + 1
+                assert torch.equal(index.win_k[:, -1], k[b])
+                assert torch.equal(index.win_v[:, -1], v[b])
+        stale = col.append
+

@@ -120,9 +120,23 @@ def packed_row(index: WaveIndex, tilted: bool) -> cpu_decode.PackedRow:
     return view[1]
 
 
-AppendRows = tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]
-"""What :func:`append_batch` wrote to: ((slot, tokens before) per row, slots [B], pool rows
-[B]); the same in every layer of a step (a request's slot and position are)."""
+AppendRows = tuple[tuple[tuple[int, int, int], ...], torch.Tensor, torch.Tensor]
+"""Where :func:`append_batch` writes a batch's tokens: ((slot, position, sinks) per row,
+slots [B], pool rows [B]); the same in every layer of a step (a request's slot, position
+and sink count are), so the metadata builder makes it once (:func:`plan_append`)."""
+
+
+def plan_append(indexes: list[WaveIndex], positions: list[int]) -> AppendRows | None:
+    """The steady-pool rows that tokens ``positions[b]`` of ``indexes[b]`` go to (one
+    upload, not waited for on CUDA); None when the indexes' steady zones are not in one
+    pool (each then appends its own)."""
+    pool = indexes[0].steady
+    if not all([i.steady is pool for i in indexes]):
+        return None
+    key = tuple([(i.slot, p, i.num_sinks) for i, p in zip(indexes, positions, strict=True)])
+    ring = [pool.ring_row(sinks, p) for _, p, sinks in key]
+    dev = upload([[s for s, _, _ in key], ring], pool.device)
+    return key, dev[0], dev[1]
 
 
 def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Tensor,
@@ -132,8 +146,8 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     """Append one decoded token to each index (``keys[b]``, ``values[b]``: [B, H, D]).
 
     When every index's steady zone is in one pool (a served layer's), the tokens go in with
-    one write for the whole batch (:meth:`SteadyPool.write`); ``rows``, the
-    previous layer's, is reused when its rows are this layer's (no new index tensors then).
+    one write for the whole batch (:meth:`SteadyPool.write`) to ``rows`` (the step's, from
+    the metadata builder) when they are these indexes' next rows, else to rows made here.
     Each index then accounts for its token (:meth:`WaveIndex.appended`: update blocks).
     Otherwise each index appends its own. Returns (update blocks landed, the rows written,
     or None). ``failed`` given: an index whose append raises is recorded there as (its
@@ -142,11 +156,9 @@ def append_batch(indexes: list[WaveIndex], keys: torch.Tensor, values: torch.Ten
     # list comprehensions, not generators, here and below: one Python call for the batch
     # rather than one per row (this runs per layer at every step)
     if all([i.steady is pool for i in indexes]):
-        key = tuple([(i.slot, i.num_tokens) for i in indexes])
+        key = tuple([(i.slot, i.num_tokens, i.num_sinks) for i in indexes])
         if rows is None or rows[0] != key:
-            slots, ring = [s for s, _ in key], [i.next_ring_row() for i in indexes]
-            dev = upload([slots, ring], pool.device)  # on CUDA not waited for
-            rows = (key, dev[0], dev[1])
+            rows = plan_append(indexes, [i.num_tokens for i in indexes])
         pool.write(rows[1], rows[2], keys, values)
         return _each(indexes, None, failed), rows
     return _each(indexes, lambda b, i: i.append(keys[b, :, None], values[b, :, None]),

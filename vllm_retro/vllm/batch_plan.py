@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from vllm_retro.index.batched import AppendRows, plan_append
 from vllm_retro.vllm.runtime import RetroRuntime
 
 
@@ -33,6 +33,8 @@ class RetroDecode:
     first: int
     count: int
     catch_up: IndexBuild | None = None
+    position: int = 0
+    """The request's tokens before this step: the position of its first token here."""
     """At the request's first indexed step: its block-table row and the tokens computed
     before this step, whose tail (decoded densely while the index was built) joins the
     index before decoding."""
@@ -67,6 +69,10 @@ class DecodeColumn:
     """Their batch rows as a slice when consecutive (decodes come first, one token each)."""
     tokens: torch.Tensor | None
     """Else their batch rows ([n] int64, CPU)."""
+    append: AppendRows | None = None
+    """Where every layer writes these tokens in its steady pool (:func:`plan_append`: the
+    request's slot and position are the same in every layer); None: each layer works it out
+    (:func:`~vllm_retro.index.batched.append_batch`)."""
 
 
 def decode_columns(decodes: list[RetroDecode]) -> list[DecodeColumn]:
@@ -97,11 +103,6 @@ class BatchPlan:
     columns: list[DecodeColumn] = field(default_factory=list)
     """The decodes' token columns (:func:`decode_columns`; one without speculative
     tokens)."""
-    append_rows: dict[int, Any] = field(default_factory=dict)
-    """Per decode token position k, where the first layer's forward wrote the step's new
-    K/V in its steady pool (:func:`vllm_retro.index.batched.append_batch`): the same slots
-    and rows in every layer, so later layers reuse the index tensors (the one entry the
-    layers fill: the rows are known once the first layer's indexes have them)."""
 
 
 def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
@@ -140,7 +141,7 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.indexed and not dense and (not row.catch_up or runtime.switch(rid)):
             catch_up = IndexBuild(rid, block_table[r].clone(), row.start) if row.catch_up \
                 else None
-            decodes.append(RetroDecode(rid, qsl[r], n, catch_up))
+            decodes.append(RetroDecode(rid, qsl[r], n, catch_up, row.start))
             continue
         if row.blocks is not None and not runtime.fates.has_failed(rid):
             block_prefills.append(BlockPrefill(rid, block_table[r].clone(), qsl[r], n,
@@ -152,4 +153,21 @@ def plan_batch(runtime: RetroRuntime, query_start_loc_cpu: torch.Tensor,
         if row.build_index and not dense:
             total = row.start + row.num_tokens
             builds.append(IndexBuild(rid, block_table[r].clone(), total, (qsl[r], qsl[r + 1])))
-    return BatchPlan(dense_rows, builds, decodes, block_prefills, decode_columns(decodes))
+    columns = [replace(c, append=_append_rows(runtime, decodes, c))
+               for c in decode_columns(decodes)]
+    return BatchPlan(dense_rows, builds, decodes, block_prefills, columns)
+
+
+def _append_rows(runtime: RetroRuntime, decodes: list[RetroDecode], col: DecodeColumn
+                 ) -> AppendRows | None:
+    """Column ``col``'s steady-pool rows, from the requests' indexes in the layer that
+    indexed first (None: a request has none there yet)."""
+    layers = runtime.registry.layers()
+    if not layers:
+        return None
+    held = layers[0].indexes
+    members = range(len(decodes)) if col.members is None else col.members
+    indexes = [held.get(decodes[j].request_id) for j in members]
+    if any([i is None for i in indexes]):
+        return None
+    return plan_append(indexes, [decodes[j].position + col.k for j in members])

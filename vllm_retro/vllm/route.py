@@ -284,8 +284,7 @@ class RouteImplMixin:
                 idx = col.tokens.to(query.device)
                 q, k, v = (t.index_select(0, idx) for t in (query, key, value))
             failed: list[tuple[int, Exception]] = []
-            landed, plan.append_rows[col.k] = append_batch(rows, k, v,
-                                                           plan.append_rows.get(col.k), failed)
+            landed, _ = append_batch(rows, k, v, col.append, failed)
             rt.counters.index_updates += landed
             rt.counters.retro_decode_tokens += len(rows)
             if failed:
