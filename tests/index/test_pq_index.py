@@ -16,8 +16,10 @@ from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.pq_index import PQIndex, decode_pq
 
 H, G, D = 2, 4, 64
+# a device cache of ~10% of the 1500-token contexts (19 pages of 8 tokens: the sizing by
+# cache_fraction would keep a floor's zone, ~2.8K tokens, and never evict here)
 CFG = RetroConfig(index="pqcache", kernel_backend="torch", sink_tokens=4, local_window=32,
-                  update_segment=128, pq_block_tokens=16, cache_fraction=0.1)
+                  update_segment=128, pq_block_tokens=16, cache_pages=19)
 
 
 def reference_scores(index: PQIndex, query: torch.Tensor, scale: float) -> torch.Tensor:

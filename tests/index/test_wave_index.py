@@ -197,7 +197,10 @@ def test_default_budget_counts(rng):
     _, stats = sparse_attention(q, k, v)
     c = stats["n_clusters"]
     assert c == sum(-(-n // 16) for n in (8192, 8192, 20000 - 68 - 2 * 8192))
-    assert stats["n_retrieval_clusters"] == -(-18 * c // 1000)
+    # the paper's 1.8% of 1246 clusters is 23: the floor of 32 binds at 20K tokens
+    assert stats["n_retrieval_clusters"] == 32 == RetroConfig().min_retrieval_clusters
+    _, paper = sparse_attention(q, k, v, RetroConfig(min_retrieval_clusters=0))
+    assert paper["n_retrieval_clusters"] == -(-18 * c // 1000) == 23
     assert stats["n_estimated_clusters"] == -(-232 * c // 1000)
     assert 0.2 < stats["estimated_token_fraction"] < 0.27
     assert all(68 < x < 68 + 0.05 * 20000 for x in stats["n_exact"])
