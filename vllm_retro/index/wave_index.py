@@ -427,10 +427,6 @@ class WaveIndex:
             done += c
         return landed
 
-    def next_ring_row(self) -> int:
-        """Row of :attr:`steady` (in :attr:`slot`) the next appended token goes to."""
-        return self.steady.ring_row(self.num_sinks, self.num_tokens)
-
     def appended(self, n: int) -> bool:
         """Account for ``n`` tokens just written into the ring at positions
         ``num_tokens ..`` (by :meth:`append`, or for a whole batch at once by

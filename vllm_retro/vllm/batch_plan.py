@@ -33,11 +33,11 @@ class RetroDecode:
     first: int
     count: int
     catch_up: IndexBuild | None = None
-    position: int = 0
-    """The request's tokens before this step: the position of its first token here."""
     """At the request's first indexed step: its block-table row and the tokens computed
     before this step, whose tail (decoded densely while the index was built) joins the
     index before decoding."""
+    position: int = 0
+    """The request's tokens before this step: the position of its first token here."""
 
 
 @dataclass(frozen=True, slots=True)
