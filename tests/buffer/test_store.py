@@ -59,6 +59,49 @@ def test_execution_buffer_equals_direct_gather(cache_pages, dtype, rng):
     mgr.close()
 
 
+def test_a_pool_without_a_block_cache_reads_every_cluster_from_the_host(rng):
+    """A CPU server's pools (``WaveBufferManager(cpu_block_cache=False)``): no block is
+    reserved or allocated, every read is a miss served from the host pool, byte for byte the
+    dense gather's."""
+    h, m, c, d = 3, 900, 60, 64
+    cfg = RetroConfig()
+    keys, values = torch.randn(h, m, d, generator=rng), torch.randn(h, m, d, generator=rng)
+    cl, pos = random_clusters(h, m, c, rng), torch.arange(m)
+    stores = {}
+    for cache in (True, False):
+        manager = WaveBufferManager(cfg, cpu_block_cache=cache)
+        stores[cache] = [manager.store(rid, h, d, torch.float32, "cpu", layer="l0")
+                         for rid in ("a", "b")]
+        for buf in stores[cache]:
+            buf.append(keys, values, pos, cl)
+    with_cache = stores[True][0]
+    assert with_cache.pool.block_cache and with_cache.capacity.sum() > 0  # the default
+    assert with_cache.pool.blocks.num_blocks > 0
+    a, b = stores[False]
+    assert not a.pool.block_cache and a.pool is b.pool
+    assert a.capacity.sum() == b.capacity.sum() == 0 and a.pool.blocks.num_blocks == 0
+    assert a.pool.nbytes()[1] == 0 and a.pool.nbytes()[0] > 0
+    dense = DenseClusterStore(h, d, torch.float32, torch.device("cpu"))
+    dense.append(keys, values, pos, cl)
+    sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
+    for _ in range(20):
+        ids = _ids(c, int(torch.randint(1, 12, (1,), generator=rng)), h, rng)
+        ek, ev, _, elen = a.gather(ids, [(sk, sv)])
+        dk, dv, _, dlen = dense.gather(ids, [(sk, sv)])
+        assert torch.equal(elen, dlen)
+        for i in range(h):
+            n = int(dlen[i])
+            assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
+        a.step_done()
+        a.check_invariants()
+    snap = a.stats.snapshot()
+    assert snap["device_cache_hit_clusters"] == 0 and snap["device_cache_miss_clusters"] > 0
+    assert snap["device_cache_admitted_pages"] == 0 and a.pool.nbytes()[1] == 0
+    for bufs in stores.values():
+        for buf in bufs:
+            buf.free()
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), cache_pages=st.integers(0, 40),
        steps=st.lists(st.integers(1, 10), min_size=1, max_size=40))

@@ -37,6 +37,9 @@ def test_a_layers_requests_share_its_preallocated_pool(backend):
         assert host.generation == 1  # mapped once, never grown
         assert host.capacity_pages * host.page_nbytes() >= 2 * psutil.virtual_memory().total
         assert host.nbytes() == host.allocated_pages * host.page_nbytes() > 0
+        # a CPU server keeps no device block cache: the kernels read the host pool itself
+        assert not pool["x", layer].block_cache and pool["x", layer].blocks.num_blocks == 0
+    assert rt.live_bytes()[1] == 0
     if backend == "auto":
         assert fused_path(backend, torch.device("cpu"))  # `make setup` built the kernel
     held = rt.live_bytes()[0]

@@ -73,13 +73,18 @@ class LayerPool:
     def __init__(self, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, stats: BufferStats,
                  on_empty: Callable[[LayerPool], None] | None = None, reserve_bytes: int = 0,
-                 worker: UpdateWorker | None = None, host: HostTier | None = None):
+                 worker: UpdateWorker | None = None, host: HostTier | None = None,
+                 block_cache: bool = True):
         """``reserve_bytes``: host address space the layer's page pool is mapped with at
         its first claim (committed as pages are written; 0: the pool grows as it fills),
         see :mod:`vllm_retro.buffer.host_tier`. ``worker``: the thread the stores' layout
         and cache-update jobs run on (None: a synchronous one of the pool's own: every job
         runs at submission). ``host``: the page pool (None: one made here, pinned when
-        the device is CUDA; tests hand a pinned one over a fake driver)."""
+        the device is CUDA; tests hand a pinned one over a fake driver). ``block_cache``:
+        whether the stores keep clusters in the device block pool; False: they reserve no
+        blocks and every read comes from the host pool (a CPU server's pools: there the
+        "device" is host memory too, so a cached copy saves nothing and costs 5-35% of the
+        indexed KV)."""
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -92,6 +97,8 @@ class LayerPool:
             reserve_pages=reserve_bytes // page_bytes,
             fence=partial(torch.cuda.synchronize, self.device) if cuda else None)
         self.blocks = DeviceBlockPool(head_dim, page_size, dtype, self.device, stats)
+        self.block_cache = block_cache
+        """Whether the layer's stores reserve blocks in :attr:`blocks` (their budgets)."""
         self.stats = stats
         self.worker = worker or UpdateWorker(stats, enabled=False)
         self.stores: set[WaveBufferStore] = set()

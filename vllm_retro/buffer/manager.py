@@ -26,14 +26,18 @@ from vllm_retro.growth import grown
 class WaveBufferManager:
     """Factory and registry of :class:`WaveBufferStore` objects, keyed by request id."""
 
-    def __init__(self, config: RetroConfig | None = None, pool_reserve_bytes: int = 0):
+    def __init__(self, config: RetroConfig | None = None, pool_reserve_bytes: int = 0,
+                 cpu_block_cache: bool = True):
         """``pool_reserve_bytes``: host address space each layer's page pool is mapped with
         (:class:`~vllm_retro.buffer.layer_pool.LayerPool`; a store's private pool gets
-        none and grows as it fills)."""
+        none and grows as it fills). ``cpu_block_cache``: whether pools on the CPU keep a
+        block cache (``LayerPool(block_cache=...)``; a serving runtime passes False, tests
+        of the cache keep it as a GPU's stand-in); other devices always do."""
         if pool_reserve_bytes < 0:
             raise ValueError(f"pool_reserve_bytes {pool_reserve_bytes}; accepted: >= 0")
         self.config = config or RetroConfig()
         self.pool_reserve_bytes = int(pool_reserve_bytes)
+        self.cpu_block_cache = cpu_block_cache
         self.stats = BufferStats()
         self.worker = UpdateWorker(self.stats, enabled=self.config.async_updates)
         self._stores: dict[str, list[WaveBufferStore]] = {}
@@ -57,7 +61,8 @@ class WaveBufferManager:
                     num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
                     on_empty=lambda p, key=key: self._drop_pool(key, p),
                     reserve_bytes=0 if layer is None else self.pool_reserve_bytes,
-                    worker=self.worker)
+                    worker=self.worker,
+                    block_cache=device.type != "cpu" or self.cpu_block_cache)
             st = WaveBufferStore(pool, self.config, self.exec_buffer, request_id)
             self._stores.setdefault(request_id, []).append(st)
         return st

@@ -247,9 +247,12 @@ class WaveBufferStore:
         self.table.add_clusters(first + page_start, n_pages, sizes)
 
     def _grow_cache(self, new_pages: np.ndarray) -> None:
-        """Grow each head's block budget for ``new_pages`` ([H]) more host pages."""
+        """Grow each head's block budget for ``new_pages`` ([H]) more host pages (none in a
+        pool without a block cache)."""
         cfg = self.config
         self._host_pages += new_pages
+        if not self.pool.block_cache:
+            return
         for h in range(self.num_heads):
             tokens = int(self._host_pages[h]) * self.page_size
             target = -(-cfg.cache_tokens(tokens) // self.page_size)

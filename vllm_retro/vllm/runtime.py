@@ -91,8 +91,10 @@ class RetroRuntime:
         if self._manager is None:
             if self.config is None:
                 raise RuntimeError("retro runtime used while retro is off for this engine")
+            # no block cache on a CPU: the kernels read the clusters in the host pool
             self._manager = WaveBufferManager(
-                self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config))
+                self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config),
+                cpu_block_cache=False)
         return self._manager
 
     @property
