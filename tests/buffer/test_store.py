@@ -33,23 +33,35 @@ def _ids(c, r, h, g):
     return torch.stack([torch.randperm(c, generator=g)[:r] for _ in range(h)])
 
 
+def _assert_same_gather(buf, dense, ids, steady):
+    """``buf``'s execution buffer for ``ids`` holds exactly ``dense``'s gather's bytes."""
+    ek, ev, epos, elen = buf.gather(ids, steady)
+    dk, dv, dpos, dlen = dense.gather(ids, steady)
+    assert torch.equal(elen, dlen) and torch.equal(epos, dpos)
+    for i in range(ids.shape[0]):
+        n = int(dlen[i])
+        assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
+
+
+def _random_steps(buf, dense, steps, c, rng, dtype=torch.float32):
+    """``steps`` decode steps of 1-11 random clusters per head through ``buf`` (its update
+    joined and its invariants checked after each), each gather equal to ``dense``'s."""
+    h, d = buf.num_heads, buf.head_dim
+    steady = [tuple(torch.randn(h, 5, d, generator=rng).to(dtype) for _ in range(2))]
+    for _ in range(steps):
+        _assert_same_gather(buf, dense, _ids(c, int(torch.randint(1, 12, (1,), generator=rng)),
+                                             h, rng), steady)
+        buf.step_done()
+        buf.check_invariants()
+
+
 @pytest.mark.parametrize("cache_pages", [0, 3, 20, 10_000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_execution_buffer_equals_direct_gather(cache_pages, dtype, rng):
     """Random hit/miss mixes: the assembled buffer holds exactly the dense gather's bytes."""
     h, m, c, d = 3, 900, 60, 64
     mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=cache_pages), h, m, c, d, rng, dtype)
-    sk, sv = torch.randn(h, 5, d, generator=rng).to(dtype), torch.randn(h, 5, d).to(dtype)
-    for _ in range(30):
-        ids = _ids(c, int(torch.randint(1, 12, (1,), generator=rng)), h, rng)
-        ek, ev, epos, elen = buf.gather(ids, [(sk, sv)])
-        dk, dv, dpos, dlen = dense.gather(ids, [(sk, sv)])
-        assert torch.equal(elen, dlen) and torch.equal(epos, dpos)
-        for i in range(h):
-            n = int(dlen[i])
-            assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
-        buf.step_done()
-        buf.check_invariants()
+    _random_steps(buf, dense, 30, c, rng, dtype)
     snap = mgr.stats.snapshot()
     assert snap["device_cache_hit_clusters"] + snap["device_cache_miss_clusters"] > 0
     if cache_pages == 0:
@@ -83,17 +95,7 @@ def test_a_pool_without_a_block_cache_reads_every_cluster_from_the_host(rng):
     assert a.pool.nbytes()[1] == 0 and a.pool.nbytes()[0] > 0
     dense = DenseClusterStore(h, d, torch.float32, torch.device("cpu"))
     dense.append(keys, values, pos, cl)
-    sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
-    for _ in range(20):
-        ids = _ids(c, int(torch.randint(1, 12, (1,), generator=rng)), h, rng)
-        ek, ev, _, elen = a.gather(ids, [(sk, sv)])
-        dk, dv, _, dlen = dense.gather(ids, [(sk, sv)])
-        assert torch.equal(elen, dlen)
-        for i in range(h):
-            n = int(dlen[i])
-            assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
-        a.step_done()
-        a.check_invariants()
+    _random_steps(a, dense, 20, c, rng)
     snap = a.stats.snapshot()
     assert snap["device_cache_hit_clusters"] == 0 and snap["device_cache_miss_clusters"] > 0
     assert snap["device_cache_admitted_pages"] == 0 and a.pool.nbytes()[1] == 0
@@ -300,12 +302,7 @@ def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at,
     sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
     for step in range(12):
         ids = _ids(c, 8, h, rng)
-        ek, ev, _, elen = buf.gather(ids, [(sk, sv)])
-        dk, dv, _, dlen = dense.gather(ids, [(sk, sv)])
-        assert torch.equal(elen, dlen)
-        for i in range(h):
-            n = int(dlen[i])
-            assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
+        _assert_same_gather(buf, dense, ids, [(sk, sv)])
         buf.step_done()
         buf.check_invariants()
         if step + 1 == fail_at:
