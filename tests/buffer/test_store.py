@@ -86,6 +86,7 @@ def test_a_pool_without_a_block_cache_reads_every_cluster_from_the_host(rng):
                          for rid in ("a", "b")]
         for buf in stores[cache]:
             buf.append(keys, values, pos, cl)
+            buf.settle()  # the layout, on the buffer's worker, done
     with_cache = stores[True][0]
     assert with_cache.pool.block_cache and with_cache.capacity.sum() > 0  # the default
     assert with_cache.pool.blocks.num_blocks > 0
