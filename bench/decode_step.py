@@ -3,11 +3,12 @@
 32 query heads, 8 KV heads, head_dim 128, bf16, at each context length and batch size. Full
 attention runs through the strongest kernel available on the machine — vLLM's own CPU
 paged-attention kernel on CPU, PyTorch's FlashAttention SDPA backend on CUDA — and the wave
-index + wave buffer (default budgets, 5% device cache, asynchronous updates) serves the same
-queries; both are timed step by step, interleaved, in the same run. Printed and written to
+index + wave buffer (default budgets, the host tier read in place or gathered from it,
+layouts on the buffer's worker) serves the same queries; both are timed step by step,
+interleaved, in the same run. Printed and written to
 ``bench/results/decode_step_<device>.{json,png}``: median step times, their ratio, bytes read
-per step, the buffer's hit ratio, and (CUDA) the host->device bandwidth of the gather kernel
-against a plain ``copy_`` of the same bytes.
+per step, and (CUDA) the host->device bandwidth of the gather kernel against a plain
+``copy_`` of the same bytes.
 
 Bytes-moved lower bound: the machine's read bandwidth is measured in the same run (a
 reduction over a buffer far larger than the caches, or device memory on CUDA); each method's
@@ -16,9 +17,10 @@ that bound / the measured time says how close each method gets to the memory lim
 Cases whose KV does not fit in memory (dense copy plus host tier) are skipped and recorded.
 
 The KV is synthetic but structured (keys drawn around a few thousand directions, queries
-drifting slowly between steps) so that the index has real clusters and the cache real
-temporal locality; the hit ratio on real model data is measured by the tests
-(``tests/buffer/test_real_data.py``).
+drifting slowly between steps) so that the index has real clusters and consecutive steps
+share hot clusters. (Until 2026-12-04 the rows also carried the hit ratio of the wave
+buffer's per-request device block cache, removed since; the device step's cluster cache is
+measured by ``bench/device_step.py`` and ``bench/cache_hits.py``.)
 
     .venv/bin/python bench/decode_step.py                 # 8K-128K, batch 1, 8, 32
     .venv/bin/python bench/decode_step.py --contexts 32768 --batches 1 --steps 10
@@ -246,8 +248,8 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     t0 = time.perf_counter()
     keys, values, centers = synthetic_kv(batch, n, dtype, seed=n + batch)
     full, full_name, full_bytes = full_attention_kernel(keys, values, device)
-    # the wave buffer's path (host tier + device cache): the device-resident step has its
-    # own benchmark, bench/device_step.py
+    # the wave buffer's path (host tier): the device step has its own benchmark,
+    # bench/device_step.py
     cfg = wave_config(args)
     mgr = WaveBufferManager(cfg)
     build_s = time.perf_counter()
@@ -409,7 +411,6 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
             q = walk.step().to(device, dtype)
             decode_pq(pq_indexes, q, SCALE, torch.empty_like(q), pq_views, phases=pq_phases)
     pq_step_bytes = sum(pq_bytes(i, 2) for i in pq_indexes)
-    snap = mgr.stats.snapshot()
     mgr.close()
     pq_mgr.close()
     graph_mgr.close()
@@ -434,8 +435,6 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
         "speedup_per_row": full_ms / (statistics.median(row_t) * 1e3),
         "full_bytes_per_step": full_bytes, "retro_bytes_per_step": statistics.mean(rbytes),
         "bytes_ratio": full_bytes / statistics.mean(rbytes),
-        "cluster_hit_ratio": snap["hit_ratio"],
-        "token_hit_ratio": snap["hit_tokens"] / max(1, snap["hit_tokens"] + snap["miss_tokens"]),
         "index_build_s_per_request": build_s, "case_wall_s": time.perf_counter() - t0,
         "phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3 for k, v in phases.items()},
         "fused_phase_ms_per_step": {k: v / max(args.phase_steps, 1) * 1e3
@@ -483,7 +482,7 @@ def bench_case(n: int, batch: int, args: argparse.Namespace, device: torch.devic
     row["retro_bw_efficiency"] = row["retro_lower_bound_ms"] / retro_ms
     print(f"ctx {n:>6} batch {batch}: full {full_ms:8.2f} ms  retro {retro_ms:8.2f} ms  "
           f"speedup {row['speedup']:5.2f}x  bytes {row['bytes_ratio']:5.1f}x fewer  "
-          f"hit {row['token_hit_ratio']:.2f}  (build {build_s:.1f} s/request)", flush=True)
+          f"(build {build_s:.1f} s/request)", flush=True)
     print(f"    per-row path {row['retro_per_row_ms']:8.2f} ms  speedup "
           f"{row['speedup_per_row']:5.2f}x", flush=True)
     if row["retro_padded_ms"] is not None:

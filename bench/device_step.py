@@ -24,8 +24,8 @@ query already on the device:
   where the wave buffer's host tier keeps it (pinned host memory, over the bus: the regime
   where the KV does not fit the device; the index is built over a wave buffer store then),
   and ``in_place_cache``, the same through the layer's cluster cache on the device (the
-  wave buffer's device cache budget, as serving sizes it: ``cache_fraction`` of the tokens
-  in blocks of 1.25 average clusters), with its token hit ratio over the timed steps;
+  only device cache of clusters, LRU; sized as serving sizes it: ``cache_fraction`` of the
+  tokens in blocks of 1.25 average clusters), with its token hit ratio over the timed steps;
 - **rank** and **attend**: the eager step's two parts alone
   (:func:`~vllm_retro.index.device_layer.rank_clusters`: cluster scoring and top-k;
   :func:`~vllm_retro.index.device_layer.attend`), where its time goes.

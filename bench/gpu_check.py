@@ -14,8 +14,12 @@ stage in its own process under a time limit, and writes into OUTDIR:
   eager, each kernel's device time and the zone selection against ``torch.topk``) and
   ``device_step_quest_cuda.json`` (the same step for Quest, its pages scored on the device
   by their bounds, 32K x batch 1 and 8, copied and in place through the cluster cache),
-  ``gpu_stack.json`` (``bench.gpu``: the wave index + wave buffer stack's older host-tier
-  path, 2 layers, 32K x batch 1 and 8) and ``kmeans_cost_cuda.json``
+  ``gpu_stack.json`` (``bench.gpu``, the host-tier stack: the wave index + wave buffer
+  stack's host-tier path, each step's retrieval zone gathered from the pinned host tier by
+  the padded batched path, 2 layers, 32K x batch 1 and 8; the fallback where the device step
+  does not fit; since 2026-12-04 without the per-request device block cache it was first
+  timed with, see ``bench/results/gpu_check_h200_2026-11-28/README.md``) and
+  ``kmeans_cost_cuda.json``
   (:mod:`bench.kmeans_cost`: one layer's index build, segmented k-means at 32K and 128K).
 
 Stages: the CUDA tests (Triton kernels compiled for the GPU, the device
@@ -89,6 +93,8 @@ def stages(out: pathlib.Path) -> list[tuple[str, list[str], int]]:
                                "32768", "--batches", "1", "8", "--placements", "copy",
                                "in_place_cache", "--steps", "20",
                                "--out", str(out / "device_step_quest_cuda.json")], 25),
+        # the host-tier stack (the fallback where the device step does not fit): no device
+        # cache of clusters, every retrieved token crosses the bus
         ("gpu_stack", [py, "-m", "bench.gpu", "--contexts", "32768", "--batches", "1", "8",
                        "--layers", "2", "--steps", "8", "--prefill-reps", "1",
                        "--out", str(out / "gpu_stack.json")], 50),

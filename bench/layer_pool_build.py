@@ -53,7 +53,7 @@ def build_all(kv: list[tuple[torch.Tensor, torch.Tensor]], cfg: RetroConfig, mod
         WaveIndex.build(k, v, cfg, store=store)
         store.settle()
         seconds.append(time.perf_counter() - t)
-    host = mgr.live_bytes()[0]
+    host = mgr.host_bytes()
     rss = psutil.Process().memory_info().rss - rss
     mgr.close()
     return seconds, host, rss

@@ -1,30 +1,26 @@
-"""The wave buffer's table work of one layer's decode step for a whole batch, at the Llama-3-8B
-layer shape, one call per request against one call for the layer, in the same run.
+"""The wave buffer's mapping-table lookups of one layer's decode step for a whole batch, at the
+Llama-3-8B layer shape, one call per request against one call for the layer, in the same run.
 
-**Lookups** (the decode thread, before the gather): one call per request
+The lookups run on the decode thread, before the gather, on the host-tier path
+(``decode_padded``: where the device step does not serve a layer): one call per request
 (``ClusterMappingTable.lookup_into`` in a loop, what the batched path did before) against one
 call for the layer (``lookup_batch_into``, ``buffer_lookup_batch``: the requests' lookups in
 parallel on ``--threads`` threads, each into a region of the gather plan, then closed up), on
 the same tables and retrievals. On CUDA their time x layers must stay well below a decode
-step. ``--batch`` requests of ``context`` tokens share one layer pool (one host pool and
-page -> block map: the serving layout on CUDA), each with 8 KV heads of clustered keys (16
-tokens per cluster on average, the default 5% device cache, LRU, after 20 steps of cache
-updates). Serving touches each layer's tables once per step, between the other layers'
-steps: so the layer's tables (records, cached flags, page -> block map) are copied to
-``--layers`` layers (1 GB at 128K x 8 x 32 layers: far past the caches) and each variant
-looks every layer up in turn, as a decode step does, while the Python and library code it
-runs stays as warm as it is in serving. Each step every request reads its retrieval zone's
-clusters, 30% of them new; the variants alternate which goes first. Both must write the same
-plans. Only the tables matter here, so the keys have head_dim 16 (the host pool is never
-read).
+step. ``--batch`` requests of ``context`` tokens share one layer pool (one host pool: the
+serving layout), each with 8 KV heads of clustered keys (16 tokens per cluster on average).
+Serving touches each layer's tables once per step, between the other layers' steps: so the
+layer's tables (the cluster records) are copied to ``--layers`` layers (1 GB at 128K x 8 x 32
+layers: far past the caches) and each variant looks every layer up in turn, as a decode step
+does, while the Python and library code it runs stays as warm as it is in serving. Each step
+every request reads its retrieval zone's clusters, 30% of them new; the variants alternate
+which goes first. Both must write the same plans. Only the tables matter here, so the keys
+have head_dim 16 (the host pool is never read).
 
-**Cache updates** (the worker's job for the layer step, joined at the layer's next step):
-each request's ``WaveBufferStore.update`` in turn, each delivering its plan to the
-request's future (the job as it was: ``worker.deliver``) against one
-``LayerPool.update_batch`` (``buffer_update_batch``: each request's stamps and evictions,
-then its admissions, in parallel; the layer's free stack in request order). Two identical
-layers take the same steps, one per variant, each update right after its layer's lookups
-(as the worker runs it); both must leave the same tables and plans.
+Until 2026-12-04 this script also timed the per-request device block cache's updates (the
+worker's job, ``buffer_update_batch``), removed with that cache (see
+``bench/results/gpu_check_h200_2026-11-28/README.md``); ``results/layer_tables*.json`` from
+before then carry them.
 
     .venv/bin/python bench/layer_tables.py --contexts 8192 32768 131072 --batch 8
 """
@@ -37,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from concurrent.futures import Future  # noqa: E402
-
 from tests.fixtures import random_clusters  # noqa: E402
 from vllm_retro.buffer import WaveBufferManager  # noqa: E402
 from vllm_retro.buffer.mapping import ClusterMappingTable  # noqa: E402
-from vllm_retro.buffer.worker import deliver  # noqa: E402
 from vllm_retro.config import RetroConfig  # noqa: E402
 
 HKV, D = 8, 16
@@ -91,26 +83,20 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
     stores = _stores(manager, context, batch, seed)
     mod = stores[0].compiled
     assert mod is not None, "the extension did not build"
+    pages = stores[0].host.capacity_pages
     rng = np.random.default_rng(seed)
     ids = [np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)]) for _ in stores]
-    for _ in range(20):  # caches as a decode finds them: hits and misses
-        step_ids(ids, c, rng)
-        for st, i in zip(stores, ids, strict=True):
-            st.update(i, st.lookup(i), 0)
-    for st in stores:
-        st.sync()
     # every layer's tables: copies of this one's (separate memory, so as cold as serving's)
     tables = []
     for _ in range(layers):
         copies = []
         for st in stores:
             t = ClusterMappingTable(HKV, st.page_size)
-            t.records, t.cached = st.table.records.copy(), st.table.cached.copy()
+            t.records = st.table.records.copy()
             copies.append(t)
-        tables.append((copies, stores[0].host.page_block.copy()))
+        tables.append(copies)
     per_layer: dict[str, list[float]] = {v: [] for v in VARIANTS}
     per_step: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    hit_share = []
     for step in range(steps):
         step_ids(ids, c, rng)
         t_cap = max(int(st.table.size[np.arange(HKV)[:, None], i].sum(axis=1).max())
@@ -119,15 +105,15 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
         written = {}
         for variant in VARIANTS if step % 2 else VARIANTS[::-1]:
             plan, total = plans[variant], 0.0
-            for copies, page_block in tables:
+            for copies in tables:
                 t0 = time.perf_counter()
                 if variant == "per_request":
                     at = 0
                     for j, (t, i) in enumerate(zip(copies, ids, strict=True)):
-                        at += len(t.lookup_into(mod, i, page_block, plan, at, j * HKV, 0,
+                        at += len(t.lookup_into(mod, i, pages, plan, at, j * HKV, 0,
                                                 t_cap).runs)
                 else:
-                    lks = ClusterMappingTable.lookup_batch_into(mod, copies, ids, page_block,
+                    lks = ClusterMappingTable.lookup_batch_into(mod, copies, ids, pages,
                                                                 plan, [0] * batch, t_cap,
                                                                 threads)
                     at = sum(len(lk.runs) for lk in lks)
@@ -137,12 +123,9 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
             per_step[variant].append(total)
             written[variant] = plan[:at].copy()
         assert np.array_equal(written["per_request"], written["one_call"]), "plans differ"
-        hits = (written["one_call"][:, 2] > 0) * written["one_call"][:, 2]
-        hit_share.append(hits.sum() / np.abs(written["one_call"][:, 2]).sum())
     out: dict = {"context": context, "batch": batch, "layers": layers, "threads": threads,
                  "clusters_per_head": c, "reads_per_head": r,
-                 "plan_runs_per_layer_step": len(written["one_call"]),
-                 "hit_token_share": round(float(np.mean(hit_share)), 3)}
+                 "plan_runs_per_layer_step": len(written["one_call"])}
     for variant in VARIANTS:
         ms = [x * 1e3 for x in per_layer[variant]]
         out[f"{variant}_layer_median_ms"] = round(statistics.median(ms), 4)
@@ -153,83 +136,19 @@ def run(context: int, batch: int, layers: int, steps: int, threads: int, seed: i
     return out
 
 
-def run_updates(context: int, batch: int, steps: int, threads: int, seed: int = 0) -> dict:
-    """Median / p90 ms of one layer step's cache updates for the batch, each variant (the
-    one call on ``threads`` threads), on two identical layers."""
-    cfg = RetroConfig()
-    c = context // 16
-    r = cfg.num_retrieval(c)
-    layers = {v: (WaveBufferManager(cfg),) for v in VARIANTS}
-    layers = {v: (m, _stores(m, context, batch, seed)) for v, (m,) in layers.items()}
-    mod = layers["one_call"][1][0].compiled
-    assert mod is not None, "the extension did not build"
-    rng = np.random.default_rng(seed)
-    ids = [np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)]) for _ in range(batch)]
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for step in range(steps):
-        step_ids(ids, c, rng)
-        stores = layers["one_call"][1]
-        t_cap = max(int(st.table.size[np.arange(HKV)[:, None], i].sum(axis=1).max())
-                    for st, i in zip(stores, ids, strict=True))
-        plans = {}
-        for variant in VARIANTS if step % 2 else VARIANTS[::-1]:
-            stores = layers[variant][1]
-            plan = np.zeros((batch * HKV * t_cap, 3), dtype=np.int64)
-            for st in stores:
-                st.sync()
-            lks = ClusterMappingTable.lookup_batch_into(
-                mod, [st.table for st in stores], ids, stores[0].host.page_block, plan,
-                [0] * batch, t_cap, threads)
-            t0 = time.perf_counter()
-            if variant == "per_request":  # the job as it was: each update into its future
-                futures = [Future() for _ in stores]
-                deliver([(partial(st.update, i, lk, 0), f) for st, i, lk, f
-                         in zip(stores, ids, lks, futures, strict=True)])
-                out = [f.result() for f in futures]
-            else:
-                futures = [Future() for _ in stores]
-                stores[0].pool.update_batch(stores, ids, lks, [0] * batch, futures,
-                                            threads=threads)
-                out = [f.result() for f in futures]
-            times[variant].append(time.perf_counter() - t0)
-            plans[variant] = out
-        for p, q in zip(plans["per_request"], plans["one_call"], strict=True):
-            assert all(np.array_equal(x, y) for x, y in zip(p, q, strict=True)), "plans differ"
-    a, b = (layers[v][1] for v in VARIANTS)
-    for x, y in zip(a, b, strict=True):
-        assert np.array_equal(x.table.records, y.table.records), "tables differ"
-    evicted = layers["one_call"][0].stats.snapshot()["device_cache_evicted_pages"]
-    out: dict = {"context": context, "batch": batch, "threads": threads,
-                 "pages_evicted_per_layer_step": round(evicted / steps, 1)}
-    for variant, ts in times.items():
-        ms = [x * 1e3 for x in ts[steps // 10:]]
-        out[f"{variant}_median_ms"] = round(statistics.median(ms), 4)
-        out[f"{variant}_p90_ms"] = round(float(np.percentile(ms, 90)), 4)
-    out["speedup"] = round(out["per_request_median_ms"] / out["one_call_median_ms"], 2)
-    for m, _ in layers.values():
-        m.close()
-    return out
-
-
 def main() -> None:
-    """Print the lookups' and the updates' lines per (context, threads) (and write ``--out``
-    as JSON)."""
+    """Print the lookups' lines per (context, threads) (and write ``--out`` as JSON)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="lookup steps (x layers)")
-    ap.add_argument("--update-steps", type=int, default=100)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, len(os.sched_getaffinity(0))])
-    ap.add_argument("--parts", nargs="+", choices=["lookups", "updates"],
-                    default=["lookups", "updates"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     threads = list(dict.fromkeys(args.threads))
     rows = [run(n, args.batch, args.layers, args.steps, t)
-            for n in args.contexts for t in threads] if "lookups" in args.parts else []
-    updates = [run_updates(n, args.batch, args.update_steps, t)
-               for n in args.contexts for t in threads] if "updates" in args.parts else []
+            for n in args.contexts for t in threads]
     print("lookups, a layer step's for the batch:")
     for row in rows:
         print(f"{row['context']:>7} tokens x {row['batch']} requests, {row['threads']} "
@@ -239,16 +158,8 @@ def main() -> None:
                   f"({row[f'{v}_layer_p90_ms']:.3f} p90), {row[f'{v}_step_median_ms']:.2f} ms "
                   f"per {row['layers']}-layer step")
         print(f"    one call / per request: {row['speedup']:.2f}x faster")
-    print("cache updates, a layer step's for the batch (the worker's job):")
-    for row in updates:
-        print(f"{row['context']:>7} tokens x {row['batch']} requests, {row['threads']} "
-              f"thread(s), {row['pages_evicted_per_layer_step']:.0f} pages evicted per layer "
-              f"step: per request {row['per_request_median_ms']:.3f} ms "
-              f"({row['per_request_p90_ms']:.3f} p90), one call {row['one_call_median_ms']:.3f}"
-              f" ms ({row['one_call_p90_ms']:.3f} p90): {row['speedup']:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"lookups": rows, "updates": updates}, indent=1)
-                                  + "\n")
+        Path(args.out).write_text(json.dumps({"lookups": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

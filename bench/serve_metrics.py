@@ -100,8 +100,9 @@ def _ratio(num: float, den: float) -> float:
 
 def retro_summary(d: Samples) -> dict[str, float]:
     """The retro families over a run (``d``: a before/after delta): indexed requests and
-    tokens, sparse and dense decode tokens, the device cache hit ratio of the run's lookups,
-    host-to-device bytes and the mean index build time (seconds)."""
+    tokens, sparse and dense decode tokens, the device cache hit ratio of the run's lookups
+    (the device step's cluster cache; a step whose clusters are gathered from the host tier
+    counts them as misses), host-to-device bytes and the mean index build time (seconds)."""
     p = "vllm_retro:"
     hits = value(d, p + "device_cache_hit_clusters_total")
     misses = value(d, p + "device_cache_miss_clusters_total")

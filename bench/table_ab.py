@@ -1,17 +1,18 @@
-"""Two builds of the compiled table work (``kernels/csrc/buffer_cpu.cpp``) in one run: one
-store's lookup and cache update per step, each build on the same tables, retrievals and
-cache state (the state is restored between the two updates, whose results must be equal).
-For before/after measurements of a change to ``buffer_cpu.cpp``: build the old commit's
-extension (``cpu_ext.load()`` in a worktree of it: it lands in the same cache), then
+"""Two builds of the compiled mapping-table lookup (``kernels/csrc/buffer_cpu.cpp``) in one
+run: one store's lookup per step, each build on the same tables and retrievals (the plans
+they write must be equal). For before/after measurements of a change to ``buffer_cpu.cpp``:
+build the old commit's extension (``cpu_ext.load()`` in a worktree of it: it lands in the
+same cache), then
 
     .venv/bin/python bench/table_ab.py --old <hash> --new <hash> --contexts 32768 131072
 
 with the hashes of ``~/.cache/vllm-retro/extensions/retro_cpu-<hash>``. Both builds must
-have what this checkout's ``WaveBufferStore.update`` calls (through
-``LayerPool.update_batch``): ``buffer_update_batch`` with its plans of one entry per
-admitted page (since commit a3fdbee), so older builds cannot be compared this way. Keys
-have head_dim 16 (the tables are what is timed); a 64 MB sweep precedes each lookup, as in
-``bench/cache_update.py``, and the update follows its lookup, as on the worker.
+have the ``buffer_lookup`` this checkout's ``WaveBufferStore.lookup_into`` calls (the host
+pool's page count rather than a page -> block map, since the per-request device block cache
+was removed on 2026-12-04), so older builds cannot be compared this way; until then this
+script also timed the cache update (``results/table_ab_*.json``). Keys have head_dim 16 (the
+tables are what is timed); a 64 MB sweep precedes each lookup, as in
+``bench/cache_update.py``.
 """
 
 from __future__ import annotations
@@ -46,19 +47,8 @@ def load(build: str):
     return module
 
 
-def _state(st) -> list[np.ndarray]:
-    return [a.copy() for a in (st.table.records, st.table.cached, st.host.page_block,
-                               st.blocks.free_stack, st.blocks.n_free)]
-
-
-def _restore(st, state: list[np.ndarray]) -> None:
-    for dst, src in zip((st.table.records, st.table.cached, st.host.page_block,
-                         st.blocks.free_stack, st.blocks.n_free), state, strict=True):
-        dst[...] = src
-
-
 def run(context: int, steps: int, builds: dict, seed: int = 0) -> dict:
-    """Median ms of each build's lookup and update at ``context``."""
+    """Median ms of each build's lookup at ``context``."""
     cfg = RetroConfig()
     c = context // 16
     r = cfg.num_retrieval(c)
@@ -72,7 +62,7 @@ def run(context: int, steps: int, builds: dict, seed: int = 0) -> dict:
     ids = np.stack([rng.choice(c, r, replace=False) for _ in range(HKV)])
     plan = np.zeros((HKV * 4 * r * 16, 3), dtype=np.int64)
     sweep = np.ones(64 << 17)
-    times = {b: {"lookup": [], "update": []} for b in builds}
+    times: dict[str, list[float]] = {b: [] for b in builds}
     for step in range(steps):
         for h in range(HKV):
             pick = rng.choice(r, int(0.3 * r), replace=False)
@@ -80,27 +70,20 @@ def run(context: int, steps: int, builds: dict, seed: int = 0) -> dict:
                                       replace=False)
         t_cap = int(st.table.size[np.arange(HKV)[:, None], ids].sum(axis=1).max())
         order = list(builds) if step % 2 else list(builds)[::-1]
-        before, clock, after = _state(st), st.clock, {}
+        written = {}
         for b in order:
-            _restore(st, before)
-            st.clock = clock
             st.compiled = builds[b]
             sweep.sum()
             t0 = time.perf_counter()
             lk = st.lookup_into(ids, plan, 0, 0, 0, t_cap)
-            t1 = time.perf_counter()
-            out = st.update(ids, lk, 0)
-            t2 = time.perf_counter()
-            times[b]["lookup"].append(t1 - t0)
-            times[b]["update"].append(t2 - t1)
-            after[b] = (_state(st), [o.copy() for o in out])
-        (sa, pa), (sb, pb) = after.values()
-        assert all(np.array_equal(x, y) for x, y in zip(sa + pa, sb + pb, strict=True)), \
-            f"step {step}: the builds' decisions differ"
+            times[b].append(time.perf_counter() - t0)
+            written[b] = (lk.runs.copy(), lk.begins.copy(), lk.totals.copy(), lk.counts.copy())
+        a, b = written.values()
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), \
+            f"step {step}: the builds' lookups differ"
     out = {"context": context, "steps": steps}
     for b in builds:
-        for phase, ts in times[b].items():
-            out[f"{b}_{phase}_median_ms"] = round(statistics.median(ts[steps // 10:]) * 1e3, 4)
+        out[f"{b}_lookup_median_ms"] = round(statistics.median(times[b][steps // 10:]) * 1e3, 4)
     manager.close()
     return out
 
@@ -117,8 +100,7 @@ def main() -> None:
     rows = [run(n, args.steps, builds) for n in args.contexts]
     for row in rows:
         print(f"{row['context']:>7} tokens: lookup old {row['old_lookup_median_ms']:.3f} -> new "
-              f"{row['new_lookup_median_ms']:.3f} ms, update old {row['old_update_median_ms']:.3f}"
-              f" -> new {row['new_update_median_ms']:.3f} ms (same decisions)")
+              f"{row['new_lookup_median_ms']:.3f} ms (same plans)")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(builds={"old": args.old, "new": args.new},
                                                   rows=rows), indent=1) + "\n")

@@ -23,9 +23,6 @@ from typing import Any
 
 import torch
 
-from vllm_retro.buffer import WaveBufferManager
-from vllm_retro.config import RetroConfig
-from vllm_retro.index import WaveIndex
 from vllm_retro.index.clustering import Clusters
 from vllm_retro.models import (
     QWEN25_CODER_05B_INSTRUCT,
@@ -127,26 +124,3 @@ def build_qwen_capture(
                     f"[vllm-retro] capture cached at {path} ({time.perf_counter() - t0:.1f} s)"
                 )
     return torch.load(path, weights_only=True)
-
-
-def hit_ratios(capture: dict, config: RetroConfig) -> dict[int, dict[str, float]]:
-    """Per layer: cluster- and token-level hit ratios over all the captured decode queries."""
-    out = {}
-    for layer, d in capture["layers"].items():
-        q, k, v, pos = d["q"], d["k"], d["v"], d["positions"]
-        start = int(pos[0])
-        mgr = WaveBufferManager(config)
-        idx = WaveIndex.build(k[:, :start], v[:, :start], config,
-                              store=mgr.store("r", k.shape[0], k.shape[2], k.dtype, "cpu"))
-        for i, t in enumerate(pos.tolist()):
-            if t + 1 > idx.num_tokens:
-                idx.append(k[:, idx.num_tokens:t + 1], v[:, idx.num_tokens:t + 1])
-            idx.decode(q[:, i], capture["scale"])
-        s = mgr.stats
-        out[int(layer)] = {"cluster_hit_ratio": s.hit_ratio,
-                           "token_hit_ratio": s.hit_tokens / (s.hit_tokens + s.miss_tokens),
-                           "steps": len(pos)}
-        idx.store.check_invariants()
-        mgr.close()
-        assert s.host_bytes == 0 and s.device_bytes == 0
-    return out

@@ -17,7 +17,7 @@ from typing import Any
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DEVICE_RESIDENT = ("auto", "on", "in_place", "off")
 ESTIMATORS = ("tilted", "centroid", "auto")
-CACHE_POLICIES = ("lru", "lfu")
+CACHE_POLICIES = ("lru",)
 INDEXES = ("wave", "pqcache", "saap", "graph", "quest", "streaming")
 
 
@@ -266,21 +266,25 @@ class RetroConfig:
 
     # --- wave buffer ------------------------------------------------------------------------
     page_size: int = 8
-    """Tokens per page of the host tier and of the device block cache."""
+    """Tokens per page of the host tier."""
     cache_fraction: float = 0.05
-    """Device block cache size as a fraction of the indexed KV (ignored if cache_pages set),
-    and never less than the same multiple of the retrieval zone's floor (see
-    :meth:`cache_tokens`)."""
+    """Device cluster cache size (the device step reading a layer's KV in place from the
+    host tier, :mod:`vllm_retro.kernels.cluster_cache`) as a fraction of the indexed KV
+    (ignored if cache_pages set), and never less than the same multiple of the retrieval
+    zone's floor (see :meth:`cache_tokens`)."""
     cache_pages: int | None = None
-    """Device block cache size in pages; overrides ``cache_fraction`` when set."""
+    """Device cluster cache size in pages of ``page_size`` tokens; overrides
+    ``cache_fraction`` when set."""
     cache_policy: str = "lru"
-    """Replacement policy of the device block cache: 'lru' or 'lfu'."""
+    """Replacement policy of the device cluster cache: 'lru' (its only one; 'lfu' was the
+    per-request host-side block cache's, removed)."""
     async_updates: bool = True
-    """Apply cache updates on a background CPU worker, off the decode critical path."""
+    """Lay blocks out in the host tier on a background CPU worker, off the decode critical
+    path."""
     table_threads: int | None = None
-    """Host threads for a layer step's table work on the batched decode path: every
-    request's mapping-table lookup (one call, on the decode thread) and every request's
-    cache update (one call, on the buffer's worker), the requests in parallel. None: on
+    """Host threads for a layer step's table work on the batched host-tier path: every
+    request's mapping-table lookup (one call, on the decode thread), the requests in
+    parallel. None: on
     CUDA, half the CPUs this process may use, at most 8 (vLLM sets torch's own intra-op
     threads to 1 while serving on a GPU, so these are separate); 1 elsewhere, where the
     engine's threads already use every core (see :meth:`table_threads_on`)."""

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _table(cases: list[dict]) -> str:
     """A fixed-width table of the cases (skipped ones on one line each)."""
     head = (f"{'ctx':>7} {'B':>3} {'dense ms':>9} {'retro ms':>9} {'speedup':>7} "
-            f"{'dense tok/s':>11} {'retro tok/s':>11} {'H2D MB/st':>9} {'hit tok':>7} "
+            f"{'dense tok/s':>11} {'retro tok/s':>11} {'H2D MB/st':>9} "
             f"{'build ms/L':>10} {'prefill ms/L':>12} {'peak GiB d/r':>13} {'rel err':>8}")
     lines = [head, "-" * len(head)]
     for c in cases:
@@ -72,7 +72,7 @@ def _table(cases: list[dict]) -> str:
             f"{c['context']:>7} {c['batch']:>3} {c['dense_step_ms']:>9.2f} "
             f"{c['retro_step_ms']:>9.2f} {c['speedup']:>6.2f}x {c['dense_tokens_per_s']:>11.1f} "
             f"{c['retro_tokens_per_s']:>11.1f} {c['h2d_bytes_per_step'] / 1e6:>9.2f} "
-            f"{c['token_hit_ratio']:>7.2f} {c['index_build_ms_per_layer']:>10.1f} "
+            f"{c['index_build_ms_per_layer']:>10.1f} "
             f"{c['prefill_attention_ms_per_layer']:>12.1f} {peak:>13} {c['rel_err_mean']:>8.4f}")
     return "\n".join(lines)
 

@@ -41,15 +41,16 @@ def estimate_bytes(shape: StackShape, elem: int, context: int, batch: int, extra
 
     ``dense_device``: the dense stack's KV (context + ``extra_tokens`` decoded) on the device.
     ``retro_device``: the wave index's meta index (one centroid and one value sum per
-    ``cluster_size`` tokens) plus the block cache (``cache_fraction`` of the host pages; pages
-    padded by up to 1.5x). ``workspace``: prefill timing (q/k/v of one layer), generation
+    ``cluster_size`` tokens) plus the layers' execution buffers (the retrieval zone's tokens,
+    ``retrieval_budget`` of the context; the stack keeps no device cache of clusters).
+    ``workspace``: prefill timing (q/k/v of one layer), generation
     temporaries and a 2 GiB margin. ``retro_host``: the host tier (1.5x page padding; PyTorch's
     pinned host allocator rounds every block up to a power of two) plus a few staging copies.
     """
     per_head = context * shape.head_dim * elem  # one K (or V) of one request-layer-head
     kv = 2 * shape.layers * batch * shape.kv_heads * per_head
     dense = kv + 2 * shape.layers * batch * shape.kv_heads * extra_tokens * shape.head_dim * elem
-    retro_dev = int(kv * (1 / cfg.cluster_size + 1.5 * cfg.cache_fraction))
+    retro_dev = int(kv * (1 / cfg.cluster_size + cfg.retrieval_budget))
     workspace = (2 * GiB + (shape.q_heads + 2 * shape.kv_heads) * per_head
                  + 4 * shape.kv_heads * context * shape.head_dim * 4)
     tier = 1.5 * shape.kv_heads * per_head

@@ -94,8 +94,10 @@ class DenseStack:
 
 class RetroStack:
     """One :class:`WaveIndex` per (request, layer), each over a wave buffer store (host tier,
-    pinned on CUDA; device block cache; asynchronous updates), one manager for the stack,
-    and per layer one steady-zone pool (request b in slot b), as the serving runtime keeps."""
+    pinned on CUDA; layouts on the buffer's worker), one manager for the stack, and per layer
+    one steady-zone pool (request b in slot b), as the serving runtime keeps. Each step reads
+    the retrieval zones from the host tier through the padded batched path (no device cache
+    of clusters: that is the device step's, :mod:`vllm_retro.index.resident`, not run here)."""
 
     def __init__(self, layers: int, batch: int, cfg: RetroConfig, dtype: torch.dtype,
                  device: torch.device):
@@ -146,21 +148,20 @@ class RetroStack:
         return out
 
     def device_nbytes(self) -> int:
-        """Bytes on the compute device: meta indexes, steady zones, block caches and the
-        shared execution buffers (on CPU the same structures, in RAM)."""
+        """Bytes on the compute device: meta indexes, steady zones and the execution buffers
+        (on CPU the same structures, in RAM)."""
         total = self.manager.exec_nbytes() + sum(v.nbytes() for v in self.views)
         total += sum(p.nbytes() for p in self.steady if p is not None)
         for row in self.indexes:
             for index in row:
                 if index is None:
                     continue
-                total += (index.meta_nbytes() + index.store.device_nbytes()
-                          + index.steady_nbytes())
+                total += index.meta_nbytes() + index.steady_nbytes()
         return total
 
     def host_nbytes(self) -> int:
         """Host-tier bytes held by every store."""
-        return self.manager.live_bytes()[0]
+        return self.manager.host_bytes()
 
     def num_clusters(self) -> int:
         """Clusters per KV head of the first request-layer (0 if none)."""

@@ -2,7 +2,7 @@
 
 Why not iid noise: with iid Gaussian keys every cluster's centroid is near the origin and
 every cluster scores alike, so the index's top clusters are a random choice, the estimation
-zone is trivially exact, and the block cache sees no temporal locality — timing and counters
+zone is trivially exact, and consecutive steps share no hot clusters — timing and counters
 would describe a workload no model produces. Real post-RoPE keys are anisotropic and
 clustered (a head's keys concentrate around a few directions, with most of their energy in
 the low-frequency RoPE pairs, which barely rotate over the context). So keys here are a
@@ -10,7 +10,7 @@ mixture of Gaussians (``centers`` per layer and KV head) whose centers carry the
 mostly in the low-frequency pairs, rotated by Llama-3's RoPE (theta 500000) at their
 position; values are iid. Queries sit near one of their KV head's centers (so the keys drawn
 around it are what attention, and retrieval, should find), drift slowly between steps (5% of
-heads jump to another center per step, giving the cache temporal locality), and are rotated
+heads jump to another center per step, giving the steps temporal locality), and are rotated
 at the decode position.
 """
 

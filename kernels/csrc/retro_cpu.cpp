@@ -1539,21 +1539,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
     std::vector<int64_t>, std::vector<int64_t>, int64_t, double, bool);
 
 // buffer_cpu.cpp (the wave buffer's table work)
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
-    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, int64_t,
-    int64_t, int64_t, int64_t);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
-buffer_lookup_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
-                    std::vector<int64_t>, int64_t, int64_t);
-std::tuple<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-           std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
-           std::vector<std::string>>
-buffer_update_batch(std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, torch::Tensor, int64_t, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t> buffer_lookup(
+    torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t, int64_t,
+    int64_t);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> buffer_lookup_batch(
+    std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, torch::Tensor,
+    std::vector<int64_t>, int64_t, int64_t);
 
 // The instruction set cluster scoring of bf16 rows uses on this CPU (tests, benchmarks),
 // under the cap set_scoring_isa put on it.
@@ -1594,13 +1585,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("graph_insert", &graph_insert, "Insert nodes into graph indexes (CPU)");
   m.def("graph_search", &graph_search, "Best-first graph search per query head (CPU)");
   m.def("graph_decode", &graph_decode, "Graph index decode step: search, choose, attend (CPU)");
-  // the table work runs without the GIL: the update runs on the buffer's worker thread
+  // the table work runs without the GIL
   m.def("buffer_lookup", &buffer_lookup, "Wave buffer: one store's mapping-table lookup",
         py::call_guard<py::gil_scoped_release>());
   m.def("buffer_lookup_batch", &buffer_lookup_batch,
         "Wave buffer: the lookups of every store of a layer's step, in parallel",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("buffer_update_batch", &buffer_update_batch,
-        "Wave buffer: the cache updates of every store of a layer's step, in parallel",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CASE_KEYS = {
     "context", "batch", "dense_step_ms", "retro_step_ms", "step_time_ratio", "speedup",
     "dense_tokens_per_s", "retro_tokens_per_s", "h2d_bytes_per_step", "d2d_bytes_per_step",
-    "cluster_hit_ratio", "token_hit_ratio", "index_build_ms_per_layer",
+    "host_tokens_per_step", "host_clusters_per_step", "index_build_ms_per_layer",
     "prefill_attention_ms_per_layer", "build_over_prefill", "rel_err_mean", "rel_err_max",
     "dense_peak_device_bytes", "retro_peak_device_bytes", "dense_resident_device_bytes",
     "retro_resident_device_bytes", "clusters_per_head", "steps",
@@ -32,10 +32,9 @@ def _check_case(case: dict) -> None:
     for key, value in case.items():
         if isinstance(value, float):
             assert math.isfinite(value), key
-    for key in ("cluster_hit_ratio", "token_hit_ratio"):
-        assert 0.0 <= case[key] <= 1.0
     for key in ("h2d_bytes_per_step", "d2d_bytes_per_step", "dense_resident_device_bytes",
-                "retro_resident_device_bytes"):
+                "retro_resident_device_bytes", "host_tokens_per_step",
+                "host_clusters_per_step"):
         assert case[key] >= 0
     assert case["dense_step_ms"] > 0 and case["retro_step_ms"] > 0
     assert case["clusters_per_head"] > 0  # the context is long enough to be indexed
@@ -62,7 +61,8 @@ def test_reduced_cpu(tmp_path: pathlib.Path) -> None:
     assert result["reduced"] and result["kernel_backend"] == "auto"
     assert [c["batch"] for c in result["cases"]] == [1, 2]
     for case in result["cases"]:
-        assert case["h2d_bytes_per_step"] > 0  # a 5% cache cannot hold every hot cluster
+        # no device cache on this path: every retrieved cluster is read from the host tier
+        assert case["h2d_bytes_per_step"] > 0 and case["host_clusters_per_step"] > 0
         assert case["rel_err_mean"] < 0.5
 
 

@@ -1,13 +1,10 @@
-"""vllm_retro.buffer.store: execution buffer contents, cache behaviour, invariants, and
-bit-exact decode through the buffer."""
+"""vllm_retro.buffer.store: execution buffer contents, token reads, invariants, statistics,
+and bit-exact decode through the buffer."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from tests.buffer.conftest import RefCache
 from tests.fixtures import random_clusters
 from vllm_retro.buffer import WaveBufferManager
 from vllm_retro.config import RetroConfig
@@ -44,100 +41,41 @@ def _assert_same_gather(buf, dense, ids, steady):
 
 
 def _random_steps(buf, dense, steps, c, rng, dtype=torch.float32):
-    """``steps`` decode steps of 1-11 random clusters per head through ``buf`` (its update
-    joined and its invariants checked after each), each gather equal to ``dense``'s."""
+    """``steps`` decode steps of 1-11 random clusters per head through ``buf`` (its
+    invariants checked after each), each gather equal to ``dense``'s."""
     h, d = buf.num_heads, buf.head_dim
     steady = [tuple(torch.randn(h, 5, d, generator=rng).to(dtype) for _ in range(2))]
     for _ in range(steps):
         _assert_same_gather(buf, dense, _ids(c, int(torch.randint(1, 12, (1,), generator=rng)),
                                              h, rng), steady)
-        buf.step_done()
         buf.check_invariants()
 
 
-@pytest.mark.parametrize("cache_pages", [0, 3, 20, 10_000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_execution_buffer_equals_direct_gather(cache_pages, dtype, rng):
-    """Random hit/miss mixes: the assembled buffer holds exactly the dense gather's bytes."""
-    h, m, c, d = 3, 900, 60, 64
-    mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=cache_pages), h, m, c, d, rng, dtype)
-    _random_steps(buf, dense, 30, c, rng, dtype)
-    snap = mgr.stats.snapshot()
-    assert snap["device_cache_hit_clusters"] + snap["device_cache_miss_clusters"] > 0
-    if cache_pages == 0:
-        assert snap["device_cache_hit_clusters"] == 0
-    if cache_pages == 10_000:
-        assert snap["device_cache_hit_clusters"] > 0
-    mgr.close()
-
-
-def test_a_pool_without_a_block_cache_reads_every_cluster_from_the_host(rng):
-    """A CPU server's pools (``WaveBufferManager(cpu_block_cache=False)``): no block is
-    reserved or allocated, every read is a miss served from the host pool, byte for byte the
-    dense gather's."""
+def test_execution_buffer_equals_direct_gather(dtype, rng):
+    """Random steps: the assembled buffer holds exactly the dense gather's bytes, every token
+    read from the layer's host pool and counted so (two stores share the layer's pool)."""
     h, m, c, d = 3, 900, 60, 64
     cfg = RetroConfig()
-    keys, values = torch.randn(h, m, d, generator=rng), torch.randn(h, m, d, generator=rng)
+    keys = torch.randn(h, m, d, generator=rng).to(dtype)
+    values = torch.randn(h, m, d, generator=rng).to(dtype)
     cl, pos = random_clusters(h, m, c, rng), torch.arange(m)
-    stores = {}
-    for cache in (True, False):
-        manager = WaveBufferManager(cfg, cpu_block_cache=cache)
-        stores[cache] = [manager.store(rid, h, d, torch.float32, "cpu", layer="l0")
-                         for rid in ("a", "b")]
-        for buf in stores[cache]:
-            buf.append(keys, values, pos, cl)
-            buf.settle()  # the layout, on the buffer's worker, done
-    with_cache = stores[True][0]
-    assert with_cache.pool.block_cache and with_cache.capacity.sum() > 0  # the default
-    assert with_cache.pool.blocks.num_blocks > 0
-    a, b = stores[False]
-    assert not a.pool.block_cache and a.pool is b.pool
-    assert a.capacity.sum() == b.capacity.sum() == 0 and a.pool.blocks.num_blocks == 0
-    assert a.pool.nbytes()[1] == 0 and a.pool.nbytes()[0] > 0
-    dense = DenseClusterStore(h, d, torch.float32, torch.device("cpu"))
+    mgr = WaveBufferManager(cfg)
+    a, b = (mgr.store(rid, h, d, dtype, "cpu", layer="l0") for rid in ("a", "b"))
+    for buf in (a, b):
+        buf.append(keys, values, pos, cl)
+        buf.settle()  # the layout, on the buffer's worker, done
+    assert a.pool is b.pool and a.pool.nbytes() > 0 and a.nbytes() > 0
+    dense = DenseClusterStore(h, d, dtype, torch.device("cpu"))
     dense.append(keys, values, pos, cl)
-    _random_steps(a, dense, 20, c, rng)
-    snap = a.stats.snapshot()
-    assert snap["device_cache_hit_clusters"] == 0 and snap["device_cache_miss_clusters"] > 0
-    assert snap["device_cache_admitted_pages"] == 0 and a.pool.nbytes()[1] == 0
-    for bufs in stores.values():
-        for buf in bufs:
-            buf.free()
-
-
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), cache_pages=st.integers(0, 40),
-       steps=st.lists(st.integers(1, 10), min_size=1, max_size=40))
-def test_lru_matches_reference_model(seed, cache_pages, steps):
-    """Property: the cached set of every head equals an LRU reference model's after every
-    step; capacity is never exceeded; no block both free and mapped, none lost."""
-    g = torch.Generator().manual_seed(seed)
-    h, m, c = 2, 400, 40
-    mgr, buf, _, cl = _stores(RetroConfig(cache_pages=cache_pages, page_size=8), h, m, c, 32, g)
-    pages = [[(int(s) + 7) // 8 for s in cl.sizes[i]] for i in range(h)]
-    refs = [RefCache(cache_pages, pages[i]) for i in range(h)]
-    for r in steps:
-        ids = _ids(c, r, h, g)
-        buf.gather(ids, [])
-        buf.step_done()
-        buf.check_invariants()
-        for i in range(h):
-            refs[i].step(ids[i].tolist())
-            assert set(np.nonzero(buf.table.cached[i])[0].tolist()) == set(refs[i].order)
-            used = int(buf.table.n_pages[i][buf.table.cached[i]].sum())
-            assert used <= cache_pages == buf.capacity[i]
+    _random_steps(a, dense, 30, c, rng, dtype)
+    snap = mgr.stats.snapshot()
+    assert snap["device_cache_hit_clusters"] == snap["hit_tokens"] == 0
+    assert snap["device_cache_miss_clusters"] > 0
+    row = 2 * d * keys.element_size()
+    assert snap["host_to_device_bytes"] == snap["miss_tokens"] * row > 0
     mgr.close()
-
-
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_lfu_and_lru_keep_invariants(policy, rng):
-    mgr, buf, _, _ = _stores(RetroConfig(cache_pages=12, cache_policy=policy), 2, 500, 50, 32,
-                             rng)
-    for _ in range(60):
-        buf.gather(_ids(50, 6, 2, rng), [])
-        buf.step_done()
-        buf.check_invariants()
-    mgr.close()
+    assert mgr.host_bytes() == 0
 
 
 def _decode_pair(cfg, hq, hkv, n, d, steps, g, dtype):
@@ -172,7 +110,7 @@ def test_decode_through_buffer_is_bit_exact(dtype, hq, hkv, d, rng):
     assert buf.num_updates == dense.num_updates == 1
     for a, b in outs:
         assert torch.equal(a, b)
-    assert mgr.stats.device_cache_hit_clusters > 0  # the cache was really in use
+    assert mgr.stats.miss_tokens > 0  # the buffer was really read
     buf.store.check_invariants()
     mgr.close()
 
@@ -188,133 +126,29 @@ def test_first_step_matches_sparse_attention(rng):
     mgr.close()
 
 
-@pytest.mark.parametrize("floor", [0, 16])
-def test_cache_size_follows_the_fraction(floor, rng):
-    """cache_fraction of each head's pages; with the retrieval floor (the default), never
-    less than cache_fraction / retrieval_budget times the floor's tokens, at most all."""
-    cfg = RetroConfig(cache_fraction=0.1, min_retrieval_clusters=floor, page_size=4)
-    mgr, buf, _, _ = _stores(cfg, 2, 800, 50, 32, rng)
-    buf.check_invariants()
-    for i in range(2):
-        pages = int(buf.table.n_pages[i].sum())
-        by_fraction = int(np.ceil(0.1 * pages))
-        want = min(pages, max(by_fraction, int(np.ceil(0.1 / 0.018 * 16 * 16 / 4)))) \
-            if floor else by_fraction
-        assert buf.capacity[i] == want
-    assert floor == 0 or buf.capacity.min() > int(np.ceil(0.1 * buf.table.n_pages.sum(1).max()))
-    mgr.close()
-
-
-class TokenReadModel:
-    """One head's cache under token reads, from the store's documented rules, one cluster
-    at a time: the clusters read are stamped fewest tokens first, hits count a read, then
-    at most ADMIT_BLOCKS misses, most tokens first, are admitted greedily within the
-    budget, evicting least recently read unprotected clusters."""
-
-    def __init__(self, capacity: int, pages: list[int], admit: int):
-        self.capacity, self.pages, self.admit = capacity, pages, admit
-        self.stamp: dict[int, int] = {}  # cached cluster -> last read
-        self.clock = 0
-
-    def step(self, tokens: list[int]) -> None:
-        count: dict[int, int] = {}
-        for c in tokens:
-            count[c] = count.get(c, 0) + 1
-        read = sorted(count, key=lambda c: (count[c], c))
-        for c in read:
-            self.clock += 1
-            if c in self.stamp:
-                self.stamp[c] = self.clock
-        stamps = {c: i for i, c in enumerate(read)}
-        misses = sorted((c for c in read if c not in self.stamp), key=lambda c: (-count[c], c))
-        misses = [c for c in misses[:self.admit] if 0 < self.pages[c] <= self.capacity]
-        used = sum(self.pages[c] for c in self.stamp)
-        evictable = sorted((c for c in self.stamp if c not in count), key=self.stamp.get)
-        budget = self.capacity - used + sum(self.pages[c] for c in evictable)
-        taken, total = [], 0
-        for c in misses:
-            if total + self.pages[c] <= budget:
-                taken.append(c)
-                total += self.pages[c]
-        while used + total > self.capacity:
-            victim = evictable.pop(0)
-            used -= self.pages[victim]
-            del self.stamp[victim]
-        for c in taken:
-            self.stamp[c] = self.clock - len(read) + 1 + stamps[c]
-
-
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), cache_pages=st.integers(0, 30),
-       steps=st.lists(st.integers(1, 40), min_size=1, max_size=25))
-def test_token_reads_cache_matches_a_one_head_model(seed, cache_pages, steps):
-    """Token reads (PQCache, the graph index) update every head at once; each head's
-    cached set and recency order equal a one-cluster-at-a-time model's."""
-    g = torch.Generator().manual_seed(seed)
-    h, m, c = 3, 400, 40
-    mgr, buf, _, cl = _stores(RetroConfig(cache_pages=cache_pages, page_size=8), h, m, c, 32, g)
-    buf.ADMIT_BLOCKS = 4  # small, so that the cut matters
-    sizes = cl.sizes.long()
-    pages = [[(int(s) + 7) // 8 for s in sizes[i]] for i in range(h)]
-    models = [TokenReadModel(cache_pages, pages[i], 4) for i in range(h)]
-    rng = np.random.default_rng(seed)
-    for k in steps:
+def test_token_reads_equal_the_dense_stores(rng):
+    """Token reads (PQCache, the graph index): single tokens of clusters, from the host pool,
+    equal the dense store's and are counted as tokens read."""
+    h, m, c, d = 3, 400, 40, 32
+    mgr, buf, dense, cl = _stores(RetroConfig(page_size=8), h, m, c, d, rng)
+    sizes = cl.sizes.long().numpy()
+    g = np.random.default_rng(0)
+    for k in (1, 7, 40):
         ids = np.zeros((h, k), dtype=np.int64)
         offs = np.zeros((h, k), dtype=np.int64)
         for i in range(h):
-            nonempty = np.nonzero(sizes[i].numpy() > 0)[0]
-            ids[i] = nonempty[rng.integers(0, nonempty.size, k) % rng.integers(1, 8)]
-            offs[i] = rng.integers(0, sizes[i].numpy()[ids[i]])
-        dk = torch.zeros(h, k, 32)
-        buf.gather_tokens_into(ids, offs, 0, dk, dk.clone())
-        buf.step_done()
-        buf.check_invariants()
-        for i in range(h):
-            models[i].step(ids[i].tolist())
-            cached = np.nonzero(buf.table.cached[i])[0].tolist()
-            assert cached == sorted(models[i].stamp)
-            by_recency = sorted(cached, key=lambda x: buf.table.last_access[i, x])
-            assert by_recency == sorted(models[i].stamp, key=models[i].stamp.get)
-    mgr.close()
-
-
-@pytest.mark.parametrize("fail_at", [3, 7])
-def test_a_failed_cache_update_drops_the_cache_and_the_reads_stay_exact(fail_at, rng,
-                                                                        monkeypatch, caplog):
-    """The update worker raises in one step's cache update (after that update changed the
-    tables or before): the store gives back every block it held, marks nothing cached, keeps
-    its invariants, counts the failure, and its gathers stay byte-exact while the cache
-    refills."""
-    from vllm_retro.buffer.store import WaveBufferStore
-
-    h, m, c, d = 3, 900, 60, 32
-    mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=40), h, m, c, d, rng)
-    real = WaveBufferStore.update
-    calls = {"n": 0}
-
-    def update(self, *a):
-        calls["n"] += 1
-        plan = real(self, *a)
-        if calls["n"] == fail_at:
-            raise RuntimeError("injected: update worker")
-        return plan
-
-    monkeypatch.setattr(WaveBufferStore, "update", update)
-    sk, sv = torch.randn(h, 5, d, generator=rng), torch.randn(h, 5, d, generator=rng)
-    for step in range(12):
-        ids = _ids(c, 8, h, rng)
-        _assert_same_gather(buf, dense, ids, [(sk, sv)])
-        buf.step_done()
-        buf.check_invariants()
-        if step + 1 == fail_at:
-            assert not buf.table.cached.any()
-            assert all((buf.host.page_block[f:f + n] < 0).all() for f, n in buf._extents)
-            assert sorted(buf.blocks.free_blocks) == list(range(buf.blocks.num_blocks))
-    assert mgr.stats.buffer_update_failures == 1
-    assert buf.table.cached.any()  # refilled since
-    assert "its device cache is dropped" in caplog.text
-    buf.free()
-    assert buf.nbytes() == 0
+            nonempty = np.nonzero(sizes[i] > 0)[0]
+            ids[i] = nonempty[g.integers(0, nonempty.size, k)]
+            offs[i] = g.integers(0, sizes[i][ids[i]])
+        before = mgr.stats.miss_tokens
+        got = [torch.full((h, k + 2, d), 7.0) for _ in range(2)]
+        want = [x.clone() for x in got]
+        buf.gather_tokens_into(ids, offs, 2, *got)
+        dense.gather_tokens_into(ids, offs, 2, *want)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert mgr.stats.miss_tokens - before == h * k
+    with pytest.raises(ValueError, match="outside its cluster"):
+        buf.gather_tokens_into(ids, offs + 10_000, 0, *got)
     mgr.close()
 
 
@@ -336,7 +170,7 @@ def test_a_failed_room_growth_is_logged_and_the_next_layout_grows_the_pool(rng, 
         return real(self, pages)
 
     monkeypatch.setattr(HostTier, "ensure_room", ensure_room)
-    mgr, buf, dense, _ = _stores(RetroConfig(cache_pages=0), h, m, c, d, rng)
+    mgr, buf, dense, _ = _stores(RetroConfig(), h, m, c, d, rng)
     buf.settle()  # does not raise
     assert mgr.stats.buffer_update_failures == 1
     assert "growing the host pool for request req failed" in caplog.text
@@ -353,6 +187,5 @@ def test_a_failed_room_growth_is_logged_and_the_next_layout_grows_the_pool(rng, 
     for i in range(h):
         n = int(dlen[i])
         assert torch.equal(ek[i, :n], dk[i, :n]) and torch.equal(ev[i, :n], dv[i, :n])
-    buf.step_done()
     buf.free()
     mgr.close()

@@ -38,13 +38,10 @@ reads are done); the mapping goes once no view of it is left. Hence:
 - a pinned pool without one grows as above, and the pools it replaced stay mapped and
   registered (a reader may hold them) until :meth:`free`.
 
-The pool also holds the one record of which device block caches each page
-(``page_block``) and each row's absolute position, indexed like the pages; both are set
-(to -1: not cached, padding) when an extent is claimed.
+The pool also holds each row's absolute position, indexed like the rows (-1: padding).
 
-Writers are the wave buffer's worker thread (layouts, growth, cache updates) and, off it,
-:meth:`release` (a finished request) and :meth:`uncache` (a failed update's clean-up); a
-lock orders those two and every claim against growth. Growth builds new arrays and
+Writers are the wave buffer's worker thread (layouts, growth) and, off it, :meth:`release`
+(a finished request); a lock orders it and every claim against growth. Growth builds new arrays and
 swaps them in whole, so a reader holding the old ones still reads every page laid out
 before.
 """
@@ -158,8 +155,6 @@ class HostTier:
         self.v = torch.zeros(0, page_size, head_dim, dtype=dtype)
         self.positions = torch.full((0,), -1, dtype=torch.int64)
         """[capacity_pages * page_size] absolute token position of each row (-1 = padding)."""
-        self.page_block = np.zeros(0, dtype=np.int64)
-        """[capacity_pages] device block caching each page (-1: not cached)."""
         self.used_pages = 0
         """High-water mark: pages below it are allocated or in :attr:`free_extents`."""
         self.free_extents: list[tuple[int, int]] = []
@@ -237,7 +232,7 @@ class HostTier:
             return start
 
     def _claim(self, pages: int, headroom: int) -> int:
-        """:meth:`reserve`'s claim, its pages uncached (caller holds the lock)."""
+        """:meth:`reserve`'s claim (caller holds the lock)."""
         for i, (start, n) in enumerate(self.free_extents):
             if n >= pages:
                 rest = (start + pages, n - pages)
@@ -248,7 +243,6 @@ class HostTier:
             start = self.used_pages
             self._pin_upto(start + pages)
             self.used_pages = start + pages
-        self.page_block[start:start + pages] = -1
         return start
 
     def claim_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: np.ndarray,
@@ -313,12 +307,11 @@ class HostTier:
 
     def release(self, start: int, pages: int) -> None:
         """Return the extent of ``pages`` pages at ``start`` (its rows become padding, its
-        pages uncached, its memory the OS's unless pinned); merged with its free
+        memory the OS's unless pinned); merged with its free
         neighbours, and given back to the high-water mark when it ends there."""
         if pages <= 0:
             return
         with self._lock:
-            self.page_block[start:start + pages] = -1
             self.positions.numpy()[start * self.page_size:(start + pages) * self.page_size] = -1
             if not self.pin:
                 self._discard(start, pages)
@@ -333,20 +326,6 @@ class HostTier:
                 self.used_pages = merged.pop()[0]
             self.free_extents = merged
             self._account()
-
-    def uncache(self, extents: list[tuple[int, int]]) -> np.ndarray:
-        """Mark every page of ``extents`` ((first page, pages) each) uncached; returns the
-        device blocks they were mapped to ([n] int64). Under the lock: a caller off the
-        update worker (a failed update's clean-up) must not write the block map of a pool
-        the worker is replacing (its growth copies the map, then swaps it in)."""
-        freed = []
-        with self._lock:
-            for first, pages in extents:
-                blocks = self.page_block[first:first + pages]
-                mapped = blocks >= 0
-                freed.append(blocks[mapped].copy())
-                blocks[mapped] = -1
-        return np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64)
 
     def _discard(self, start: int, pages: int) -> None:
         """Give the OS pages of the extent's keys and values back (they read as zeros when
@@ -442,9 +421,7 @@ class HostTier:
         bits(v)[:used] = bits(self.v)[:used]
         positions, _ = lazy_zeros((size * self.page_size,), torch.int64, self._mapper)
         positions[: used * self.page_size] = self.positions[: used * self.page_size]
-        page_block = lazy_zeros((size,), torch.int64, self._mapper)[0].numpy()
-        page_block[:used] = self.page_block[:used]
-        self.k, self.v, self.positions, self.page_block = k, v, positions, page_block
+        self.k, self.v, self.positions = k, v, positions
         self._maps = [mk, mv]
         self._retired_pinned += 2 * self._pinned_bytes
         self._pinned_bytes = pinned
@@ -477,7 +454,6 @@ class HostTier:
             self.k = torch.zeros(0, self.page_size, self.head_dim, dtype=self.dtype)
             self.v = torch.zeros(0, self.page_size, self.head_dim, dtype=self.dtype)
             self.positions = torch.full((0,), -1, dtype=torch.int64)
-            self.page_block = np.zeros(0, dtype=np.int64)
             self._maps = []
             self._pinned_bytes = self._retired_pinned = 0
             self.used_pages = 0

@@ -2,10 +2,9 @@
 
 Owns the update worker, the layers' pools (:class:`~vllm_retro.buffer.layer_pool.LayerPool`,
 one per layer name: every request's store of a layer lives in it), the execution buffers of
-the per-row path (one per dtype and device, shared by every layer and request: each step's
-admissions are copied out of it before the next step reuses it), the counters, and the
-registry of live per-request stores, so that everything a request held can be freed at
-once when it finishes or is aborted.
+the per-row path (one per dtype and device, shared by every layer and request), the
+counters, and the registry of live per-request stores, so that everything a request held
+can be freed at once when it finishes or is aborted.
 """
 
 from __future__ import annotations
@@ -26,18 +25,14 @@ from vllm_retro.growth import grown
 class WaveBufferManager:
     """Factory and registry of :class:`WaveBufferStore` objects, keyed by request id."""
 
-    def __init__(self, config: RetroConfig | None = None, pool_reserve_bytes: int = 0,
-                 cpu_block_cache: bool = True):
+    def __init__(self, config: RetroConfig | None = None, pool_reserve_bytes: int = 0):
         """``pool_reserve_bytes``: host address space each layer's page pool is mapped with
         (:class:`~vllm_retro.buffer.layer_pool.LayerPool`; a store's private pool gets
-        none and grows as it fills). ``cpu_block_cache``: whether pools on the CPU keep a
-        block cache (``LayerPool(block_cache=...)``; a serving runtime passes False, tests
-        of the cache keep it as a GPU's stand-in); other devices always do."""
+        none and grows as it fills)."""
         if pool_reserve_bytes < 0:
             raise ValueError(f"pool_reserve_bytes {pool_reserve_bytes}; accepted: >= 0")
         self.config = config or RetroConfig()
         self.pool_reserve_bytes = int(pool_reserve_bytes)
-        self.cpu_block_cache = cpu_block_cache
         self.stats = BufferStats()
         self.worker = UpdateWorker(self.stats, enabled=self.config.async_updates)
         self._stores: dict[str, list[WaveBufferStore]] = {}
@@ -61,8 +56,7 @@ class WaveBufferManager:
                     num_heads, head_dim, self.config.page_size, dtype, device, self.stats,
                     on_empty=lambda p, key=key: self._drop_pool(key, p),
                     reserve_bytes=0 if layer is None else self.pool_reserve_bytes,
-                    worker=self.worker,
-                    block_cache=device.type != "cpu" or self.cpu_block_cache)
+                    worker=self.worker)
             st = WaveBufferStore(pool, self.config, self.exec_buffer, request_id)
             self._stores.setdefault(request_id, []).append(st)
         return st
@@ -90,14 +84,11 @@ class WaveBufferManager:
         with self._lock:
             return list(self._stores)
 
-    def live_bytes(self) -> tuple[int, int]:
-        """(host bytes, device block-cache bytes) of the layers' pools: the live requests'
-        host pages (pinned pools: every registered byte, see
-        :meth:`~vllm_retro.buffer.host_tier.HostTier.nbytes`), and the device pools whole,
-        free blocks included."""
+    def host_bytes(self) -> int:
+        """Host bytes of the layers' pools: the live requests' host pages (pinned pools:
+        every registered byte, see :meth:`~vllm_retro.buffer.host_tier.HostTier.nbytes`)."""
         with self._lock:
-            sizes = [p.nbytes() for p in self._pools.values()]
-        return sum(h for h, _ in sizes), sum(d for _, d in sizes)
+            return sum(p.nbytes() for p in self._pools.values())
 
     def exec_buffer(self, num_heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -272,7 +272,6 @@ class GraphIndex(TokenIndex):
             none.int(), none, torch.zeros(h, dtype=torch.int64, device=dev), scale,
             backend=self.backend)
         mark("attention")
-        self.store.step_done()
         mark("bookkeeping")
         return self._result(out.reshape(-1, d), lse.reshape(-1), ids, counts, return_positions)
 

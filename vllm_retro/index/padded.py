@@ -12,22 +12,20 @@ Rows are R = B requests x H KV heads, request-major. Per call, whatever B:
    (copies) and its mapping-table lookup (one compiled call on the host), then, when the
    stores share one layer pool (the wave buffer's
    :class:`~vllm_retro.buffer.layer_pool.LayerPool`, as in serving), **one gather call**
-   for every row's cache hits and host misses (else one per request); the cache updates
-   go to the wave buffer's worker (one job for the layer when the stores share a pool);
+   for every row's clusters from the host pool (else one per request);
 4. the tilted estimator's query terms for all rows (three batched products);
-5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``;
-6. joining the cache updates at the start of this layer's next call, so the worker's
-   decisions overlap the rest of the step: **one copy** of every request's admissions out
-   of the execution buffer (the layer's own) into the layer's block pool (a store joins a
-   pending update itself before any other read of it).
+5. one tripartite attention call over all R rows, ragged through ``n_exact`` / ``n_est``.
+
+No device cache here: on CUDA the device step (:mod:`vllm_retro.index.resident`) serves a
+layer, with its cluster cache, wherever it fits; this path is what serves when it does not.
 
 The padded view is a copy of the batch's meta indexes (gathered from the layer's meta pool by
 one integer table of pool rows when the indexes are in one, as served; else copied row by
 row), built when the batch's set of indexes or any of their meta indexes
 (:attr:`WaveIndex.meta_generation`) changes — a request joining
 or leaving, a block landing — and kept across steps in between by a :class:`MetaViewCache`
-the caller holds per layer. What stays per request in steps 3 and 6 is host-side table work
-(a lookup and an update per request, each one call into the C++ extension) and the
+the caller holds per layer. What stays per request in step 3 is host-side table work
+(a lookup per request, one call into the C++ extension for the layer) and the
 steady-zone copies (each index owns its window buffers); none of it waits for the device.
 
 What a CUDA graph could capture: steps 1, 4 and 5 at a fixed batch composition (static
@@ -113,18 +111,9 @@ class MetaViewCache:
         through the fused CPU kernel with its own scoring (asked once per batch:
         :func:`vllm_retro.index.batched.decode_batch`)."""
         self._exec: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._unjoined: list[WaveIndex] = []
-        """Indexes whose last step's cache update is still to be joined (at this layer's next
-        call, before its execution buffer is refilled)."""
         self.resident = ResidentDecode()
         """The layer's decode from device-resident KV, where it applies
         (:mod:`vllm_retro.index.resident`)."""
-
-    def join(self) -> None:
-        """Join the cache updates of this layer's previous call (their admissions are copied
-        out of the execution buffer)."""
-        unjoined, self._unjoined = self._unjoined, []
-        join_stores([i.store for i in unjoined])
 
     def exec_buffer(self, rows: int, tokens: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,11 +140,6 @@ class MetaViewCache:
             self.view = (build or padded_meta)(indexes, key)
         return self.view
 
-    def defer(self, indexes: list[WaveIndex]) -> None:
-        """Leave the cache updates of this call's ``indexes`` to :meth:`join` at the layer's
-        next call."""
-        self._unjoined = list(indexes)
-
     def nbytes(self) -> int:
         """Bytes held: the padded meta view's tensors and the execution buffer."""
         held = [] if self._exec is None else list(self._exec)
@@ -166,26 +150,12 @@ class MetaViewCache:
             self.resident.nbytes()
 
     def clear(self) -> None:
-        """Join what is pending, then drop the view and the execution buffer (the layer has
-        no indexed rows)."""
-        self.join()
+        """Drop the view and the execution buffer (the layer has no indexed rows)."""
         self.view = None
         self.packed = None
         self.fused_key = None
         self._exec = None
         self.resident.clear()
-
-
-def join_stores(stores: list) -> None:
-    """Join the last step of every store: one call when they share a batch group."""
-    if not stores:
-        return
-    group = shared_batch_group(stores)
-    if group is not None:
-        group.join_batch(stores)
-    else:
-        for st in stores:
-            st.step_done()
 
 
 def _pad(parts: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
@@ -279,16 +249,13 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     """Tripartite decode of ``query[b]`` over ``indexes[b]`` for all rows at once (see the
     module docstring). query: [B, Hq, D]; out: [B, Hq, D] (written, returned). ``cache``
     keeps the padded meta view across calls (None: built for this call). ``phases``, when
-    given, accumulates seconds per phase (``join``, ``view``, ``select``: scoring + top-k,
+    given, accumulates seconds per phase (``view``, ``select``: scoring + top-k,
     ``transfer``: the device->host copy, ``lookup+gather``, ``estimator``, ``attention``),
     synchronising the device at each boundary (benchmarks only)."""
     first = indexes[0]
     mark = PhaseClock(phases, query.device)
     b, h, d = len(indexes), first.num_kv_heads, first.head_dim
     dev, dtype, backend = first.centroids.device, first.centroids.dtype, first.backend
-    if cache is not None:
-        cache.join()
-    mark("join")
     meta = cache.get(indexes) if cache is not None else padded_meta(indexes)
     mark("view")
     q = query.reshape(b * h, -1, d)
@@ -334,10 +301,6 @@ def decode_padded(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         q, exec_k, exec_v, n_exact.to(dev, non_blocking=True), meta.centroids,
         meta.value_sums, meta.sizes, est, meta.n_est, scale, tilt, backend=backend)
     mark("attention")
-    if cache is not None:  # joined at this layer's next call: the worker's decision overlaps
-        cache.defer(indexes)  # the rest of this step
-    else:
-        join_stores(stores)
     out.copy_(res.reshape(out.shape))
     return out
 
@@ -370,13 +333,11 @@ def decode_given(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
     Per call, whatever B: one lookup of the chosen clusters' sizes in the layer's padded
     sizes view (kept by ``cache`` across steps), **one device->host copy** of the ids and
     sizes, the steady zones' fill (one gather for a layer's pool), one gather of every
-    row's clusters when the stores share a layer pool, and one attention call; the cache
-    updates are joined at the layer's next call (see :func:`decode_padded`)."""
+    row's clusters when the stores share a layer pool, and one attention call."""
     first = indexes[0]
     b, h, d = len(indexes), first.num_kv_heads, first.head_dim
     dev, dtype = ids.device, first.steady.dtype
     buffers = cache if cache is not None else MetaViewCache()
-    buffers.join()
     view = buffers.get(indexes, build=padded_sizes)
     flat = ids.reshape(b * h, -1)
     sizes = torch.gather(view.sizes, 1, flat.clamp_min(0)) * (flat >= 0)
@@ -399,9 +360,5 @@ def decode_given(indexes: list[WaveIndex], query: torch.Tensor, scale: float,
         query.reshape(b * h, -1, d), exec_k, exec_v, n_exact.to(dev, non_blocking=True),
         exec_k[:, :0], exec_v[:, :0], none.int(), none,
         torch.zeros(b * h, dtype=torch.int64, device=dev), scale, backend=first.backend)
-    if cache is not None:
-        cache.defer(indexes)
-    else:
-        join_stores(stores)
     out.copy_(res.reshape(out.shape))
     return out

@@ -10,24 +10,23 @@ the top ``pq_token_ratio`` of them are attended exactly, with the steady zone. T
 estimation zone.
 
 Layout: the device holds the codes ([H, N, m] uint8, ``m`` bytes per token and head) and the
-codebooks; the KV is in the wave buffer (host tier, device block cache), cut into blocks of
-``pq_block_tokens`` consecutive positions: each block is one "cluster" of the buffer's
-mapping table, so the cache works at block granularity, as PQCache's block-level GPU cache,
-while the reads are of single tokens (:meth:`WaveBufferStore.gather_tokens_into`): hits
-from the block cache, misses from the host tier. Per step the cache admits (from the host
-tier) the blocks holding the most of the step's tokens, at most 32 (the paper's k_cache).
+codebooks; the KV is in the wave buffer's host tier, cut into blocks of ``pq_block_tokens``
+consecutive positions: each block is one "cluster" of the buffer's mapping table, and the
+reads are of single tokens (:meth:`WaveBufferStore.gather_tokens_into`) from the host tier.
+PQCache's block-level GPU cache is not kept here (unmeasured on a GPU; its host-side
+predecessor was removed with the per-request block cache).
 
 :func:`decode_pq` decodes all PQCache indexes of a layer with one sequence of calls whatever
 the batch: one lookup-table product and one code gather over the padded codes, one top-k,
 one device->host copy of the chosen tokens, then
 
 - on CUDA (and on the CPU with the 'torch'/'triton' kernel backends): one gather into one
-  execution buffer (cache hits and host misses) and one attention call (the tripartite
-  kernel with an empty estimation zone), the cache update joined at the layer's next call;
+  execution buffer and one attention call (the tripartite kernel with an empty estimation
+  zone);
 - on the CPU with the default backend: one call of the fused kernel
   (:func:`vllm_retro.kernels.cpu_decode.pq_decode`) that scores, chooses and attends per
   (request, KV head) in parallel, reading the chosen tokens in place from the host pages,
-  as the wave index's fused path does (no block cache on a CPU).
+  as the wave index's fused path does.
 
 What a CUDA graph could capture: the scoring and top-k at a fixed batch composition; not the
 gather, whose shapes follow the host-side lookup.
@@ -44,7 +43,7 @@ import torch
 from vllm_retro import kernels
 from vllm_retro.config import RetroConfig
 from vllm_retro.index.clustering import Clusters
-from vllm_retro.index.padded import MetaViewCache, join_stores
+from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.pq import ProductQuantizer, fit_pq, pq_encode, pq_logits
 from vllm_retro.index.steady import fill_steady_batch
 from vllm_retro.index.store import ClusterStore, shared_batch_group
@@ -291,20 +290,18 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
     """PQCache decode of ``query[b]`` ([B, Hq, D]) over ``indexes[b]`` for all rows at once
     (see the module docstring); ``out`` ([B, Hq, D]) is written. ``cache``: the layer's
     :class:`~vllm_retro.index.padded.MetaViewCache` (keeps the padded codes and the
-    execution buffer across steps, and joins each step's cache updates at the next call);
-    None: built for this call, joined at once. ``phases``: seconds per phase (``view``,
-    ``select``, ``transfer``, ``lookup+gather``, ``attention``; on the fused CPU path
-    ``view`` and ``kernel``), for benchmarks. Returns each request's chosen token indices
-    ([H, k_b] int64 numpy, ascending; on the fused CPU path only with ``want_chosen``,
-    else [H, 0]) and the log softmax denominators ([B * Hq] fp32)."""
+    execution buffer across steps); None: built for this call. ``phases``: seconds per
+    phase (``view``, ``select``, ``transfer``, ``lookup+gather``, ``attention``; on the
+    fused CPU path ``view`` and ``kernel``), for benchmarks. Returns each request's chosen
+    token indices ([H, k_b] int64 numpy, ascending; on the fused CPU path only with
+    ``want_chosen``, else [H, 0]) and the log softmax denominators ([B * Hq] fp32)."""
     first = indexes[0]
     mark = PhaseClock(phases, query.device)
     b, h, d = len(indexes), first.num_kv_heads, first.head_dim
     dev, dtype = first.codes.device, first.steady.dtype
     if cpu_decode.fused_path(first.backend, dev) and query.dtype == dtype:
         # the CPU: one kernel call scores, chooses and attends, reading the chosen tokens
-        # in place from the host pages (there the host tier is the memory attention runs
-        # from: no block cache to consult), as the wave index's fused path does
+        # in place from the host pages, as the wave index's fused path does
         rows = [pq_row(i) for i in indexes]
         mark("view")
         width = max(r.budget for r in rows) if want_chosen else 0
@@ -314,7 +311,6 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
             [np.zeros((h, 0), dtype=np.int64) for _ in rows]
         return picks, lse.reshape(-1)
     buffers = cache if cache is not None else MetaViewCache()
-    buffers.join()
     view = buffers.get(indexes, build=pq_view)
     mark("view")
     q = query.reshape(b * h, -1, d)
@@ -350,9 +346,5 @@ def decode_pq(indexes: list[PQIndex], query: torch.Tensor, scale: float, out: to
         none.int(), none, torch.zeros(b * h, dtype=torch.int64, device=dev), scale,
         backend=first.backend)
     mark("attention")
-    if cache is not None:
-        buffers.defer(indexes)
-    else:
-        join_stores(stores)
     out.copy_(res.reshape(out.shape))
     return chosen, lse.reshape(-1)

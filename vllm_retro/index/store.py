@@ -3,7 +3,7 @@
 The wave index decides *which* clusters to read; a :class:`ClusterStore` decides *where the
 bytes come from*. :class:`DenseClusterStore` keeps the cluster-contiguous KV in one tensor
 pair on the index's own device; the wave buffer implements the same interface over a host
-tier and a device block cache.
+tier shared by the layer's requests.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SteadyParts = Sequence[tuple[torch.Tensor, torch.Tensor]]
 class BatchGroup(Protocol):
     """What the stores of one layer share when their pools are one (the wave buffer's
     :class:`~vllm_retro.buffer.layer_pool.LayerPool`, a store's ``batch_group``): the
-    batched path fills and joins all of them with one call each."""
+    batched path fills all of them with one call."""
 
     def gather_batch(self, stores: Sequence[ClusterStore], cluster_ids: Sequence[np.ndarray],
                      n_steady: Sequence[int], exec_k: torch.Tensor,
@@ -32,10 +32,6 @@ class BatchGroup(Protocol):
         """:meth:`ClusterStore.gather_into` for every store, store j into rows
         ``j * H .. (j + 1) * H`` of exec_k/exec_v ([B * H, T_cap, D]), after its
         ``n_steady[j]`` steady rows."""
-        ...
-
-    def join_batch(self, stores: Sequence[ClusterStore]) -> None:
-        """:meth:`ClusterStore.step_done` for every store."""
         ...
 
 
@@ -51,8 +47,8 @@ def shared_batch_group(stores: Sequence[object]) -> BatchGroup | None:
 class ClusterStore(Protocol):
     """Storage of the indexed tokens' KV, addressed by (KV head, cluster id).
 
-    Per decode step the index calls :meth:`gather` (which assembles the execution buffer),
-    runs attention on it, then calls :meth:`step_done`.
+    Per decode step the index calls :meth:`gather` (which assembles the execution buffer)
+    and runs attention on it.
     """
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -84,11 +80,6 @@ class ClusterStore(Protocol):
         contiguous, T_cap at least the steady zone plus each head's retrieved tokens. Rows
         past a head's total are left as they are. Makes no device->host transfer.
         """
-        ...
-
-    def step_done(self) -> None:
-        """The attention over the last :meth:`gather` (or :meth:`gather_into`) has been
-        issued: finish the step."""
         ...
 
     def nbytes(self) -> int:
@@ -181,9 +172,6 @@ class DenseClusterStore:
             rows = torch.from_numpy(starts + offsets).to(self.keys.device)
             dst_k[:, n_steady:n_steady + k] = take_rows(self.keys, rows)
             dst_v[:, n_steady:n_steady + k] = take_rows(self.values, rows)
-
-    def step_done(self) -> None:
-        """Nothing to finish."""
 
     def cluster_rows(self, wait: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:

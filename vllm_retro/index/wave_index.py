@@ -644,7 +644,6 @@ class WaveIndex:
             sel.estimation_ids, n_est, scale, tilt, backend=self.backend,
         )
         mark("attention")
-        self.store.step_done()
         mark("bookkeeping")
         positions = None
         if return_positions:

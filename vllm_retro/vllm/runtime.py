@@ -91,10 +91,8 @@ class RetroRuntime:
         if self._manager is None:
             if self.config is None:
                 raise RuntimeError("retro runtime used while retro is off for this engine")
-            # no block cache on a CPU: the kernels read the clusters in the host pool
             self._manager = WaveBufferManager(
-                self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config),
-                cpu_block_cache=False)
+                self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config))
         return self._manager
 
     @property
@@ -315,7 +313,8 @@ class RetroRuntime:
         layers' steady-zone and meta pools, and each index's meta data (and steady zone) not
         in a layer's pool, built indexes not yet taken over included."""
         indexes = [i for held in self._held_indexes().values() for i in held]
-        host, device = self._manager.live_bytes() if self._manager is not None else (0, 0)
+        host = self._manager.host_bytes() if self._manager is not None else 0
+        device = 0
         held = [(idx.meta_nbytes() + idx.steady_nbytes(), idx.centroids.is_cuda)
                 for idx in indexes]
         held += [state.pools_nbytes() for state in self.registry.layers()]
