@@ -84,7 +84,7 @@ def batched_equals_alone(indexes: list, manager, gen: torch.Generator, query_hea
         index.store.check_invariants()
         index.free()
     manager.close()
-    assert manager.live_bytes() == (0, 0)
+    assert manager.host_bytes() == 0
 
 
 

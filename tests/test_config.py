@@ -34,7 +34,7 @@ def test_shortest_indexed_context_is_the_steady_zone_and_an_update_block():
     ("build_steps", -1, "an integer in [0, 65536]"),
     ("build_steps", 1.5, "an integer in [0, 65536]"),
     ("table_threads", 0, "an integer in [1, 1024]"),
-    ("cache_policy", "fifo", "one of 'lru', 'lfu'"),
+    ("cache_policy", "lfu", "one of 'lru'"),
     ("kernel_backend", "cuda", "one of 'auto', 'torch', 'triton'"),
     ("device_resident", "yes", "one of 'auto', 'on', 'in_place', 'off'"),
     ("estimator", "paper", "one of 'tilted', 'centroid', 'auto'"),

@@ -114,7 +114,7 @@ def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
         index.store.check_invariants()
     for index in pooled + alone:
         index.free()
-    assert mgr.live_bytes() == (0, 0) == own_mgr.live_bytes()
+    assert mgr.host_bytes() == 0 == own_mgr.host_bytes()
     mgr.close()
     own_mgr.close()
 

@@ -188,7 +188,7 @@ def test_policies_choosing_their_clusters_decode_on_the_device_step(policy, mode
     for index in indexes:
         index.free()
     mgr.close()
-    assert mgr.live_bytes() == (0, 0)
+    assert mgr.host_bytes() == 0
 
 
 @pytest.mark.parametrize("policy", ["quest", "streaming", "saap"])

@@ -184,7 +184,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed):
         index.store.check_invariants()
     index.free()
     mgr.close()
-    assert mgr.live_bytes() == (0, 0)
+    assert mgr.host_bytes() == 0
 
 
 def test_decode_matches_the_reference_on_real_qwen_data(qwen_capture):
@@ -232,7 +232,7 @@ def test_every_bucket_is_full_attention():
     assert index.num_updates == 1
     index.free()
     mgr.close()
-    assert mgr.live_bytes() == (0, 0)
+    assert mgr.host_bytes() == 0
 
 
 def test_a_dense_layer_visits_every_bucket():

@@ -141,7 +141,7 @@ def test_out_of_range_value_names_field_value_and_range(parser: argparse.Argumen
 @pytest.mark.parametrize(("argv", "needles"), [
     (["--retro-retrieval-budget", "x"], ["--retro-retrieval-budget", "'x'"]),
     (["--retro-cluster-size", "1.5"], ["--retro-cluster-size", "'1.5'"]),
-    (["--retro-cache-policy", "fifo"], ["--retro-cache-policy", "'fifo'", "'lru'", "'lfu'"]),
+    (["--retro-cache-policy", "lfu"], ["--retro-cache-policy", "'lfu'", "'lru'"]),
     (["--retro-index", "hnsw"], ["--retro-index", "'hnsw'", "'wave'", "'pqcache'"]),
 ])
 def test_unparsable_value_is_an_argparse_error(parser: argparse.ArgumentParser,
@@ -295,7 +295,7 @@ def test_banner_urls_and_marked_settings(parser: argparse.ArgumentParser,
     and metrics paths, and every retro setting, non-defaults marked with ``*`` and
     defaults not."""
     text = _banner(parser, tmp_path, "--port", "8123", "--served-model-name", "tiny",
-                   "--retro-cluster-size", "32", "--retro-cache-policy", "lfu")
+                   "--retro-cluster-size", "32", "--retro-page-size", "16")
     assert f"serving {tmp_path} as 'tiny'" in text
     url = "http://127.0.0.1:8123"
     for path in ("/v1", "/health", "/metrics"):
@@ -305,10 +305,10 @@ def test_banner_urls_and_marked_settings(parser: argparse.ArgumentParser,
     shown = dict(re.findall(r"(\w+)=(\S+)", line.split("retro on:", 1)[1]))
     defaults = RetroConfig().to_dict()
     assert set(shown) == set(defaults) - {"enabled"}
-    assert {k for k, v in shown.items() if v.endswith("*")} == {"cluster_size", "cache_policy"}
+    assert {k for k, v in shown.items() if v.endswith("*")} == {"cluster_size", "page_size"}
     assert shown["cluster_size"] == "32*"
-    assert shown["cache_policy"] == "lfu*"
-    assert shown["page_size"] == str(defaults["page_size"])
+    assert shown["page_size"] == "16*"
+    assert shown["cache_policy"] == str(defaults["cache_policy"])
     assert shown["build_steps"] == "None(0"  # its default resolved here: "0 on cpu"
     assert "build_steps=None(0 on cpu)" in line and "table_threads=None(1 on cpu)" in line
 
