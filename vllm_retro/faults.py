@@ -12,9 +12,8 @@ on, a request whose id contains ``retro-fault-<site>`` (a client sets the id wit
 - ``host_alloc_late``: the same, at the request's first update block after its switch (the
   index already decodes). The request fails with an error to its client.
 - ``update_worker``: the wave buffer's update worker raises in the request's jobs other
-  than layouts: its device-cache updates (the request's device cache is dropped, every
-  read goes to the host tier until it refills) and its host pool's room growth (the next
-  layout grows the pool itself). Its answer is unchanged.
+  than layouts: its host pool's room growth (the next layout grows the pool itself). Its
+  answer is unchanged.
 - ``kernel_row``: the decode kernel raises for a batch holding the request. The batch is
   decoded again row by row; the request's row still raises and the request fails with an
   error to its client; the other rows' answers are unchanged.

@@ -56,9 +56,8 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
         _check(indexes, q, scale, tol, cache, msg=f"step {step}")
     assert updates >= 3
     if mgr:
-        # the device cache served hits (admissions joined a call later landed their rows:
-        # the per-row reference read them back), and the table stayed consistent
-        assert mgr.stats.snapshot()["hit_tokens"] > 0
+        # every cluster read from the layer's host pool, and the table stayed consistent
+        assert mgr.stats.snapshot()["miss_tokens"] > 0
         for index in indexes:
             index.store.check_invariants()
         mgr.close()
@@ -67,13 +66,11 @@ def test_padded_batch_equals_per_row_decode(dtype, tol, estimator, wave_buffer, 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
     """The batched path on its own over one layer's pools (one gather and one admission
-    copy per call, admissions joined a call later) against identical indexes decoded row by
-    row over pools of their own: the same outputs over 80 steps crossing update blocks,
-    with a request leaving and another joining in its freed pages and blocks; the pools
-    stay consistent and are released with the last request."""
-    # caches of 30% of these short rows, small enough to evict (without the retrieval
-    # floor's minimum cache, RetroConfig.cache_tokens, they would hold every row whole)
-    cfg = _cfg(cache_fraction=0.3, min_retrieval_clusters=0)
+    copy per call) against identical indexes decoded row by row over pools of their own:
+    the same outputs over 80 steps crossing update blocks, with a request leaving and
+    another joining in its freed pages; the pools stay consistent and are released with
+    the last request."""
+    cfg = _cfg(min_retrieval_clusters=0)
     h, d, group = 2, 64, 4
     mgr, own_mgr = WaveBufferManager(cfg), WaveBufferManager(cfg)
     g = torch.Generator().manual_seed(11)
@@ -107,9 +104,8 @@ def test_layer_pool_batch_alone_equals_stores_of_their_own(dtype, tol):
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol,
                                    msg=f"step {step}")
     stats = mgr.stats.snapshot()
-    assert stats["hit_tokens"] > 0 and stats["device_cache_evicted_pages"] > 0
+    assert stats["miss_tokens"] > 0 and stats["hit_tokens"] == 0  # every read from the host
     assert len({id(i.store.pool) for i in pooled}) == 1
-    cache.join()
     for index in pooled:
         index.store.check_invariants()
     for index in pooled + alone:
@@ -220,27 +216,4 @@ def test_padded_batch_with_triton_kernels(triton_device):
         for index in indexes:
             index.append(torch.randn(h, 1, d, generator=g), torch.randn(h, 1, d, generator=g))
         _check(indexes, q, d ** -0.5, 1e-4, cache)
-    mgr.close()
-
-
-def test_unjoined_step_is_dropped_when_its_store_is_freed():
-    """A layer's last step is joined at its next call; a request freed before that (outside
-    the inference mode its step ran in, as at an engine's shutdown) frees cleanly."""
-    g = torch.Generator().manual_seed(6)
-    cfg = _cfg(cache_fraction=0.5)  # room for this step's misses: admissions are pending
-    h, d = 2, 32
-    mgr = WaveBufferManager(cfg)
-    cache = MetaViewCache()
-    with torch.inference_mode():
-        indexes = random_indexes([700, 900], cfg, h, d, torch.float32, g, mgr)
-        q = torch.randn(2, h * 2, d, generator=g)
-        decode_padded(indexes, q, d ** -0.5, torch.empty_like(q), cache)  # all misses
-    assert all(i.store._step is not None for i in indexes)  # left for the next call
-    for i in indexes:  # the plans run on the worker thread: wait for them (not a join)
-        i.store._pending.result()
-    assert mgr.stats.snapshot()["device_cache_admitted_pages"] > 0
-    for i in indexes:
-        i.free()
-    cache.join()  # nothing left to join
-    assert all(i.store.nbytes() == 0 and i.store.device_nbytes() == 0 for i in indexes)
     mgr.close()

@@ -16,10 +16,8 @@ from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.index.pq_index import PQIndex, decode_pq
 
 H, G, D = 2, 4, 64
-# a device cache of ~10% of the 1500-token contexts (19 pages of 8 tokens: the sizing by
-# cache_fraction would keep a floor's zone, ~2.8K tokens, and never evict here)
 CFG = RetroConfig(index="pqcache", kernel_backend="torch", sink_tokens=4, local_window=32,
-                  update_segment=128, pq_block_tokens=16, cache_pages=19)
+                  update_segment=128, pq_block_tokens=16)
 
 
 def reference_scores(index: PQIndex, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -103,8 +101,7 @@ def test_decode_is_the_papers_selection_and_exact_attention(backed, backend):
         st = index.store
         st.check_invariants()
         s = mgr.stats
-        assert s.hit_tokens > 0 and s.miss_tokens > 0 and s.device_cache_admitted_pages > 0
-        assert s.device_cache_evicted_pages > 0  # the 10% cache is full after a few steps
+        assert s.miss_tokens > 0 and s.hit_tokens == 0  # every token read from the host tier
     index.free()
     mgr.close()
     assert mgr.host_bytes() == 0

@@ -119,10 +119,10 @@ def test_long_prompt_is_indexed_and_metrics_show_it(server: Server, client) -> N
     assert grew("vllm_retro:index_build_seconds_sum") > 0
     assert grew("vllm_retro:index_updates_total") >= 2  # 2 layers x >= 1 update block
     # On the CPU the fused decode kernel reads every cluster in place from the host tier
-    # (the memory attention runs from): the device block cache is not used, so its families
-    # are exported and stay at zero. Non-zero here would mean the per-row path served.
+    # (the memory attention runs from): no device cache is used, so its families are
+    # exported and stay at zero. Non-zero here would mean the per-row path served.
     for fam in ("device_cache_hit_clusters_total", "device_cache_miss_clusters_total",
-                "host_to_device_bytes_total", "device_cache_admitted_pages_total",
+                "host_to_device_bytes_total",
                 "device_cache_hit_ratio", "device_tier_bytes"):
         assert sample(text, f"vllm_retro:{fam}") == 0, fam
     # Finished requests hold nothing.

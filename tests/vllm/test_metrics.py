@@ -77,8 +77,7 @@ def _counters(hits: int, misses: int, h2d: int, indexed: int, sparse: int,
     return {"device_cache_hit_clusters": hits, "device_cache_miss_clusters": misses,
             "host_to_device_bytes": h2d, "indexed_requests": indexed,
             "indexed_tokens": 600 * indexed, "index_updates": 1, "sparse_decode_tokens": sparse,
-            "dense_decode_tokens": dense, "device_cache_admitted_pages": 2,
-            "device_cache_evicted_pages": 0}
+            "dense_decode_tokens": dense}
 
 
 def _gauges(live: int, clusters: int, host: int, device: int) -> dict:
@@ -111,8 +110,6 @@ def test_observe_two_steps_two_ranks(reg: CollectorRegistry, prom: RetroPromMetr
     assert v("device_cache_hit_clusters_total", ENGINE0) == 3 + 5 + 0 + 2
     assert v("device_cache_miss_clusters_total", ENGINE0) == 1 + 3 + 4 + 2
     assert v("host_to_device_bytes_total", ENGINE0) == 100 + 300 + 400 + 200
-    assert v("device_cache_admitted_pages_total", ENGINE0) == 8
-    assert v("device_cache_evicted_pages_total", ENGINE0) == 0
     assert v("indexed_requests_total", ENGINE0) == 1
     assert v("indexed_tokens_total", ENGINE0) == 600
     assert v("index_updates_total", ENGINE0) == 2

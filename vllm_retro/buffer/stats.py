@@ -11,7 +11,7 @@ class BufferStats:
     """Cumulative counters (``_total``-style) and current gauges of one buffer manager."""
 
     device_cache_hit_clusters: int = 0
-    """Retrieval clusters found in the device block cache."""
+    """Retrieval clusters found in the device cluster cache (the device step's)."""
     device_cache_miss_clusters: int = 0
     """Retrieval clusters read from the host tier."""
     hit_tokens: int = 0
@@ -21,11 +21,9 @@ class BufferStats:
     host_to_device_bytes: int = 0
     """K+V bytes copied host -> device (misses, prefill offload excluded)."""
     bytes_d2d: int = 0
-    """K+V bytes copied device -> device (steady zone, hits, admissions)."""
+    """K+V bytes copied device -> device (the steady zone into an execution buffer)."""
     bytes_offloaded: int = 0
     """K+V bytes moved to the host tier at prefill / index updates."""
-    device_cache_admitted_pages: int = 0
-    device_cache_evicted_pages: int = 0
     updates_submitted: int = 0
     updates_done: int = 0
     update_latency_s: float = 0.0
@@ -35,8 +33,7 @@ class BufferStats:
     """Seconds the decode path spent waiting for the worker."""
     queue_depth_max: int = 0
     buffer_update_failures: int = 0
-    """Update-worker jobs that failed and were recovered, answers unchanged: a cache update
-    (the store's device cache is dropped and refills from the host tier) or a host pool's
+    """Update-worker jobs that failed and were recovered, answers unchanged: a host pool's
     room growth (the next layout grows the pool itself)."""
     device_step_rows: int = 0
     """(request, layer) decode steps served by the device step with the KV copied to the
@@ -47,7 +44,7 @@ class BufferStats:
     host_bytes: int = 0
     """Gauge: host-tier bytes resident (allocated pages)."""
     device_bytes: int = 0
-    """Gauge: device bytes resident (block cache pools and execution buffers)."""
+    """Gauge: device bytes resident (execution buffers)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

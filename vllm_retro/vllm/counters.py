@@ -17,8 +17,7 @@ EXPORTED = ("indexed_requests", "indexed_tokens", "index_updates", "sparse_decod
 """:class:`RetroCounters` fields exported as counters."""
 
 BUFFER_EXPORTED = ("device_cache_hit_clusters", "device_cache_miss_clusters",
-                   "host_to_device_bytes", "device_cache_admitted_pages",
-                   "device_cache_evicted_pages", "buffer_update_failures",
+                   "host_to_device_bytes", "buffer_update_failures",
                    "device_step_rows", "device_step_in_place_rows")
 """:class:`~vllm_retro.buffer.stats.BufferStats` fields exported as counters."""
 

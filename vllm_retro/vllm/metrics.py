@@ -34,23 +34,17 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family(PREFIX + "device_cache_hit_clusters_total", "counter",
-           "Retrieval-zone clusters found in the device block cache (wave buffer), all "
-           "workers.", "device_cache_hit_clusters"),
+           "Retrieval-zone clusters found in the device cluster cache (the GPU decode step "
+           "reading the host tier in place), all workers.", "device_cache_hit_clusters"),
     Family(PREFIX + "device_cache_miss_clusters_total", "counter",
-           "Retrieval-zone clusters read from the host tier because the device block cache "
-           "did not hold them, all workers.", "device_cache_miss_clusters"),
+           "Retrieval-zone clusters read from the host tier because the device cluster cache "
+           "did not hold them (or there is none), all workers.", "device_cache_miss_clusters"),
     Family(PREFIX + "device_cache_hit_ratio", "gauge",
-           "Device block cache hits / (hits + misses) since the server started (0 before "
+           "Device cluster cache hits / (hits + misses) since the server started (0 before "
            "any lookup).", "hit_ratio"),
     Family(PREFIX + "host_to_device_bytes_total", "counter",
            "K+V bytes copied from the host tier to the device for retrieval-zone misses.",
            "host_to_device_bytes"),
-    Family(PREFIX + "device_cache_admitted_pages_total", "counter",
-           "Pages admitted into the device block cache by cache updates.",
-           "device_cache_admitted_pages"),
-    Family(PREFIX + "device_cache_evicted_pages_total", "counter",
-           "Pages evicted from the device block cache by cache updates.",
-           "device_cache_evicted_pages"),
     Family(PREFIX + "device_step_rows_total", "counter",
            "(request, layer) decode steps served by the GPU decode step with the KV on the "
            "device (the context fits the device).", "device_step_rows"),
@@ -88,7 +82,7 @@ FAMILIES: tuple[Family, ...] = (
            "Host-memory bytes held by live requests (wave buffer host tier and host-side "
            "index data), all workers.", "host_tier_bytes"),
     Family(PREFIX + "device_tier_bytes", "gauge",
-           "Device-memory bytes held by retro (block caches, device-side index data, "
+           "Device-memory bytes held by retro (device-side index data, "
            "execution buffers), all workers.", "device_tier_bytes"),
     Family(PREFIX + "host_budget_bytes", "gauge",
            "Host memory indexed requests may reserve (--retro-host-memory-gb, or 80% of the "
@@ -112,8 +106,8 @@ FAMILIES: tuple[Family, ...] = (
            "failed_requests"),
     Family(PREFIX + "buffer_update_failures_total", "counter",
            "Wave-buffer update-worker jobs that failed and were recovered (each logged; "
-           "answers unchanged): a cache update (that request's device cache is dropped and "
-           "refills from the host tier) or a host pool's room growth, all workers.",
+           "answers unchanged): a host pool's room growth (the next layout grows the pool "
+           "itself), all workers.",
            "buffer_update_failures"),
     Family(PREFIX + "block_cache_hits_total", "counter",
            "Passages of Block-Attention requests loaded from the passage cache instead of "
