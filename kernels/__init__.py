@@ -5,7 +5,7 @@ reference otherwise. Modules:
 
 - :mod:`kernels.kmeans` — nearest-centroid assignment and per-cluster scatter sums;
 - :mod:`kernels.scoring` — GQA-summed softmax scores of centroids;
-- :mod:`kernels.gather` — execution-buffer assembly from the device cache and the host tier;
+- :mod:`kernels.gather` — execution-buffer assembly from a device pool and the host tier;
 - :mod:`kernels.tripartite_attention` — weighted decode attention over exact tokens and
   size-weighted centroids (the paper's estimator, or the spread-corrected *tilted* one),
   merged through log-sum-exp.

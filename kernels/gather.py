@@ -1,19 +1,17 @@
-"""Execution-buffer gather: copy runs of token rows from the device block cache or the host
-tier.
+"""Execution-buffer gather: copy runs of token rows from a device pool or the host tier.
 
 The plan is a list of runs, ``runs`` [N, 3] int64, one per maximal stretch of consecutive
 source rows in one pool going to consecutive destination rows::
 
-    (dst, src, n), n > 0 (cache hits):  dst_rows[dst : dst + n]  = dev[src : src + n]
-    (dst, src, n), n < 0 (misses):      dst_rows[dst : dst + |n|] = host[src : src + |n|]
+    (dst, src, n), n > 0 (device pool):  dst_rows[dst : dst + n]  = dev[src : src + n]
+    (dst, src, n), n < 0 (host tier):    dst_rows[dst : dst + |n|] = host[src : src + |n|]
 
 ``dst_rows`` is the destination viewed as rows ``[-1, D]`` (an execution buffer [rows, T_cap,
 D]: row ``r * T_cap + slot``); ``dev`` and ``host`` are flat row pools ``[rows, D]`` (pages
-flattened). A cluster's tokens lie in consecutive host rows and, page by page, in device
-blocks, so a run is usually a whole cluster or a page: ~9 tokens per run at the Llama
-shape, a plan 4.4x fewer bytes than one entry per token (``bench/cache_update.py``) to write
-on the host and send to the device. On CUDA the Triton kernel reads the host pool directly
-from pinned memory (unified addressing), so misses cost one PCIe read and no staging copy.
+flattened). A cluster's tokens lie in consecutive host rows, so a run is usually a whole
+cluster (the wave buffer's host-tier path, :mod:`vllm_retro.buffer.layer_pool`, sends host
+runs only). On CUDA the Triton kernel reads the host pool directly from pinned memory
+(unified addressing), so a read costs one PCIe transfer and no staging copy.
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ import numpy as np
 import torch
 
 from vllm_retro.kernels._common import block_size, tl, triton
-
-HIT, MISS = 1, 2
-"""Per-token kinds of a lookup (:class:`vllm_retro.buffer.mapping.Lookup`): device cache,
-host tier (0: padding)."""
 
 RUN_FIELDS = ("dst", "src", "count")
 """The columns of a gather plan's runs: destination row, source row, signed row count (> 0

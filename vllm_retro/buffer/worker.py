@@ -1,24 +1,14 @@
-"""The asynchronous cache-update worker: one CPU thread, jobs run in submission order."""
+"""The wave buffer's asynchronous worker (layouts and pool growth): one CPU thread, jobs run in
+submission order."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm_retro.buffer.stats import BufferStats
-
-
-def deliver(jobs: Sequence[tuple[Callable[[], Any], Future]]) -> None:
-    """Run each ``(job, future)`` in order, setting its future to the job's result (or its
-    exception): one worker job doing several stores' updates, each store waiting only for
-    its own future."""
-    for job, fut in jobs:
-        try:
-            fut.set_result(job())
-        except BaseException as exc:  # delivered to the store's join, as a job's would be
-            fut.set_exception(exc)
 
 
 class UpdateWorker:
