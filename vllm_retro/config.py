@@ -442,7 +442,7 @@ class RetroConfig:
         return max(0, min(rest, math.ceil(self.estimation_budget * num_clusters - 1e-9)))
 
     def cache_tokens(self, tokens: int) -> int:
-        """Device block cache budget, in tokens, of one KV head with ``tokens`` indexed
+        """The device step's cluster cache budget, in tokens, of one KV head with ``tokens`` indexed
         tokens: ``cache_pages`` pages when set; else ``cache_fraction`` of the tokens, but
         at least ``cache_fraction / retrieval_budget`` times the retrieval zone's floor
         (``min_retrieval_clusters`` clusters of ``cluster_size``), at most all of them.

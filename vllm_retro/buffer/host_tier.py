@@ -5,8 +5,7 @@ as vLLM's paged KV is one pool per layer: a request's store holds extents of pag
 per update block) and its mapping table addresses them by page number, so the batched
 decode path reads every request's misses through one gather call. Every cluster starts on
 a page boundary and occupies ``ceil(size / page_size)`` consecutive pages (the last one
-padded), so a cluster is one contiguous host range and a page is the unit of the device
-block cache.
+padded), so a cluster is one contiguous host range and one run of the gather kernel.
 
 **Preallocated, committed on use.** As vLLM sizes its KV cache once, a pool is allocated
 once at the size it may ever need (``reserve_pages``: the runtime gives every layer twice its

@@ -8,9 +8,8 @@ reading each row's meta index, steady zone and retrieved clusters in place:
 
 - rows backed by a :class:`~vllm_retro.index.store.DenseClusterStore` are read from its
   cluster-contiguous tensors;
-- rows backed by the wave buffer are read from the host tier's pages. On a CPU the host tier
-  *is* the memory attention runs from, so the device block cache (a copy of the hot pages,
-  made to save PCIe transfers on a GPU) has nothing to save there and is not consulted.
+- rows backed by the wave buffer are read from the host tier's pages, in place (on a CPU
+  the host tier *is* the memory attention runs from).
 
 The result is the same function as the per-row path (fp32 1e-5, 16-bit within rounding; the
 cluster choice is the same up to exact ties of scores).

@@ -28,7 +28,7 @@ search with the key itself, the rule, edges back) — the paper keeps decoded to
 static pattern and names RoarGraph's insertion as the way to index them.
 
 **Layout** as PQCache's (:mod:`vllm_retro.index.pq_index`): the KV is in the store (the wave
-buffer's host tier, device block cache), cut into blocks of ``graph_block_tokens``
+buffer's host tier), cut into blocks of ``graph_block_tokens``
 consecutive positions, each a 'cluster' of the store; the chosen tokens are read one by one
 (:meth:`~vllm_retro.index.store.DenseClusterStore.gather_tokens_into`). The graph
 (``[H, N, 2 * graph_degree]`` int32) and the searches live on the CPU, reading the keys in
@@ -39,10 +39,9 @@ vector search does.
 (:func:`decode_graph`, through :func:`vllm_retro.index.batched.decode_batch`) runs every
 (request, KV head) in parallel: its query heads' searches, the group's choice and the exact
 attention over the steady zone and the chosen tokens, read in place from the store's pools
-(the host tier: on a CPU there is no block cache to consult). Elsewhere (CUDA, or the
+(the host tier). Elsewhere (CUDA, or the
 'torch' backend) a request's step searches in C++ (:meth:`GraphIndex.select_tokens`), reads
-the chosen tokens through the store (the device block cache, misses from the host tier) and
-attends with the tripartite kernel, row by row.
+the chosen tokens from the store's host tier and attends with the tripartite kernel, row by row.
 """
 
 from __future__ import annotations
