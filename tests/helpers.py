@@ -73,7 +73,6 @@ def batched_equals_alone(indexes: list, manager, gen: torch.Generator, query_hea
         q = torch.randn(b, query_heads, d, generator=gen).to(dtype)
         got = decode_batch(indexes, q, d ** -0.5, cache=views)
         if step % every == 0:
-            views.join()
             for r, index in enumerate(indexes):
                 want = index.decode(q[r], d ** -0.5).output
                 assert not got[r].isnan().any()
@@ -85,7 +84,6 @@ def batched_equals_alone(indexes: list, manager, gen: torch.Generator, query_hea
         index.free()
     manager.close()
     assert manager.host_bytes() == 0
-
 
 
 def decode_steps(index, keys: torch.Tensor, values: torch.Tensor, query_heads: int,

@@ -29,8 +29,8 @@ def test_defaults_when_connected_without_settings():
 
 
 def test_values_are_validated_into_the_dataclass():
-    cfg = retro_config(_vllm_config({"retrieval_budget": 0.05, "cache_policy": "lfu"}))
-    assert cfg.retrieval_budget == 0.05 and cfg.cache_policy == "lfu"
+    cfg = retro_config(_vllm_config({"retrieval_budget": 0.05, "kernel_backend": "torch"}))
+    assert cfg.retrieval_budget == 0.05 and cfg.kernel_backend == "torch"
 
 
 @pytest.mark.parametrize("retro, match", [
