@@ -96,13 +96,14 @@ ROWS: list[Row] = [
                (quantile(0.95, "vllm:e2e_request_latency_seconds"), "p95")],
               "From arrival to the last token."),
     ]),
-    Row("Retro: device block cache (wave buffer)", [
+    Row("Retro: device cluster cache (GPU decode step)", [
         Panel("Device cache hit ratio", "percentunit",
               [(f"avg(vllm_retro:device_cache_hit_ratio{SEL})", "since start"),
                (f"{rate('vllm_retro:device_cache_hit_clusters_total')} / ("
                 f"{rate('vllm_retro:device_cache_hit_clusters_total')} + "
                 f"{rate('vllm_retro:device_cache_miss_clusters_total')})", "over the interval")],
-              "Retrieval-zone clusters found in the device cache / all looked up.",
+              "Retrieval-zone clusters found in the device cluster cache / all looked up (the GPU "
+              "decode step reading the host tier in place; 0 on a CPU).",
               extra={"min": 0, "max": 1}),
         Panel("Cache hits vs misses", "short",
               [(rate("vllm_retro:device_cache_hit_clusters_total"), "hit clusters/s"),
@@ -110,7 +111,7 @@ ROWS: list[Row] = [
               "Retrieval-zone cluster lookups per second, all workers."),
         Panel("Host to device traffic", "Bps",
               [(rate("vllm_retro:host_to_device_bytes_total"), "host -> device")],
-              "K+V bytes per second copied from the host tier for cache misses."),
+              "K+V bytes per second read from the host tier for cluster-cache misses."),
         Panel("GPU decode step", "short",
               [(rate("vllm_retro:device_step_rows_total"), "KV on the device"),
                (rate("vllm_retro:device_step_in_place_rows_total"), "KV read in place")],
