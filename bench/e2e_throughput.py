@@ -104,6 +104,16 @@ def close(llm: Any) -> None:
     gc.collect()
 
 
+def retro_counters(llm: Any) -> Any:
+    """The retro counters of ``llm``'s engine (it runs in this process); zeros for a stock
+    engine (it has no retro runtime)."""
+    from vllm_retro.vllm.counters import RetroCounters
+    from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE
+
+    rt = getattr(llm.llm_engine.vllm_config.kv_transfer_config, RUNTIME_ATTRIBUTE, None)
+    return RetroCounters() if rt is None else rt.counters
+
+
 def sampling(max_tokens: int) -> Any:
     """Greedy, exactly ``max_tokens`` tokens."""
     from vllm import SamplingParams
@@ -119,9 +129,7 @@ def serve_phase(llm: Any, ps: list[Any], max_tokens: int) -> dict[str, Any]:
     steps after that (decode throughput of the whole batch with no prefill mixed in,
     per-step seconds, index work in that window).
     """
-    from vllm_retro.vllm.runtime import get_runtime
-
-    c = get_runtime().counters
+    c = retro_counters(llm)
     engine = llm.llm_engine
     produced: dict[str, int] = {}
     first_token: dict[str, float] = {}
@@ -166,8 +174,6 @@ def serve_phase(llm: Any, ps: list[Any], max_tokens: int) -> dict[str, Any]:
 def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any], args
                ) -> dict[str, Any]:
     """Prefill, decode and capacity measurements of one configuration."""
-    from vllm_retro.vllm.runtime import get_runtime
-
     n_prompt = sum(len(p["prompt_token_ids"]) for p in ps)
     max_len = args.prompt_tokens + args.max_tokens + BLOCK
     llm = make_engine(model, retro, max_len, None, args)
@@ -179,12 +185,12 @@ def run_config(name: str, retro: dict[str, Any] | None, model: str, ps: list[Any
     peak = 0
     if args.capacity_requests:
         llm = make_engine(model, retro, max_len, pool, args)
-        c = get_runtime().counters
-        c.peak_decode_rows = 0
         cap = [p for _ in range(-(-args.capacity_requests // len(ps))) for p in ps]
-        llm.generate(cap[:args.capacity_requests], sampling(args.capacity_decode),
-                     use_tqdm=False)
-        peak = c.peak_decode_rows
+        engine = llm.llm_engine
+        for i, p in enumerate(cap[:args.capacity_requests]):
+            engine.add_request(f"capacity-{i}", p, sampling(args.capacity_decode))
+        while engine.has_unfinished_requests():  # the most requests given a token in a step
+            peak = max(peak, len(engine.step()))
         close(llm)
     ttft, itl, prefill_s = run["ttft_s"], run.pop("decode_steps_s"), run["prefill_s"]
     row = {

@@ -53,6 +53,14 @@ def engine(model: Path | str, retro: dict[str, Any] | None = None, **kwargs: Any
         gc.collect()
 
 
+def runtime_of(llm: Any) -> Any:
+    """The retro runtime of ``llm``'s engine (its worker's: the engine runs in this
+    process), None when retro is off for it."""
+    from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE
+
+    return getattr(llm.llm_engine.vllm_config.kv_transfer_config, RUNTIME_ATTRIBUTE, None)
+
+
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[Any]:
     """Token-id prompts of the given lengths (ids 10..vocab-1)."""
     from vllm.inputs import TokensPrompt
@@ -91,13 +99,11 @@ def full_budget_matches_stock(model: Path | str, retro: dict[str, Any]) -> None:
     """Stock vLLM, then retro at ``retro`` (a policy reading every indexed token) on
     :data:`LENGTHS` under chunked prefill (512-token chunks), continuous batching and update
     blocks: the same greedy tokens, five requests indexed, every byte freed at the end."""
-    from vllm_retro.vllm.runtime import get_runtime
-
     with engine(model, max_num_batched_tokens=512) as llm:
         stock = generate_tokens(llm, LENGTHS, MAX_TOKENS)
     with engine(model, retro=retro, max_num_batched_tokens=512) as llm:
         got = generate_tokens(llm, LENGTHS, MAX_TOKENS)
-        rt = get_runtime()
+        rt = runtime_of(llm)
         c = rt.counters
         assert c.indexed_requests == 5 and c.index_updates > 0
         assert c.retro_decode_tokens > 2 * 4 * 90
@@ -111,9 +117,7 @@ def decode_two_abort_one(llm: Any, check: Any) -> Any:
     have, ``check(runtime)`` looks at their live indexes, request 'a' is aborted mid-decode
     and the other runs to its end. Then: sparse tokens and update blocks happened, and every
     byte is freed. Returns the runtime."""
-    from vllm_retro.vllm.runtime import get_runtime
-
-    rt = get_runtime()
+    rt = runtime_of(llm)
     eng = llm.llm_engine
     a, b = random_prompts([2000, 2500], seed=5)
     eng.add_request("a", a, greedy(150))

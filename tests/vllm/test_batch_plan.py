@@ -9,13 +9,14 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.vllm.batch_plan import RetroDecode, decode_columns, plan_batch  # noqa: E402
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep  # noqa: E402
 from vllm_retro.vllm.runtime import RetroRuntime  # noqa: E402
 
 
 def _runtime(rows: dict[str, RowStep]) -> RetroRuntime:
-    rt = RetroRuntime()
+    rt = RetroRuntime(object(), RetroConfig())
     rt.begin_step(RetroStepMetadata(rows=rows))
     return rt
 
@@ -67,10 +68,8 @@ def test_a_row_outside_the_plan_is_a_clear_error():
 
 
 def test_released_requests_are_freed_before_the_step():
-    from vllm_retro.config import RetroConfig
-
-    rt = RetroRuntime()
-    rt.attach(object(), RetroConfig(update_segment=64, local_window=16, segment_size=256))
+    rt = RetroRuntime(object(), RetroConfig(update_segment=64, local_window=16,
+                                            segment_size=256))
     g = torch.Generator().manual_seed(0)
     for rid in ("x", "y", "z"):
         for layer in ("l0", "l1"):
@@ -89,11 +88,10 @@ def test_the_builder_plans_where_every_layer_appends_its_tokens():
     """The plan's column holds the steady-pool rows of the step's tokens, made once by the
     builder: every layer's append writes there (the rows each index reads its window from),
     and a plan whose rows are not the indexes' next ones (a stale step's) is not used."""
-    from vllm_retro.config import RetroConfig
     from vllm_retro.index.batched import append_batch
 
-    rt = RetroRuntime()
-    rt.attach(object(), RetroConfig(update_segment=64, local_window=16, segment_size=256))
+    rt = RetroRuntime(object(), RetroConfig(update_segment=64, local_window=16,
+                                            segment_size=256))
     g = torch.Generator().manual_seed(3)
     lengths = {"x": 300, "y": 217}
     for layer in ("l0", "l1"):

@@ -16,10 +16,10 @@ from tests.vllm.engines import (
     generate_tokens,
     greedy,
     random_prompts,
+    runtime_of,
 )
 from vllm_retro.config import ConfigError
 from vllm_retro.vllm import schedule_state
-from vllm_retro.vllm.runtime import get_runtime
 from vllm_retro.vllm.settings import engine_kwargs
 
 pytestmark = pytest.mark.usefixtures("inprocess")
@@ -33,11 +33,11 @@ def test_full_budgets_match_stock_token_for_token(tiny_model_dir):
     # exact, so greedy outputs must agree.
     with engine(tiny_model_dir, max_num_batched_tokens=512) as llm:
         stock = generate_tokens(llm, LENGTHS, MAX_TOKENS)
-        assert get_runtime().counters.indexes_built == 0
+        assert runtime_of(llm) is None  # no retro: no runtime, nothing indexed
     with engine(tiny_model_dir, retro={**TINY_RETRO, **FULL_BUDGET, "build_steps": 8},
                 max_num_batched_tokens=512) as llm:
         retro = generate_tokens(llm, LENGTHS, MAX_TOKENS)
-        rt = get_runtime()
+        rt = runtime_of(llm)
         c = rt.counters
         # Every request but the 30-token one (50 tokens in all) reaches 84 tokens and is
         # indexed: the long prompts when their prefill completes, the 60-token one during
@@ -58,7 +58,7 @@ def test_default_budgets_decode_through_the_index(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}) as llm:
         out = generate_tokens(llm, [1500, 3000], [80, 80])
         assert [len(o) for o in out] == [80, 80]
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         assert c.retro_decode_tokens == 2 * 2 * 79
         assert c.sparse_decode_tokens == 2 * 79 and c.dense_decode_tokens == 0
         # built in the step: all of the build time was the steps'
@@ -80,9 +80,9 @@ def test_padded_and_resident_batched_paths_match_the_fused_path(tiny_model_dir):
                                            "kernel_backend": backend,
                                            "device_resident": resident}) as llm:
             runs[backend, resident] = generate_tokens(llm, lengths, max_tokens)
-            c = get_runtime().counters
+            c = runtime_of(llm).counters
             assert c.retro_decode_tokens > 2 * 3 * 140 and c.index_updates > 0
-            stats = get_runtime().manager.stats
+            stats = runtime_of(llm).manager.stats
             # the device step's counters (the server's metrics): every indexed row of the
             # run where it applies, by placement
             # (under 'auto' on a CPU the layer's in-place step is the fused kernel)
@@ -113,7 +113,7 @@ def test_a_request_decodes_densely_while_its_index_builds_then_switches(tiny_mod
             runs.append(list(llm.generate(prompt, greedy(60))[0].outputs[0].token_ids))
     stock, in_step = runs
     with engine(tiny_model_dir, retro={**retro, "build_steps": 6}) as llm:
-        rt, eng = get_runtime(), llm.llm_engine
+        rt, eng = runtime_of(llm), llm.llm_engine
         eng.add_request("r", prompt[0], greedy(60))
         tokens: list[int] = []
 
@@ -164,11 +164,11 @@ def test_a_failed_background_build_leaves_the_request_dense_for_life(tiny_model_
         stock = generate_tokens(llm, [1500], [30])
     with engine(tiny_model_dir, retro={**retro, "build_steps": 4}) as llm:
         out = generate_tokens(llm, [1500], [30])
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         assert c.indexed_requests == 0 and c.indexes_built == 0 and c.dense_fallback_requests == 1
         assert c.dense_decode_tokens == 29 and c.sparse_decode_tokens == 0
         finish_step(llm)
-        assert get_runtime().live_bytes() == (0, 0)
+        assert runtime_of(llm).live_bytes() == (0, 0)
     assert "request decodes densely from its paged KV" in caplog.text
     assert out == stock
 
@@ -176,7 +176,7 @@ def test_a_failed_background_build_leaves_the_request_dense_for_life(tiny_model_
 def test_a_request_that_ends_within_build_steps_is_never_indexed(tiny_model_dir):
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 8}) as llm:
         generate_tokens(llm, [1500, 1500], [9, 10])
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         # 9 tokens: 1 from the prompt step + 8 dense, then done: no build at all. 10: built,
         # and its last token goes through the index.
         assert c.indexed_requests == 1 and c.sparse_decode_tokens == 1
@@ -192,15 +192,30 @@ def test_more_requests_run_at_once_in_the_same_kv_pool(tiny_model_dir):
     kw = {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}
     prompts, params = [3500] * 4, [40] * 4
     with engine(tiny_model_dir, **kw) as llm:
-        stock = generate_tokens(llm, prompts, params)
-        stock_peak = get_runtime().counters.peak_decode_rows
+        stock, stock_peak = _stepwise_peak(llm, prompts, params)
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}, **kw) as llm:
-        retro = generate_tokens(llm, prompts, params)
-        retro_peak = get_runtime().counters.peak_decode_rows
-        assert get_runtime().counters.indexed_requests == 4
+        retro, retro_peak = _stepwise_peak(llm, prompts, params)
+        c = runtime_of(llm).counters
+        assert c.indexed_requests == 4 and c.peak_decode_rows == 4
     assert [len(o) for o in stock] == [len(o) for o in retro] == params
     assert stock_peak == 1
     assert retro_peak == 4
+
+
+def _stepwise_peak(llm, lengths: list[int], max_tokens: list[int]
+                   ) -> tuple[list[list[int]], int]:
+    """Greedy token ids of random prompts of ``lengths`` (as ``generate_tokens``), the
+    engine stepped by hand, and the most requests that got a token in one step."""
+    eng = llm.llm_engine
+    for i, (prompt, n) in enumerate(zip(random_prompts(lengths), max_tokens, strict=True)):
+        eng.add_request(str(i), prompt, greedy(n))
+    outs: dict[int, list[int]] = {}
+    peak = 0
+    while eng.has_unfinished_requests():
+        stepped = eng.step()
+        peak = max(peak, len(stepped))
+        outs.update({int(o.request_id): list(o.outputs[0].token_ids) for o in stepped})
+    return [outs[i] for i in range(len(lengths))], peak
 
 
 def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
@@ -217,9 +232,9 @@ def test_preempted_indexed_request_is_recomputed_and_reindexed(tiny_model_dir):
     before = schedule_state.num_preempted()
     with engine(tiny_model_dir, retro=retro, **kw) as llm:
         out = generate_tokens(llm, lengths, params)
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         finish_step(llm)
-        assert get_runtime().live_bytes() == (0, 0)
+        assert runtime_of(llm).live_bytes() == (0, 0)
     after = schedule_state.num_preempted()
     assert after[1] - before[1] >= 1  # the indexed request was preempted ...
     assert c.indexed_requests >= 2 and c.indexes_built >= 4  # ... and indexed again
@@ -255,9 +270,8 @@ def test_retro_settings_without_connector_fail_at_startup(tiny_model_dir):
 def test_retro_switched_off_is_stock_vllm(tiny_model_dir):
     with engine(tiny_model_dir, retro={"enabled": False}) as llm:
         generate_tokens(llm, [1500], [20])
-        rt = get_runtime()
-        assert rt.config is None
-        assert rt.counters.indexes_built == 0 and rt.counters.retro_decode_tokens == 0
+        assert runtime_of(llm) is None  # nothing of retro's made, nothing indexed
+        assert llm.collective_rpc("retro_stats")[0]["enabled"] is False
 
 
 PQCACHE = {**TINY_RETRO, "index": "pqcache", "pq_block_tokens": 16}

@@ -15,13 +15,13 @@ from tests.vllm.engines import (
     generate_tokens,
     greedy,
     random_prompts,
+    runtime_of,
 )
 from vllm_retro.index.batched import decode_row
 from vllm_retro.index.wave_index import Selection
 from vllm_retro.kernels import cpu_decode, graph_cpu
 from vllm_retro.kernels.scoring import cluster_scores_ref
 from vllm_retro.vllm import route
-from vllm_retro.vllm.runtime import get_runtime
 
 pytestmark = pytest.mark.usefixtures("inprocess")
 
@@ -124,7 +124,7 @@ def test_each_layer_step_equals_the_per_row_reference(tiny_model_dir, monkeypatc
     with engine(tiny_model_dir, dtype=dtype,
                 retro={**TINY_RETRO, "build_steps": 0}) as llm:
         out = generate_tokens(llm, [300, 1500, 3000], [70, 70, 70])
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
     assert [len(o) for o in out] == [70, 70, 70]
     assert c.index_updates > 0  # update blocks landed while decoding
     # 2 layers x 3 rows x 69 indexed steps
@@ -178,7 +178,7 @@ def test_each_policys_layer_step_equals_its_per_row_reference(tiny_model_dir, mo
     if policy == "saap":
         retro["saap_file"] = str(request.getfixturevalue("saap_file"))
     with engine(tiny_model_dir, dtype=dtype, retro=retro) as llm:
-        rt = get_runtime()
+        rt = runtime_of(llm)
         eng = llm.llm_engine
         a, b, c = random_prompts([1500, 2500, 900], seed=7)
         eng.add_request("a", a, greedy(150))

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.engines import TINY_RETRO, engine, finish_step, greedy, random_prompts
+from tests.vllm.engines import TINY_RETRO, engine, finish_step, greedy, random_prompts, runtime_of
 from vllm_retro import faults
 from vllm_retro.vllm import schedule_state
-from vllm_retro.vllm.runtime import get_runtime
 
 pytestmark = pytest.mark.usefixtures("inprocess")
 
@@ -48,7 +47,7 @@ def plain(got: dict[str, tuple[list[int], str]]) -> dict[str, tuple[list[int], s
 
 
 def assert_all_freed(llm, ids: list[str]) -> None:
-    rt = get_runtime()
+    rt = runtime_of(llm)
     assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert rt.builder.pending() == []
     assert all(schedule_state.indexed_at(rid) is None for rid in ids)
@@ -70,7 +69,7 @@ def test_a_failed_index_build_leaves_its_request_dense_and_the_others_unchanged(
     with engine(tiny_model_dir, retro=retro) as llm:
         ids = ["a", f"b-{faults.MARK}{site}", "c"]
         got = plain(run(llm, ids))
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         assert c.dense_fallback_requests == 1 and c.failed_requests == 0
         assert c.indexed_requests == 2  # a and c
         assert_all_freed(llm, ids)
@@ -89,7 +88,7 @@ def test_a_request_whose_index_breaks_fails_alone_with_an_error(tiny_model_dir, 
     with engine(tiny_model_dir, retro=retro) as llm:
         ids = ["a", f"b-{faults.MARK}{site}", "c"]
         got = plain(run(llm, ids))
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         assert c.failed_requests == 1 and c.indexed_requests == 3
         assert_all_freed(llm, ids)
         after = run(llm, ["d"], [1800], [70])  # the engine goes on serving
@@ -115,7 +114,7 @@ def test_failed_update_worker_jobs_change_no_answer(tiny_model_dir, faults_on, b
     with engine(tiny_model_dir, retro=retro) as llm:
         ids = ["a", f"b-{faults.MARK}update_worker", "c"]
         got = plain(run(llm, ids))
-        rt = get_runtime()
+        rt = runtime_of(llm)
         assert rt.manager.stats.buffer_update_failures > 0
         assert rt.counters.failed_requests == 0 and rt.counters.dense_fallback_requests == 0
         assert_all_freed(llm, ids)
@@ -128,7 +127,7 @@ def test_faults_are_off_unless_the_server_switches_them_on(tiny_model_dir):
     assert not faults.ENABLED
     with engine(tiny_model_dir, retro={**TINY_RETRO, "build_steps": 0}) as llm:
         got = run(llm, [f"a-{faults.MARK}kernel_row"], [1500], [70])
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
         assert c.failed_requests == 0 and c.dense_fallback_requests == 0
     assert got[f"a-{faults.MARK}kernel_row"][1] == "length"
 
@@ -153,7 +152,7 @@ def test_a_request_whose_append_raises_fails_alone_with_an_error(tiny_model_dir,
     monkeypatch.setattr(WaveIndex, "appended", appended)
     with engine(tiny_model_dir, retro=retro) as llm:
         got = run(llm, ids)
-        assert get_runtime().counters.failed_requests == 1
+        assert runtime_of(llm).counters.failed_requests == 1
         assert_all_freed(llm, ids)
     assert got["b"][1] == "error" and 30 <= len(got["b"][0]) < MAX_TOKENS[1]
     assert got["a"] == clean["a"] and got["c"] == clean["c"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.machine import model_dtype
-from tests.vllm.engines import TINY_RETRO, engine, greedy, random_prompts
+from tests.vllm.engines import TINY_RETRO, engine, greedy, random_prompts, runtime_of
 from vllm_retro.config import ConfigError, RetroConfig
 from vllm_retro.vllm.host_budget import (
     TIER_BYTES_PER_KV_BYTE,
@@ -15,7 +15,6 @@ from vllm_retro.vllm.host_budget import (
     HostBudget,
     available_host_memory,
 )
-from vllm_retro.vllm.runtime import get_runtime
 
 
 # ---------------------------------------------------------------------------- the ledger
@@ -77,7 +76,7 @@ def _connector(llm):
 def _run_stepwise(llm, prompts, max_tokens):
     """Add every prompt at once and step the engine to the end. Returns each request's
     tokens and the most requests the workers held indexed at once."""
-    eng, rt = llm.llm_engine, get_runtime()
+    eng, rt = llm.llm_engine, runtime_of(llm)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, greedy(max_tokens))
     outs, most = {}, 0
@@ -111,7 +110,7 @@ def test_requests_wait_for_room_in_order_and_answer_as_alone(tiny_model_dir):
         together, most = _run_stepwise(llm, prompts, NEW)
         llm.llm_engine.step()  # deliver the finished ids
         gauges = conn.get_kv_connector_stats().data["gauges"]["0"]
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
     assert together == alone
     assert most == 1
     assert conn.budget_counts == {"host_budget_waited_requests": 2,
@@ -130,7 +129,7 @@ def test_a_request_larger_than_the_budget_decodes_densely_like_stock(tiny_model_
     with engine(tiny_model_dir, retro={**TINY_RETRO, "host_memory_gb": 1e-4}) as llm:
         outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(NEW))]
         counts = _connector(llm).budget_counts
-        c = get_runtime().counters
+        c = runtime_of(llm).counters
     assert outs == stock
     assert c.indexed_requests == 0 and c.retro_decode_tokens == 0
     assert c.dense_decode_tokens > 0
@@ -147,7 +146,7 @@ def test_reservations_bound_the_host_bytes_of_the_real_model(qwen_model_dir):
     retro = {"update_segment": 64, "update_clusters": 4, "local_window": 16,
              "segment_size": 512}
     with engine(qwen_model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
-        eng, rt, conn = llm.llm_engine, get_runtime(), _connector(llm)
+        eng, rt, conn = llm.llm_engine, runtime_of(llm), _connector(llm)
         for i, n in enumerate([1200, 3000]):
             eng.add_request(str(i), random_prompts([n], seed=i)[0], greedy(200))
         ratios = []

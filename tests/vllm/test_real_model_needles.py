@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from bench.machine import model_dtype
-from tests.vllm.engines import engine
+from tests.vllm.engines import engine, runtime_of
 from vllm_retro.capture import real_prose
-from vllm_retro.vllm.runtime import get_runtime
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("inprocess")]
 
@@ -45,7 +44,7 @@ def _run(model_dir, retro):
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
     with engine(model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         outs = llm.generate(prompts, greedy)
-        counters = get_runtime().counters
+        counters = runtime_of(llm).counters
     answers = [o.outputs[0].text.strip() for o in outs[:-1]]
     return answers, list(outs[-1].outputs[0].token_ids), counters
 

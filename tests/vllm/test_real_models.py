@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 
 from bench.machine import model_dtype
-from tests.vllm.engines import engine, finish_step
+from tests.vllm.engines import engine, finish_step, runtime_of
 from vllm_retro.capture import real_prose
 from vllm_retro.config import RetroConfig
-from vllm_retro.vllm.runtime import get_runtime
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("inprocess")]
 
@@ -28,7 +27,7 @@ def _gemma_run(model_dir, retro):
     prompts = [TokensPrompt(prompt_token_ids=doc), "Once upon a time,"]
     with engine(model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, logprobs=2))
-        counters = get_runtime().counters
+        counters = runtime_of(llm).counters
     top2 = [[sorted(((t, lp.logprob) for t, lp in pos.items()), key=lambda x: -x[1])[:2]
              for pos in o.outputs[0].logprobs] for o in outs]
     return ([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs],
@@ -109,7 +108,7 @@ def test_aborted_neighbours_never_change_a_survivors_answer(qwen_model_dir):
         print(f"alone, {found} of 6 survivors name their room's code: {alone}")
         assert found >= 2, alone
         eng = llm.llm_engine
-        rt = get_runtime()
+        rt = runtime_of(llm)
         outs: dict[str, str] = {}
         produced: dict[str, int] = {}
 

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index.batched import fused_path  # noqa: E402
-from vllm_retro.vllm.runtime import RetroRuntime  # noqa: E402
+from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE, RetroRuntime, engine_runtime  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -21,8 +21,7 @@ def test_a_layers_requests_share_its_preallocated_pool(backend):
 
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256,
                       kernel_backend=backend)
-    rt = RetroRuntime()
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     g = torch.Generator().manual_seed(0)
     for rid in ("x", "y", "z"):
         for layer in ("l0", "l1"):
@@ -52,8 +51,7 @@ def test_a_request_has_one_slot_in_every_layers_steady_pool():
     same slot in every layer; a freed request's slot goes to the next one, and with no
     request left the pools give their memory back."""
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
-    rt = RetroRuntime()
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     g = torch.Generator().manual_seed(1)
 
     def build(rid):
@@ -96,8 +94,7 @@ def test_a_request_counts_live_from_its_build_not_its_switch():
     the builder until the scheduler switches it), with the same clusters then as after its
     switch, and its index meta data in the host bytes; freed, it counts no more."""
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
-    rt = RetroRuntime()
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     g = torch.Generator().manual_seed(2)
     for layer in ("l0", "l1"):
         rt.submit_build("x", layer, torch.randn(2, 300, 32, generator=g),
@@ -130,8 +127,7 @@ def test_an_idle_engine_drops_the_decode_state_and_trims_whichever_request_ends_
     trims = []
     monkeypatch.setattr(runtime_module, "release_free_heap", lambda: trims.append(1) or True)
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
-    rt = RetroRuntime()
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     g = torch.Generator().manual_seed(3)
     rt.build_index("x", "l0", torch.randn(2, 300, 32, generator=g),
                    torch.randn(2, 300, 32, generator=g))
@@ -157,8 +153,7 @@ def test_a_layers_indexes_keep_their_meta_rows_in_the_layers_pool():
     extent back and the others read their rows unchanged; the last one leaving empties
     it."""
     cfg = RetroConfig(update_segment=64, local_window=16, segment_size=256)
-    rt = RetroRuntime()
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     g = torch.Generator().manual_seed(4)
     kv = {rid: [torch.randn(2, n, 32, generator=g) for _ in range(2)]
           for rid, n in (("x", 700), ("y", 300), ("z", 500))}
@@ -184,3 +179,45 @@ def test_a_layers_indexes_keep_their_meta_rows_in_the_layers_pool():
     assert all(rt.registry.layer(layer).meta.nbytes() == 0 for layer in ("l0", "l1"))
     assert rt.live_bytes() == (0, 0)
     rt.close()
+
+
+def _engine_config(retro: dict | None, connector: str | None = "RetroConnector"):
+    """A stand-in for an engine's ``VllmConfig``: what :func:`engine_runtime` reads."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    transfer = None if connector is None else KVTransferConfig(kv_connector=connector,
+                                                                kv_role="kv_both")
+    return SimpleNamespace(additional_config={} if retro is None else {"retro": retro},
+                           kv_transfer_config=transfer,
+                           device_config=SimpleNamespace(device_type="cpu"))
+
+
+def test_each_engine_has_its_own_runtime_found_from_its_config():
+    """An engine's runtime is made at the first ask and found again from the engine's
+    config or a copy sharing its KV-transfer config (``with_hf_config``); another engine
+    (its own configs) gets another. Retro off: none, nothing kept. A pickled or deep-copied
+    config (another process's, a data-parallel engine's) carries no runtime."""
+    import copy
+    import pickle
+    from types import SimpleNamespace
+
+    one, other = _engine_config({"update_segment": 64}), _engine_config({})
+    rt = engine_runtime(one)
+    try:
+        assert isinstance(rt, RetroRuntime) and rt.config.update_segment == 64
+        assert engine_runtime(one) is rt
+        assert engine_runtime(SimpleNamespace(**vars(one))) is rt
+        rt2 = engine_runtime(other)
+        assert rt2 is not rt and rt2.config == RetroConfig()
+        rt2.close()
+        for moved in (pickle.loads(pickle.dumps(one.kv_transfer_config)),
+                      copy.deepcopy(one.kv_transfer_config)):
+            assert getattr(moved, RUNTIME_ATTRIBUTE) is None
+    finally:
+        rt.close()
+    off = _engine_config({"enabled": False})
+    assert engine_runtime(off) is None
+    assert getattr(off.kv_transfer_config, RUNTIME_ATTRIBUTE, None) is None
+    assert engine_runtime(_engine_config(None, connector=None)) is None  # stock vLLM

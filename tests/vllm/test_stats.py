@@ -150,11 +150,10 @@ def test_payload_survives_msgpack_round_trip() -> None:
 
 @pytest.fixture
 def runtime():
-    """A retro runtime attached to a stand-in engine with small update blocks; closed after."""
-    rt = RetroRuntime()
+    """A retro runtime of a stand-in engine with small update blocks; closed after."""
     cfg = RetroConfig(update_segment=64, update_clusters=8, async_updates=False,
                       kernel_backend="torch")
-    rt.attach(object(), cfg)
+    rt = RetroRuntime(object(), cfg)
     yield rt
     rt.close()
 
@@ -227,13 +226,3 @@ def test_runtime_hits_plus_misses_count_every_retrieval_lookup(runtime: RetroRun
         index.decode(torch.randn(2 * h, d, generator=rng))
     c = runtime.take_stats(0).data[COUNTERS]["0"]
     assert c["device_cache_hit_clusters"] + c["device_cache_miss_clusters"] == lookups
-
-
-def test_runtime_take_stats_none_while_retro_off() -> None:
-    """A runtime attached with no retro config (retro off for the engine) reports nothing."""
-    rt = RetroRuntime()
-    rt.attach(object(), None)
-    try:
-        assert rt.take_stats(0) is None
-    finally:
-        rt.close()

@@ -88,13 +88,12 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = retro_config(vllm_config)
         self.runtime = None
-        """Worker side: the worker's retro state, taken once here (vLLM builds the
-        connector; the process has one runtime)."""
+        """Worker side: the engine's retro state in this worker (None: retro off), which
+        this connector frees at :meth:`shutdown`."""
         if role == KVConnectorRole.WORKER:
-            from vllm_retro.vllm.runtime import get_runtime
+            from vllm_retro.vllm.runtime import engine_runtime
 
-            self.runtime = get_runtime()
-            self.runtime.attach(vllm_config, self.config)
+            self.runtime = engine_runtime(vllm_config)
         self._requests: dict[str, Request] = {}
         self._building: dict[str, int] = {}
         """Requests whose build started, with the tokens it covers."""
@@ -341,14 +340,15 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Runs before the batch is prepared: free released requests, publish the plan."""
         assert isinstance(kv_connector_metadata, RetroStepMetadata)
-        assert self.runtime is not None, "worker-side connector method on the scheduler side"
-        self.runtime.begin_step(kv_connector_metadata)
+        if self.runtime is not None:
+            self.runtime.begin_step(kv_connector_metadata)
 
     def build_connector_worker_meta(self) -> RetroWorkerReport | None:
         """After each step: the requests this worker demoted to dense decoding since the
         last step, and the passages it cached or failed to (see
         :meth:`update_connector_output`)."""
-        assert self.runtime is not None, "worker-side connector method on the scheduler side"
+        if self.runtime is None:
+            return None
         demoted = self.runtime.fates.take_demoted()
         written, failed = (self.passage_worker.take_report() if self.passage_worker
                            is not None else (set(), set()))
@@ -407,8 +407,13 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         budget's gauges and counters (reported under rank 0)."""
         if self.role != KVConnectorRole.WORKER:
             return self._scheduler_stats()
-        assert self.runtime is not None, "worker-side connector method on the scheduler side"
-        return self.runtime.take_stats(_worker_rank())
+        return None if self.runtime is None else self.runtime.take_stats(_worker_rank())
+
+    def shutdown(self) -> None:
+        """Worker side, at the worker's shutdown: free everything the engine's runtime holds
+        (requests, index builder, host pools, worker thread)."""
+        if self.runtime is not None:
+            self.runtime.close()
 
     def _scheduler_stats(self) -> RetroConnectorStats | None:
         """The host-memory budget's and the passage cache's counters (deltas since the

@@ -36,7 +36,7 @@ from vllm_retro.index.estimator_choice import JUDGE_QUERIES
 from vllm_retro.index.padded import MetaViewCache
 from vllm_retro.vllm.batch_plan import BatchPlan, BlockPrefill, plan_batch
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
-from vllm_retro.vllm.runtime import RetroRuntime, get_runtime
+from vllm_retro.vllm.runtime import RetroRuntime, engine_runtime
 from vllm_retro.vllm.settings import RetroSetupError, retro_config
 
 
@@ -98,10 +98,11 @@ class RouteBuilderMixin:
 
     def __init__(self, kv_cache_spec: AttentionSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
-        self.retro = isinstance(kv_cache_spec, RetroAttentionSpec)
-        self.runtime = get_runtime()
-        """The worker's retro state, taken once here (vLLM builds the builder; the process
-        has one runtime): each step's metadata hands it on to the layers' ``forward``."""
+        self.runtime = engine_runtime(self.vllm_config)
+        """The engine's retro state in this worker (None: retro off), from the engine config
+        vLLM builds the builder with: each step's metadata hands it on to the layers'
+        ``forward``."""
+        self.retro = self.runtime is not None and isinstance(kv_cache_spec, RetroAttentionSpec)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
@@ -109,6 +110,8 @@ class RouteBuilderMixin:
         retro ones."""
         cm = common_attn_metadata
         rt = self.runtime
+        if rt is None:
+            return super().build(common_prefix_len, cm, fast_build)
         qlens = cm.query_start_loc_cpu[1:cm.num_reqs + 1] - cm.query_start_loc_cpu[:cm.num_reqs]
         c = rt.counters
         c.peak_decode_rows = max(c.peak_decode_rows, int((qlens == 1).sum()))
@@ -146,7 +149,7 @@ class RouteImplMixin:
                          kv_sharing_target_layer_name, sinks, **kwargs)
         vllm_config = get_current_vllm_config()
         cfg = retro_config(vllm_config)
-        get_runtime().attach(vllm_config, cfg)
+        engine_runtime(vllm_config)  # made now: the CPU extension is built before any step
         self.retro = (cfg is not None and attn_type == AttentionType.DECODER
                       and sliding_window is None)
         if not self.retro:
@@ -359,12 +362,17 @@ def _tokens(col: Any) -> list[int]:
 
 class RouteBackendMixin:
     """Goes before a vLLM attention backend class: full-attention layers report
-    :class:`RetroAttentionSpec` when retro is on in this process's engine."""
+    :class:`RetroAttentionSpec`.
+
+    Whatever the engine: vLLM asks the backend class with the spec alone (no engine config,
+    none current), so the spec cannot depend on whether retro is on. With retro off nothing
+    is indexed, and the spec's manager is vLLM's full-attention manager; the builders route
+    nothing (they have no runtime)."""
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         spec = super().customize_spec(spec)
-        if (get_runtime().config is None or type(spec) is not FullAttentionSpec
+        if (type(spec) is not FullAttentionSpec
                 or spec.sliding_window is not None or spec.attention_chunk_size is not None):
             return spec
         return RetroAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})

@@ -4,8 +4,9 @@ the requests' fates, the current step's plan, and counters. The runtime ties the
 it builds indexes and registers them, takes them over from the builder at a request's
 switch, and frees everything a request holds.
 
-One instance per process (:func:`get_runtime`). The engine runs one step at a time per
-worker, so the step plan is plain state.
+One instance per engine in each worker process (:func:`engine_runtime`), kept on the engine's
+KV-transfer config and freed by the worker's connector at shutdown. The engine runs one step
+at a time per worker, so the step plan is plain state.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from vllm_retro.vllm.index_builder import IndexBuilder
 from vllm_retro.vllm.layer_registry import LayerRegistry
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
 from vllm_retro.vllm.request_fates import RequestFates
+from vllm_retro.vllm.settings import retro_config
 from vllm_retro.vllm.stats import BUILD_SECONDS, COUNTERS, GAUGES, RetroConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -39,12 +42,15 @@ logger = logging.getLogger(__name__)
 class RetroRuntime:
     """See module docstring."""
 
-    def __init__(self) -> None:
-        self.config: RetroConfig | None = None
-        self._engine: object | None = None
+    def __init__(self, engine_config: object, config: RetroConfig) -> None:
+        """The runtime of the engine ``engine_config`` (its ``VllmConfig``: the layer count
+        and device sizing the host pools) with retro at ``config``."""
+        self.config = config
+        self._engine = engine_config
         self._manager: WaveBufferManager | None = None
         self._builder: IndexBuilder | None = None
-        self._device_type = "cpu"
+        self._device_type = getattr(getattr(engine_config, "device_config", None),
+                                    "device_type", "cpu")
         self.registry = LayerRegistry()
         """The layers' states (their requests' indexes and pools) and the requests' slots."""
         self._lock = threading.Lock()
@@ -58,49 +64,28 @@ class RetroRuntime:
         self.fates = RequestFates()
         """The requests decoding densely for life or failed, until the scheduler releases
         them (:meth:`demote`, :meth:`fail_request`)."""
-
-    # ------------------------------------------------------------------ setup
-    def attach(self, engine_config: object, config: RetroConfig | None) -> None:
-        """Bind the runtime to an engine (its ``VllmConfig``) and its retro config (None:
-        retro off). A different engine in the same process (tests, notebooks) starts from
-        a clean state: everything the previous one held is freed, counters restart."""
-        if engine_config is self._engine:
-            if config != self.config:
-                raise ValueError(f"retro runtime already configured with {self.config}, "
-                                 f"got a different config {config}")
-            return
-        self.close()
-        self.counters = RetroCounters()
-        self._deltas = CounterDeltas()
-        self._build_seconds = {}
-        self._engine = engine_config
-        self._device_type = getattr(getattr(engine_config, "device_config", None),
-                                    "device_type", "cpu")
-        self.config = config
-        self.step = None
-        self._slot_to_req = {}
-        self.fates = RequestFates()
-        if config is not None and self._device_type == "cpu":
+        if self._device_type == "cpu":
             # the fused kernels, built now when missing: a build at the first index would
             # hold that engine step (and every request in it) for a minute or two
             cpu_ext.load()
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """A pickled or deep-copied engine config (another process's, a data-parallel
+        engine's) carries no runtime: its engine makes its own (:func:`engine_runtime`)."""
+        return _no_runtime, ()
+
     @property
     def manager(self) -> WaveBufferManager:
-        """The process's wave buffer manager (created on first use)."""
+        """The engine's wave buffer manager in this process (created on first use)."""
         if self._manager is None:
-            if self.config is None:
-                raise RuntimeError("retro runtime used while retro is off for this engine")
             self._manager = WaveBufferManager(
                 self.config, pool_reserve_bytes=pool_reserve_bytes(self._engine, self.config))
         return self._manager
 
     @property
     def builder(self) -> IndexBuilder:
-        """The process's index builder (created on first use)."""
+        """The engine's index builder in this process (created on first use)."""
         if self._builder is None:
-            if self.config is None:
-                raise RuntimeError("retro runtime used while retro is off for this engine")
             steps = self.config.build_steps_on(self._device_type)
             self._builder = IndexBuilder(self._build, background=steps > 0)
         return self._builder
@@ -328,9 +313,7 @@ class RetroRuntime:
     def take_stats(self, rank: int) -> RetroConnectorStats | None:
         """This worker's payload for vLLM's connector-stats route: counter increments since
         the previous call, current gauges, and the index build time (seconds, all layers
-        on this worker) of each request indexed since then. None while retro is off."""
-        if self.config is None:
-            return None
+        on this worker) of each request indexed since then."""
         deltas = self._deltas.take(self.counters, None if self._manager is None
                                    else self._manager.stats.snapshot())
         held = self._held_indexes()
@@ -368,10 +351,6 @@ class RetroRuntime:
         self._deltas.forget_buffer()  # the next manager's counters start from zero
 
 
-_runtime: RetroRuntime | None = None
-_runtime_lock = threading.Lock()
-
-
 def pool_reserve_bytes(engine_config: object, config: RetroConfig) -> int:
     """Host address space each layer's page pool is mapped with
     (:mod:`vllm_retro.buffer.host_tier`): twice one attention layer's share of the most the
@@ -394,10 +373,33 @@ def pool_reserve_bytes(engine_config: object, config: RetroConfig) -> int:
     return 2 * limit // max(1, int(layers))
 
 
-def get_runtime() -> RetroRuntime:
-    """The process's :class:`RetroRuntime`."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            _runtime = RetroRuntime()
-        return _runtime
+RUNTIME_ATTRIBUTE = "retro_runtime"
+"""Where :func:`engine_runtime` keeps an engine's runtime on its ``KVTransferConfig``."""
+
+
+def engine_runtime(vllm_config: Any) -> RetroRuntime | None:
+    """The retro runtime of the engine ``vllm_config`` configures, in this process; None when
+    retro is off for it (:func:`~vllm_retro.vllm.settings.retro_config`).
+
+    Created on the first call and kept on the engine's ``kv_transfer_config`` (retro's
+    connector configuration): the one object vLLM hands, in the engine's ``VllmConfig`` or
+    in the copies it makes of it (``with_hf_config``), to everything it builds for the
+    engine in a worker: the attention impls at model load, the connector, the metadata
+    builders, the worker. So each engine has its own, found from its constructor arguments,
+    and the worker's connector frees it at shutdown (:meth:`RetroRuntime.close`).
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    runtime = getattr(transfer, RUNTIME_ATTRIBUTE, None)
+    if runtime is not None:
+        return runtime
+    config = retro_config(vllm_config)
+    if config is None:
+        return None
+    runtime = RetroRuntime(vllm_config, config)
+    setattr(transfer, RUNTIME_ATTRIBUTE, runtime)
+    return runtime
+
+
+def _no_runtime() -> None:
+    """What a pickled :class:`RetroRuntime` loads as."""
+    return None
