@@ -27,7 +27,8 @@ def _gemma_run(model_dir, retro):
     prompts = [TokensPrompt(prompt_token_ids=doc), "Once upon a time,"]
     with engine(model_dir, retro=retro, dtype=model_dtype(), max_model_len=8192) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, logprobs=2))
-        counters = runtime_of(llm).counters
+        rt = runtime_of(llm)
+        counters = None if rt is None else rt.counters  # None: stock
     top2 = [[sorted(((t, lp.logprob) for t, lp in pos.items()), key=lambda x: -x[1])[:2]
              for pos in o.outputs[0].logprobs] for o in outs]
     return ([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs],
