@@ -150,9 +150,12 @@ def tripartite_decode_ref(
     kc, vmean, bias_e = _estimation_terms(centroids, value_sums, sizes, est_ids, n_est)
     bias_x = torch.zeros(xmask.shape, dtype=torch.float32, device=query.device)
     bias_x = bias_x.masked_fill(~xmask, float("-inf"))
-    keys = torch.cat([k_exact.float(), kc], dim=1)
-    vals = torch.cat([v_exact.float(), vmean], dim=1)
     bias = torch.cat([bias_x, bias_e], dim=1)  # [R, T + E]
+    # what a row does not read is zero here, so that nothing it holds (a stale execution
+    # buffer's NaN) reaches the result: 0 * NaN is NaN
+    unread = (bias == float("-inf"))[..., None]
+    keys = torch.cat([k_exact.float(), kc], dim=1).masked_fill_(unread, 0.0)
+    vals = torch.cat([v_exact.float(), vmean], dim=1).masked_fill_(unread, 0.0)
     logits = torch.bmm(query.float(), keys.transpose(1, 2)) * scale + bias[:, None, :]
     spread = None
     if tilt is not None:
