@@ -1,8 +1,9 @@
 """KV-cache spec and manager for retro layers, modelled on vLLM's ``RSWAManager``.
 
-A full-attention layer under retro reports :class:`RetroAttentionSpec` (through the
-backend's ``customize_spec``), which vLLM's registry maps to :class:`RetroKVCacheManager`.
-Until a request is indexed the manager is vLLM's full-attention manager. Once the step
+A full-attention layer under the retro backend reports :class:`RetroAttentionSpec` (through
+the backend's ``customize_spec``, retro on or off: vLLM asks it with the spec alone), which
+vLLM's registry maps to :class:`RetroKVCacheManager`. Until a request is indexed (never,
+with retro off) the manager is vLLM's full-attention manager. Once the step
 that built its index has run, the wave index and buffer own the whole context (sink and
 local window included, decoded tokens appended from the forward's own K/V), so the paged
 blocks behind the committed tokens are freed and replaced by the null block, exactly as
