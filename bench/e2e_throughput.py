@@ -13,7 +13,7 @@ engine (prefix caching off, so every run prefills for real) runs, in the same pr
    (the steps after it): decode tokens/s of the batch, median and largest step, the time
    steps waited on index work, tokens decoded sparse / dense;
 2. capacity: a separate engine whose KV pool holds ``--pool-requests`` long requests,
-   given ``--capacity-requests`` of them at once -> the largest number decoded in one step.
+   given ``--capacity-requests`` of them at once -> the most requests given a token in one step.
 
 ``--repeats N`` runs every configuration N times, the order reversed every other repeat (in
 one process the engine run second has measured 3-10% slower steps whichever it was), and
