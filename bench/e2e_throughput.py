@@ -108,9 +108,9 @@ def retro_counters(llm: Any) -> Any:
     """The retro counters of ``llm``'s engine (it runs in this process); zeros for a stock
     engine (it has no retro runtime)."""
     from vllm_retro.vllm.counters import RetroCounters
-    from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE
+    from vllm_retro.vllm.runtime import made_runtime
 
-    rt = getattr(llm.llm_engine.vllm_config.kv_transfer_config, RUNTIME_ATTRIBUTE, None)
+    rt = made_runtime(llm.llm_engine.vllm_config)
     return RetroCounters() if rt is None else rt.counters
 
 

@@ -56,9 +56,9 @@ def engine(model: Path | str, retro: dict[str, Any] | None = None, **kwargs: Any
 def runtime_of(llm: Any) -> Any:
     """The retro runtime of ``llm``'s engine (its worker's: the engine runs in this
     process), None when retro is off for it."""
-    from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE
+    from vllm_retro.vllm.runtime import made_runtime
 
-    return getattr(llm.llm_engine.vllm_config.kv_transfer_config, RUNTIME_ATTRIBUTE, None)
+    return made_runtime(llm.llm_engine.vllm_config)
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[Any]:

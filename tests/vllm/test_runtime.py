@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 from vllm_retro.config import RetroConfig  # noqa: E402
 from vllm_retro.index.batched import fused_path  # noqa: E402
-from vllm_retro.vllm.runtime import RUNTIME_ATTRIBUTE, RetroRuntime, engine_runtime  # noqa: E402
+from vllm_retro.vllm.runtime import RetroRuntime, engine_runtime, made_runtime  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -207,17 +207,17 @@ def test_each_engine_has_its_own_runtime_found_from_its_config():
     rt = engine_runtime(one)
     try:
         assert isinstance(rt, RetroRuntime) and rt.config.update_segment == 64
-        assert engine_runtime(one) is rt
+        assert engine_runtime(one) is rt and made_runtime(one) is rt
         assert engine_runtime(SimpleNamespace(**vars(one))) is rt
         rt2 = engine_runtime(other)
         assert rt2 is not rt and rt2.config == RetroConfig()
         rt2.close()
         for moved in (pickle.loads(pickle.dumps(one.kv_transfer_config)),
                       copy.deepcopy(one.kv_transfer_config)):
-            assert getattr(moved, RUNTIME_ATTRIBUTE) is None
+            assert made_runtime(SimpleNamespace(kv_transfer_config=moved)) is None
     finally:
         rt.close()
     off = _engine_config({"enabled": False})
     assert engine_runtime(off) is None
-    assert getattr(off.kv_transfer_config, RUNTIME_ATTRIBUTE, None) is None
+    assert made_runtime(off) is None
     assert engine_runtime(_engine_config(None, connector=None)) is None  # stock vLLM

@@ -310,7 +310,7 @@ class RetroRuntime:
                 host += nbytes
         return host, device
 
-    def take_stats(self, rank: int) -> RetroConnectorStats | None:
+    def take_stats(self, rank: int) -> RetroConnectorStats:
         """This worker's payload for vLLM's connector-stats route: counter increments since
         the previous call, current gauges, and the index build time (seconds, all layers
         on this worker) of each request indexed since then."""
@@ -337,8 +337,8 @@ class RetroRuntime:
 
     def close(self) -> None:
         """Free every request, stop the index builder, free the buffer manager (execution
-        buffers, worker thread) and drop the steady-zone pools (the next engine's layers
-        may differ)."""
+        buffers, worker thread) and drop the layers' pools: the engine's worker is shutting
+        down (the connector's ``shutdown``)."""
         if self._builder is not None:
             self._builder.close()
             self._builder = None
@@ -373,8 +373,14 @@ def pool_reserve_bytes(engine_config: object, config: RetroConfig) -> int:
     return 2 * limit // max(1, int(layers))
 
 
-RUNTIME_ATTRIBUTE = "retro_runtime"
+_RUNTIME_ATTRIBUTE = "retro_runtime"
 """Where :func:`engine_runtime` keeps an engine's runtime on its ``KVTransferConfig``."""
+
+
+def made_runtime(vllm_config: Any) -> RetroRuntime | None:
+    """The runtime :func:`engine_runtime` made for the engine ``vllm_config`` configures in
+    this process, None when it made none (retro off, or not asked yet); makes nothing."""
+    return getattr(getattr(vllm_config, "kv_transfer_config", None), _RUNTIME_ATTRIBUTE, None)
 
 
 def engine_runtime(vllm_config: Any) -> RetroRuntime | None:
@@ -388,15 +394,14 @@ def engine_runtime(vllm_config: Any) -> RetroRuntime | None:
     builders, the worker. So each engine has its own, found from its constructor arguments,
     and the worker's connector frees it at shutdown (:meth:`RetroRuntime.close`).
     """
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    runtime = getattr(transfer, RUNTIME_ATTRIBUTE, None)
+    runtime = made_runtime(vllm_config)
     if runtime is not None:
         return runtime
     config = retro_config(vllm_config)
     if config is None:
         return None
     runtime = RetroRuntime(vllm_config, config)
-    setattr(transfer, RUNTIME_ATTRIBUTE, runtime)
+    setattr(vllm_config.kv_transfer_config, _RUNTIME_ATTRIBUTE, runtime)
     return runtime
 
 
