@@ -61,6 +61,21 @@ def runtime_of(llm: Any) -> Any:
     return made_runtime(llm.llm_engine.vllm_config)
 
 
+def schedule_of(llm: Any) -> Any:
+    """The indexed-request state of ``llm``'s scheduler (its engine core runs in this
+    process): the retro connector's, checked to be the one its retro KV-cache managers read
+    (each from its own spec)."""
+    from vllm_retro.vllm.kv_manager import RetroKVCacheManager
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    states = scheduler.connector.schedules
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    read = [m.kv_cache_spec.schedule for m in managers if isinstance(m, RetroKVCacheManager)]
+    assert len(read) == len(states), (read, states)
+    assert all(r is s for r, s in zip(read, states, strict=True)), (read, states)
+    return states[0]
+
+
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[Any]:
     """Token-id prompts of the given lengths (ids 10..vocab-1)."""
     from vllm.inputs import TokensPrompt

@@ -10,7 +10,14 @@ import random
 import pytest
 import torch
 
-from tests.vllm.engines import FULL_BUDGET, TINY_RETRO, engine, finish_step, random_prompts
+from tests.vllm.engines import (
+    FULL_BUDGET,
+    TINY_RETRO,
+    engine,
+    finish_step,
+    random_prompts,
+    schedule_of,
+)
 from tests.vllm.test_blocks import params
 from vllm_retro.blocks.attention import query_starts
 from vllm_retro.blocks.request import block_prompt, mask_blocks
@@ -197,7 +204,6 @@ def test_a_preempted_request_loads_its_passages_again(tiny_model_dir, monkeypatc
     preempts the latest: the Block-Attention request, which loaded its passages. It loads
     them again when it restarts and answers as without the cache; nothing stays pinned.
     (Update segments of 1024 tokens: no prompt here is indexed, which would free blocks.)"""
-    from vllm_retro.vllm import schedule_state
     from vllm_retro.vllm.block_cache import BlockCachePlanner
 
     taken: list[tuple[str, int]] = []
@@ -222,14 +228,13 @@ def test_a_preempted_request_loads_its_passages_again(tiny_model_dir, monkeypatc
 
     with engine(tiny_model_dir, retro={**retro, "block_cache_gb": 0.0}, **kw) as llm:
         want = generate(llm)
-    before = schedule_state.num_preempted()[0]
     with engine(tiny_model_dir, retro=retro, **kw) as llm:
         p = planner(llm)
         run(llm, "cold")
         taken.clear()
         assert generate(llm) == want
         assert p.directory.pinned_pages() == 0
-    assert schedule_state.num_preempted()[0] > before
+        assert schedule_of(llm).preempted > 0
     loads = [n for _, n in taken if n]
     assert len(loads) >= 2 and len({rid for rid, _ in taken}) == 1  # loaded, and again
     assert loads[0] == blocks[-1]

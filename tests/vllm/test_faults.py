@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.engines import TINY_RETRO, engine, finish_step, greedy, random_prompts, runtime_of
+from tests.vllm.engines import (
+    TINY_RETRO,
+    engine,
+    finish_step,
+    greedy,
+    random_prompts,
+    runtime_of,
+    schedule_of,
+)
 from vllm_retro import faults
-from vllm_retro.vllm import schedule_state
 
 pytestmark = pytest.mark.usefixtures("inprocess")
 
@@ -50,7 +57,7 @@ def assert_all_freed(llm, ids: list[str]) -> None:
     rt = runtime_of(llm)
     assert rt.registry.live() == [] and rt.live_bytes() == (0, 0)
     assert rt.builder.pending() == []
-    assert all(schedule_state.indexed_at(rid) is None for rid in ids)
+    assert all(schedule_of(llm).indexed_at(rid) is None for rid in ids)
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block

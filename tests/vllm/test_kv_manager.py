@@ -11,7 +11,6 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
-from vllm_retro.vllm import schedule_state  # noqa: E402
 from vllm_retro.vllm.kv_manager import (  # noqa: E402
     RetroAttentionSpec,
     RetroKVCacheManager,
@@ -51,7 +50,7 @@ def test_blocks_of_an_indexed_request_are_freed_once_the_build_step_ran():
         # Not indexed: nothing is freed, whatever the progress.
         mgr.remove_skipped_blocks("r", 10 * BS + 3, 10 * BS + 3)
         assert pool.get_num_free_blocks() == free0 - 11
-        schedule_state.mark_indexed("r", 10 * BS + 3)
+        mgr.kv_cache_spec.schedule.mark_indexed("r", 10 * BS + 3)
         # The build step has not run yet (its tokens are still in flight).
         mgr.remove_skipped_blocks("r", 10 * BS, 10 * BS + 3)
         assert pool.get_num_free_blocks() == free0 - 11
@@ -67,4 +66,31 @@ def test_blocks_of_an_indexed_request_are_freed_once_the_build_step_ran():
         mgr.free("r")
         assert pool.get_num_free_blocks() == free0
     finally:
-        schedule_state.release("r")
+        mgr.kv_cache_spec.schedule.release("r")
+
+
+def test_each_spec_carries_its_own_indexed_requests():
+    """The indexed-request state rides on the group's spec (the one object vLLM hands both
+    the scheduler's connector and the manager), not on the process: each spec, and each
+    group spec vLLM merges from layer specs, has its own; it is no part of the spec's
+    equality or hash; a spec sent to another process arrives with none marked. The
+    manager reads the state of the spec it was built with."""
+    import copy
+    import pickle
+
+    a, b = (RetroAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32,
+                               dtype=torch.float32) for _ in range(2))
+    assert a == b and hash(a) == hash(b) and a.schedule is not b.schedule
+    a.schedule.mark_indexed("r", 40)
+    assert b.schedule.indexed_at("r") is None and a == b
+    merged = RetroAttentionSpec.merge([a, b])
+    assert isinstance(merged, RetroAttentionSpec) and merged == a
+    assert merged.schedule not in (a.schedule, b.schedule)
+    assert merged.schedule.indexed_at("r") is None
+    for moved in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a)):
+        assert moved == a and moved.schedule.num_indexed() == 0
+    a.schedule.release("r", preempted=True)
+    assert (a.schedule.preempted, a.schedule.preempted_indexed) == (1, 1)
+    mgr, _ = _manager()
+    mgr.kv_cache_spec.schedule.mark_indexed("s", 3)
+    assert mgr.kv_cache_spec.schedule.indexed_at("s") == 3 and a.schedule.num_indexed() == 0

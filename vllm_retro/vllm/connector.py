@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_retro.blocks.directory import BlockDirectory
 from vllm_retro.blocks.request import mask_blocks, parse_blocks
 from vllm_retro.index.steady import ring_size
-from vllm_retro.vllm import schedule_state
 from vllm_retro.vllm.block_cache import (
     PAGE_TOKENS,
     BlockCachePlanner,
@@ -47,6 +46,7 @@ from vllm_retro.vllm.host_budget import (
 )
 from vllm_retro.vllm.kv_manager import RetroAttentionSpec
 from vllm_retro.vllm.plan import RetroStepMetadata, RowStep
+from vllm_retro.vllm.schedule_state import ScheduleState
 from vllm_retro.vllm.settings import retro_config
 from vllm_retro.vllm.stats import COUNTERS, GAUGES, RetroConnectorStats
 
@@ -106,12 +106,17 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM maps failed blocks back to requests only with one KV-cache group."""
         kv_bytes_per_token = 0
         retro_groups = []
+        self.schedules: list[ScheduleState] = []
+        """Scheduler side: which requests are indexed, one per retro KV-cache group, shared
+        with the group's KV-cache manager through its spec; each is told the same."""
         if kv_cache_config is not None:
             for gid, group in enumerate(kv_cache_config.kv_cache_groups):
                 spec = group.kv_cache_spec
                 if isinstance(spec, RetroAttentionSpec):
                     if self._group is None:
                         self._group, self._block_size = gid, spec.block_size
+                    if all(spec.schedule is not s for s in self.schedules):
+                        self.schedules.append(spec.schedule)
                     retro_groups.append(group)
                     kv_bytes_per_token += (spec.page_size_bytes // spec.block_size
                                            * len(group.layer_names))
@@ -237,7 +242,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         preempted = set(so.preempted_req_ids or ())
         released = set(so.finished_req_ids) | preempted
         for rid in released:
-            schedule_state.release(rid, preempted=rid in preempted)
+            for schedule in self.schedules:
+                schedule.release(rid, preempted=rid in preempted)
             self._building.pop(rid, None)
             self._release(rid, finished=rid not in preempted)
             if self.passages is not None:
@@ -262,7 +268,7 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
             blocks = state.get_block_ids(rid)[self._group]
             last = end - 1
             slot = blocks[last // bs] * bs + last % bs
-            indexed = schedule_state.indexed_at(rid) is not None
+            indexed = self.schedules[0].indexed_at(rid) is not None
             built_at = self._building.get(rid)
             switch = built_at is not None and first >= built_at + lag
             build = (not indexed and built_at is None and end >= req.num_tokens
@@ -272,7 +278,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
                 build = self._admit(req, end) is Admission.ADMITTED
             if switch:
                 # Blocks go once this step (which still reads them to catch up) has run.
-                schedule_state.mark_indexed(rid, end)
+                for schedule in self.schedules:
+                    schedule.mark_indexed(rid, end)
                 del self._building[rid]
             elif build:
                 self._building[rid] = end
@@ -316,7 +323,8 @@ class RetroConnector(KVConnectorBase_V1, SupportsHMA):
         if self.passages is not None:
             self.passages.saved(report.passages_written, report.passages_failed)
         for rid in report.demoted:
-            schedule_state.release(rid)
+            for schedule in self.schedules:
+                schedule.release(rid)
             self._building.pop(rid, None)
             self._release(rid, finished=False)
             self._dense.add(rid)

@@ -13,12 +13,12 @@ scheduler admit more and longer requests into the same pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from vllm_retro.vllm import schedule_state
+from vllm_retro.vllm.schedule_state import ScheduleState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,11 @@ class RetroAttentionSpec(FullAttentionSpec):
     Same memory layout as :class:`FullAttentionSpec` (grouped with it for uniformity);
     only the manager differs.
     """
+
+    schedule: ScheduleState = field(default_factory=ScheduleState, compare=False, repr=False)
+    """Which requests are indexed: written by the engine's scheduler-side connector, read by
+    this group's manager (see :mod:`~vllm_retro.vllm.schedule_state`). Not part of the
+    spec's identity (equality, hash); a merged group spec gets a new one."""
 
 
 class RetroKVCacheManager(FullAttentionManager):
@@ -40,7 +45,7 @@ class RetroKVCacheManager(FullAttentionManager):
         ``processed_computed_tokens`` counts only tokens whose step has run, so the step
         that read the paged KV to build the index has finished before its blocks go.
         """
-        built_at = schedule_state.indexed_at(request_id)
+        built_at = self.kv_cache_spec.schedule.indexed_at(request_id)
         if built_at is None or processed_computed_tokens < built_at:
             super().remove_skipped_blocks(request_id, processed_computed_tokens,
                                           num_prompt_tokens)
