@@ -11,7 +11,11 @@ its output — its own, vLLM's, the engine-core and worker processes' — piped 
 - once ``ready at`` is printed, everything is passed through (vLLM's request and stats logs)
   until a stop signal arrives; the shutdown's own logging then goes to the file only;
 - if the server exits before it is ready, the root cause is read out of the log and printed as
-  one or two plain lines plus the log's path, and the exit status is non-zero.
+  one or two plain lines plus the log's path, and the exit status is non-zero;
+- if it exits on its own after it was ready (its engine died: a worker killed, by the
+  system's out-of-memory killer or anyone else, or a fatal error), the same: why, in one or
+  two plain lines (:func:`death_summary`), the log's path, a non-zero status — so a
+  process manager restarts it and its operator knows what to change.
 
 SIGTERM, SIGINT and SIGHUP are forwarded to the server, which drains and exits; the
 supervisor then exits with its status. The server dies with the supervisor
@@ -26,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -48,7 +53,8 @@ _EXC_LINE = re.compile(
     r"(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
 # Wrappers that only point at the real cause printed before them.
 _WRAPPERS = ("Engine core initialization failed", "EngineDeadError", "see root cause",
-             "See root cause", "Worker proc", "WorkerProc initialization failed")
+             "See root cause", "Worker proc", "WorkerProc initialization failed",
+             "Executor failed")
 
 _HINTS = (
     (re.compile(r"Available memory on node|less than requested memory for kv|"
@@ -61,6 +67,13 @@ _HINTS = (
      "the KV cache cannot hold one request of --max-model-len tokens: lower --max-model-len "
      "or raise --kv-cache-memory-bytes"),
 )
+
+_WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|None)\)")
+"""vLLM's executor's line when a worker process exits while the engine runs (the code is
+None when it looked before the process was reaped)."""
+TAIL_LINES = 400
+"""Log lines after ready kept in memory to explain an unexpected stop (the cause is near
+the end)."""
 
 
 def split_supervisor_options(argv: list[str]) -> tuple[list[str], Path | None, str]:
@@ -131,6 +144,62 @@ def failure_summary(lines: Iterable[str]) -> list[str]:
     return [_shorten(cause)]
 
 
+def oom_kills() -> int | None:
+    """Processes the kernel's out-of-memory killer has killed since boot (``oom_kill`` of
+    ``/proc/vmstat``, Linux 4.13+), or None where that is not readable."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+_FREE_MEMORY = ("free memory, or restart with a smaller KV cache (--kv-cache-memory-bytes, "
+                "e.g. 2G)")
+
+
+def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[str]:
+    """One or two plain lines saying why a server that was ready stopped without being asked
+    to, from its log lines after ready. ``oom_killed``: the kernel's out-of-memory killer
+    ran while it served (:func:`oom_kills` rose); ``status``: the server's exit status."""
+    died, causes = None, []
+    for line in lines:
+        line = line.rstrip("\n")
+        m = _WORKER_DIED.search(line)
+        if m and died is None:
+            died = (m.group(1), None if m.group(2) == "None" else int(m.group(2)))
+        m = _EXC_LINE.match(line.strip())
+        if m and not any(w in line for w in _WRAPPERS):
+            causes.append(f"{m.group(1)}: {m.group(2)}")
+    if died is None:
+        if oom_killed:  # the engine-core process itself, or one vLLM does not watch
+            return [f"the system's out-of-memory killer ran while it served and the engine "
+                    f"stopped: {_FREE_MEMORY}",
+                    *([f"(vLLM said: {_shorten(causes[0])})"] if causes else [])]
+        if causes:
+            return [f"the engine failed: {_shorten(causes[0])}"]
+        return [f"the server exited with status {status} without an error message"]
+    name, code = died
+    said = f"(vLLM said: worker {name} died unexpectedly, exit code {code})"
+    if oom_killed and code in (None, -signal.SIGKILL):
+        # (vLLM reads the code before the process is reaped at times: None)
+        return ["a worker process was killed by the system's out-of-memory killer (other "
+                f"programs took the memory left free at start): {_FREE_MEMORY}", said]
+    if code is None:
+        return ["a worker process died and the engine stopped with it", said]
+    if code < 0:
+        try:
+            how = signal.Signals(-code).name
+        except ValueError:
+            how = f"signal {-code}"
+        return [f"a worker process was killed ({how}) and the engine stopped with it", said]
+    return [f"a worker process exited (status {code}) and the engine stopped with it"
+            + (f": {_shorten(causes[0])}" if causes else ""), said]
+
+
 def _shorten(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -181,6 +250,8 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
 
     print(f"vllm-retro: log {log_file}", file=out, flush=True)
     ready = False
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    kills_at_start = oom_kills()
     assert proc.stdout is not None
     for line in proc.stdout:
         log.write(line)
@@ -190,13 +261,23 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
         if startup == "full" or own or (ready and not stopping):
             out.write(line)
             out.flush()
-        if not ready and line.startswith(READY_MARK):
+        if ready:
+            tail.append(line)
+        elif line.startswith(READY_MARK):
             ready = True
     code = proc.wait()
     log.close()
-    if ready:
+    if ready and stopping:
         print(f"vllm-retro: stopped (log {log_file})", file=out, flush=True)
         return code if code >= 0 else 128 - code
+    if ready:
+        kills = oom_kills()
+        oom = kills is not None and kills_at_start is not None and kills > kills_at_start
+        reason = death_summary(tail, oom, code)
+        lines = [f"vllm-retro: the server stopped unexpectedly: {reason[0]}", *reason[1:],
+                 f"vllm-retro: full log: {log_file}"]
+        print("\n".join(lines), file=out, flush=True)
+        return code if code > 0 else 1
     if code == 0:  # e.g. --help
         return 0
     reason = failure_summary(log_file.read_text(errors="replace").splitlines())

@@ -4,11 +4,15 @@ each piece, and failed starts of the real console script answered in a few plain
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from vllm_retro.server.kv_budget import (
@@ -18,7 +22,13 @@ from vllm_retro.server.kv_budget import (
     choose_kv_bytes,
     weight_bytes,
 )
-from vllm_retro.server.supervisor import failure_summary, split_supervisor_options
+from vllm_retro.server.process import free_port
+from vllm_retro.server.supervisor import (
+    death_summary,
+    failure_summary,
+    oom_kills,
+    split_supervisor_options,
+)
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "vllm-retro"
 
@@ -83,6 +93,45 @@ def test_summary_of_an_unknown_exception_and_of_silence() -> None:
     assert failure_summary(["(EngineCore pid=1) KeyError: 'model_type'"]) == [
         "KeyError: 'model_type'"]
     assert "without an error message" in failure_summary(["INFO started"])[0]
+
+
+WORKER_KILLED = [
+    "(APIServer pid=10) INFO 12-04 15:50:01 [loggers.py:259] Engine 000: Avg prompt "
+    "throughput: 120.0 tokens/s",
+    "(EngineCore pid=11) ERROR 12-04 15:50:02 [multiproc_executor.py:316] Worker proc "
+    "VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.",
+    "(APIServer pid=10) ERROR 12-04 15:50:02 [async_llm.py:700] "
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+    "trace (above) for the root cause.",
+]
+
+
+def test_death_summary_says_who_died_how_and_what_to_do() -> None:
+    """A server that stops on its own after ready: the dead worker and its signal, the
+    out-of-memory killer named (with what to change) only when it ran, an engine error's
+    root cause, and silence said as such."""
+    oom = death_summary(WORKER_KILLED, oom_killed=True, status=0)
+    assert oom[0].startswith("a worker process was killed by the system's out-of-memory "
+                             "killer") and "--kv-cache-memory-bytes" in oom[0]
+    assert oom[1] == "(vLLM said: worker VllmWorker-0 died unexpectedly, exit code -9)"
+    killed = death_summary(WORKER_KILLED, oom_killed=False, status=0)
+    assert killed[0] == "a worker process was killed (SIGKILL) and the engine stopped with it"
+    unread = [WORKER_KILLED[1].replace("-9", "None")]
+    assert death_summary(unread, False, 0) == [
+        "a worker process died and the engine stopped with it",
+        "(vLLM said: worker VllmWorker-0 died unexpectedly, exit code None)"]
+    assert "out-of-memory killer" in death_summary(unread, True, 0)[0]
+    exited = death_summary([WORKER_KILLED[1].replace("-9", "1"),
+                            "(Worker pid=12) RuntimeError: bad thing"], False, 0)
+    assert exited[0] == ("a worker process exited (status 1) and the engine stopped with it: "
+                         "RuntimeError: bad thing")
+    assert death_summary(WORKER_KILLED[2:], oom_killed=True, status=0)[0].startswith(
+        "the system's out-of-memory killer ran while it served")
+    assert death_summary(["(EngineCore pid=11) ValueError: x"], False, 0) == [
+        "the engine failed: ValueError: x"]
+    assert death_summary(WORKER_KILLED[:1], False, 3) == [
+        "the server exited with status 3 without an error message"]
+    assert oom_kills() is None or oom_kills() >= 0
 
 
 # ---------------------------------------------------------------------- KV budget
@@ -283,3 +332,51 @@ def test_failed_starts_say_why_in_a_few_lines(tmp_path: Path, tiny_model_dir: Pa
             assert needle in lines[-2], out
             assert lines[-1] == f"vllm-retro: full log: {tmp_path / 'serve.log'}"
             assert needle in (tmp_path / "serve.log").read_text()
+
+
+def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path,
+                                                                  tiny_model_dir: Path) -> None:
+    """A worker process killed while the server serves (what the out-of-memory killer does
+    when other programs take the memory): the server stops on its own, the supervisor says
+    which process died and how, and the log's path, in at most three lines after vLLM's, exits
+    non-zero, and leaves no process running."""
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "serve", str(tiny_model_dir), "--port", str(free_port()),
+         "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "vllm-retro: ready at " not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                log.read_text()[-3000:] if log.exists() else "no log"
+            time.sleep(0.5)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        workers = [p for p in tree if p.name().startswith("VLLM::Worker")]
+        assert len(workers) == 1, [p.name() for p in tree]
+        kills_before = oom_kills()
+        os.kill(workers[0].pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode != 0, out
+    lines = out.strip().splitlines()
+    assert lines[-1] == f"vllm-retro: full log: {log}", out
+    said = "(vLLM said: worker VllmWorker-0 died unexpectedly, exit code "
+    assert lines[-2] in (said + "-9)", said + "None)"), out  # None: read before reaped
+    expect = ("a worker process was killed by the system's out-of-memory killer"
+              if oom_kills() != kills_before else
+              "a worker process was killed (SIGKILL)" if "-9" in lines[-2] else
+              "a worker process died and the engine stopped with it")
+    assert lines[-3].startswith(f"vllm-retro: the server stopped unexpectedly: {expect}"), out
+    assert "vllm-retro: stopped (log" not in out, out
+    assert not [p for p in tree if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
