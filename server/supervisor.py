@@ -120,6 +120,15 @@ def default_log_file() -> Path:
     return logs / f"serve-{stamp}-{os.getpid()}.log"
 
 
+def _root_cause(line: str) -> str | None:
+    """``"Type: message"`` when ``line`` is an exception line that is not only a wrapper
+    pointing back at the real cause (:data:`_WRAPPERS`), else None."""
+    m = _EXC_LINE.match(line.strip())
+    if m is None or any(w in line for w in _WRAPPERS):
+        return None
+    return f"{m.group(1)}: {m.group(2)}"
+
+
 def failure_summary(lines: Iterable[str]) -> list[str]:
     """One or two plain lines saying why a server that never became ready stopped, read from
     its log lines: vllm-retro's own error if it printed one, else the first root-cause
@@ -130,9 +139,9 @@ def failure_summary(lines: Iterable[str]) -> list[str]:
         m = _OWN_ERROR.match(line)
         if m:
             own = m.group(1)
-        m = _EXC_LINE.match(line.strip())
-        if m and not any(w in line for w in _WRAPPERS):
-            causes.append(f"{m.group(1)}: {m.group(2)}")
+        cause = _root_cause(line)
+        if cause is not None:
+            causes.append(cause)
     if own is not None:
         return [own]
     if not causes:
@@ -171,9 +180,9 @@ def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[s
         m = _WORKER_DIED.search(line)
         if m and died is None:
             died = (m.group(1), None if m.group(2) == "None" else int(m.group(2)))
-        m = _EXC_LINE.match(line.strip())
-        if m and not any(w in line for w in _WRAPPERS):
-            causes.append(f"{m.group(1)}: {m.group(2)}")
+        cause = _root_cause(line)
+        if cause is not None:
+            causes.append(cause)
     if died is None:
         if oom_killed:  # the engine-core process itself, or one vLLM does not watch
             return [f"the system's out-of-memory killer ran while it served and the engine "

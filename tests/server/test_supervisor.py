@@ -131,7 +131,6 @@ def test_death_summary_says_who_died_how_and_what_to_do() -> None:
         "the engine failed: ValueError: x"]
     assert death_summary(WORKER_KILLED[:1], False, 3) == [
         "the server exited with status 3 without an error message"]
-    assert oom_kills() is None or oom_kills() >= 0
 
 
 # ---------------------------------------------------------------------- KV budget
