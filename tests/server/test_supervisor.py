@@ -340,32 +340,39 @@ def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path
     which process died and how, and the log's path, in at most three lines after vLLM's, exits
     non-zero, and leaves no process running."""
     log = tmp_path / "serve.log"
+    # a user's environment: nothing an earlier test's engine left in this process's
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VLLM_", "PYTEST_")) or k == "VLLM_RETRO_CACHE"}
+    console = (tmp_path / "console.txt").open("w")  # a file: a pipe read only at the end fills
     proc = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "serve", str(tiny_model_dir), "--port", str(free_port()),
-         "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+         "--log-file", str(log)], stdout=console, stderr=subprocess.STDOUT, text=True,
+        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    kills_at_start = oom_kills()
     try:
         deadline = time.monotonic() + 600
         while "vllm-retro: ready at " not in (log.read_text() if log.exists() else ""):
             assert proc.poll() is None and time.monotonic() < deadline, \
                 log.read_text()[-3000:] if log.exists() else "no log"
             time.sleep(0.5)
-        # the worker renames itself (VLLM::Worker...) as it starts: under load that may be
-        # seen late, so look again for a while
+        # the worker renames itself (VLLM::Worker) as it starts: look again for a while
+        deadline = time.monotonic() + 60
         while True:
             tree = psutil.Process(proc.pid).children(recursive=True)
             workers = [p for p in tree if "Worker" in _name(p)]
-            if workers or time.monotonic() > deadline:
+            if workers or proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert len(workers) == 1, [_name(p) for p in tree]
+        assert len(workers) == 1, _diagnose(proc, tree, log, kills_at_start)
         kills_before = oom_kills()
         os.kill(workers[0].pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+        console.close()
+    out = (tmp_path / "console.txt").read_text()
     assert proc.returncode != 0, out
     lines = out.strip().splitlines()
     assert lines[-1] == f"vllm-retro: full log: {log}", out
@@ -386,6 +393,21 @@ def _name(p: psutil.Process) -> str:
         return f"{p.name()} {' '.join(p.cmdline())}"
     except psutil.NoSuchProcess:  # a helper process that has exited since
         return ""
+
+
+def _diagnose(proc: subprocess.Popen, tree: list[psutil.Process], log: Path,
+              kills_at_start: int | None) -> str:
+    """What a failed search for the worker saw: the process tree, the supervisor's state, the
+    kernel's out-of-memory kills since the start and the log's last lines."""
+    rows = []
+    for p in tree:
+        try:
+            rows.append(f"{p.pid} <- {p.ppid()} {p.status()} {_name(p)[:120].rstrip()}")
+        except psutil.NoSuchProcess:
+            rows.append(f"{p.pid} gone")
+    tail = "\n".join(log.read_text().splitlines()[-40:]) if log.exists() else "no log"
+    return (f"supervisor exit status {proc.poll()}; out-of-memory kills since start "
+            f"{kills_at_start} -> {oom_kills()}; tree:\n" + "\n".join(rows) + f"\nlog:\n{tail}")
 
 
 def _alive(p: psutil.Process) -> bool:
