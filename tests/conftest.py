@@ -6,6 +6,11 @@ tests can run Triton on CPU tensors; it is set here, before any test module impo
 
 import os
 
+STARTING_ENVIRONMENT = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+"""The environment the suite was started with, before this file, an engine in this process or
+any test changed it (vLLM's start-up sets a dozen variables that a server started later would
+inherit): what a user's shell hands the servers the tests start."""
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

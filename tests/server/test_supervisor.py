@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import STARTING_ENVIRONMENT
 from vllm_retro.server.kv_budget import (
     MIN_KV_BYTES,
     GiB,
@@ -340,14 +341,11 @@ def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path
     which process died and how, and the log's path, in at most three lines after vLLM's, exits
     non-zero, and leaves no process running."""
     log = tmp_path / "serve.log"
-    # a user's environment: nothing an earlier test's engine left in this process's
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_", "PYTEST_")) or k == "VLLM_RETRO_CACHE"}
     console = (tmp_path / "console.txt").open("w")  # a file: a pipe read only at the end fills
     proc = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "serve", str(tiny_model_dir), "--port", str(free_port()),
          "--log-file", str(log)], stdout=console, stderr=subprocess.STDOUT, text=True,
-        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+        env={**STARTING_ENVIRONMENT, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
     kills_at_start = oom_kills()
     try:
         deadline = time.monotonic() + 600
