@@ -15,10 +15,11 @@ retrieval zone, then the estimation zone: :mod:`kernels.zone_select`), the exact
 and the estimated clusters are ``top[r, n_ret:n_ret + n_est]``, each a pseudo-token with its
 centroid as key, its mean value, log-weight ``log(size)`` and, with the tilted estimator,
 the spread correction of :mod:`kernels.tripartite_attention`. The result is that module's
-``tripartite_decode_ref`` over the same tokens: :func:`resident_attention_torch` builds the
-packed execution buffer and calls it (the reference), :func:`resident_attention_triton`
-reads every key and value where it lies — no execution buffer — split along the tokens
-over many programs, in two launches (attention, merge).
+``tripartite_decode_ref`` over the same tokens: :func:`resident_attention_torch` gathers
+the steady zone's and the retrieval zone's tokens as two blocks and attends to both (the
+reference), :func:`resident_attention_triton` reads every key and value where it lies — no
+execution buffer — split along the tokens over many programs, in two launches (attention,
+merge).
 
 The batch comes as the step's plan, one int64 tensor ``[len(PLAN_FIELDS), B]`` (request b's
 slot, steady slot, clusters, zone sizes, sinks and window), and row ``r`` is request
@@ -50,7 +51,7 @@ from vllm_retro.kernels.tripartite_attention import (
     online_softmax_step,
     residual_query_terms,
     store_partials,
-    tripartite_decode_torch,
+    tripartite_decode_blocks,
 )
 
 RETRIEVAL_MAPS = ("onehot", "search")
@@ -128,43 +129,44 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
                              scale: float, tilted: bool = True,
                              cache: ClusterCache | None = None,
                              runs: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference (torch operations): the packed execution buffer ([R, width, D]: the
-    steady zone, then the retrieval zone's tokens; ``width`` >= every row's exact tokens)
-    gathered from the pools, then :func:`tripartite_decode_torch`. query [R, G, D]; plan
-    [len(PLAN_FIELDS), B] int64; top [R, K] int64 cluster ids (the retrieval zone,
-    then estimation zone; ``r_max`` and ``e_max`` bound the rows' zone sizes); ``tilted``:
-    the tilted estimator (its query terms from the pools' residual model), else the
-    paper's. Returns [R, G, D] in the query's dtype."""
+    """The reference (torch operations): two blocks of exact tokens gathered from the pools
+    — the slot's steady-pool rows at the row's head ([R, sink_cap + ring, D], the sinks and
+    window tokens read, in ring order), and the retrieval zone's tokens from the cluster pool
+    ([R, width - sink_cap - ring, D]) — then :func:`tripartite_decode_blocks`. query
+    [R, G, D]; plan [len(PLAN_FIELDS), B] int64; top [R, K] int64 cluster ids (the retrieval
+    zone, then the estimation zone; ``r_max`` and ``e_max`` bound the rows' zone sizes);
+    ``width``: the steady pool's rows per slot plus a bound on every row's retrieval tokens;
+    ``tilted``: the tilted estimator (its query terms from the pools' residual model), else
+    the paper's. Returns [R, G, D] in the query's dtype."""
     r, _, d = query.shape
     dev = query.device
     h = pools.steady_k.shape[2]
     rows = plan_rows(plan, h)
-    ring = pools.steady_k.shape[1] - pools.sink_cap
-    n_cap = pools.row_tokens
-    ends, offs = retrieval_runs(pools.sizes, pools.starts, rows, top, r_max)
-    j = torch.arange(width, device=dev)[None, :].expand(r, width)
-    n_steady, sinks = rows.n_steady[:, None], rows.sinks[:, None]
-    n_exact = rows.n_steady + ends[:, -1] if r_max else rows.n_steady
-    # retrieval token u = j - n_steady lies in run (number of ends <= u)
-    u = (j - n_steady).clamp_min(0)
-    run = torch.searchsorted(ends, u, right=True).clamp_max(max(r_max - 1, 0))
-    tok = torch.gather(offs, 1, run) + u if r_max else torch.zeros_like(u)
-    in_steady = j < n_steady
-    valid = j < n_exact[:, None]
-    tok = torch.where(valid & ~in_steady, tok, 0)  # row 0 of the row: finite, masked
-    zrow = torch.where(j < sinks, j, pools.sink_cap + (rows.ring_start[:, None] + j - sinks)
-                       % ring)
-    zrow = torch.where(in_steady, zrow, 0)
-    src_c = (rows.pool_row[:, None] * n_cap + tok).reshape(-1)
-    z = pools.sink_cap + ring
-    src_s = ((rows.steady_slot[:, None] * z + zrow) * h + rows.head[:, None]).reshape(-1)
-    pick = in_steady.reshape(-1, 1)
-    exec_k = torch.where(pick, pools.steady_k.view(-1, d).index_select(0, src_s),
-                         pools.keys.view(-1, d).index_select(0, src_c)).view(r, width, d)
-    exec_v = torch.where(pick, pools.steady_v.view(-1, d).index_select(0, src_s),
-                         pools.values.view(-1, d).index_select(0, src_c)).view(r, width, d)
-    if cache is not None and r_max:
-        _through_cache(cache, runs, ends, run, u, valid & ~in_steady, exec_k, exec_v)
+    z = pools.steady_k.shape[1]
+    ring = z - pools.sink_cap
+    # the steady zone in pool order: sink i at row i, window token i at ring row
+    # (ring_start + i) % ring
+    q = torch.arange(z, device=dev)[None, :]
+    age = (q - pools.sink_cap - rows.ring_start[:, None]) % ring
+    steady_read = (q < rows.sinks[:, None]) | (
+        (q >= pools.sink_cap) & (age < (rows.n_steady - rows.sinks)[:, None]))
+    src = ((rows.steady_slot[:, None] * z + q) * h + rows.head[:, None]).reshape(-1)
+    steady_k = pools.steady_k.view(-1, d).index_select(0, src).view(r, z, d)
+    steady_v = pools.steady_v.view(-1, d).index_select(0, src).view(r, z, d)
+    blocks = [(steady_k, steady_v, steady_read)]
+    t_ret = width - z
+    if r_max and t_ret > 0:
+        ends, offs = retrieval_runs(pools.sizes, pools.starts, rows, top, r_max)
+        u = torch.arange(t_ret, device=dev).repeat(r, 1)
+        run = torch.searchsorted(ends, u, right=True).clamp_max(r_max - 1)
+        read = u < ends[:, -1:]
+        tok = torch.where(read, torch.gather(offs, 1, run) + u, 0)  # row 0: finite, unread
+        src = (rows.pool_row[:, None] * pools.row_tokens + tok).reshape(-1)
+        ret_k = pools.keys.view(-1, d).index_select(0, src).view(r, t_ret, d)
+        ret_v = pools.values.view(-1, d).index_select(0, src).view(r, t_ret, d)
+        if cache is not None:
+            _through_cache(cache, runs, ends, run, u, read, ret_k, ret_v)
+        blocks.append((ret_k, ret_v, read))
     k_top = top.shape[1]
     est_slots = (rows.n_ret[:, None] + torch.arange(e_max, device=dev)[None, :]).clamp_max(
         max(k_top - 1, 0))
@@ -186,9 +188,9 @@ def resident_attention_torch(query: torch.Tensor, pools: LayerPools, plan: torch
                           torch.where(est, torch.take(pools.deviates, flat_est), 0), qvar,
                           vshift)
     local = torch.arange(e_max, device=dev)[None, :].expand(r, e_max)
-    out, _ = tripartite_decode_torch(query, exec_k, exec_v, n_exact, cen_e, vs_e,
-                                     torch.take(pools.sizes, flat_est), local, rows.n_est,
-                                     scale, terms)
+    out, _ = tripartite_decode_blocks(query, tuple(blocks), cen_e, vs_e,
+                                      torch.take(pools.sizes, flat_est), local, rows.n_est,
+                                      scale, terms)
     return out
 
 

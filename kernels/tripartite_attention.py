@@ -193,29 +193,57 @@ def tripartite_decode_torch(
     tilt: TiltTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tripartite_decode_ref`'s function (same arguments and result, fp32 1e-5),
-    built for speed with torch ops: the exact tokens and the estimated clusters are two
-    blocks of logits merged through their maxima, so the keys are never concatenated into one
-    fresh fp32 tensor (that copy, page faults included, was 40% of the reference's time at
-    128K context on CPU), and the softmax is normalised once at the end."""
+    built for speed with torch ops (:func:`tripartite_decode_blocks` with one exact block,
+    its first ``n_exact`` tokens read)."""
     t = k_exact.shape[1]
+    read = torch.arange(t, device=query.device)[None, :] < n_exact.to(query.device)[:, None]
+    return tripartite_decode_blocks(query, ((k_exact, v_exact, read),), centroids, value_sums,
+                                    sizes, est_ids, n_est, scale, tilt)
+
+
+def tripartite_decode_blocks(
+    query: torch.Tensor,
+    exact: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...],
+    centroids: torch.Tensor,
+    value_sums: torch.Tensor,
+    sizes: torch.Tensor,
+    est_ids: torch.Tensor,
+    n_est: torch.Tensor,
+    scale: float,
+    tilt: TiltTerms | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tripartite decode over exact tokens given as blocks ``(keys [R, T_i, D], values
+    [R, T_i, D], read [R, T_i] bool)`` — a row attends to the tokens its ``read`` marks, in
+    any order (softmax attention does not depend on it) — and the estimated clusters, as in
+    :func:`tripartite_decode_ref`. Each block and the estimated clusters are a block of
+    logits, merged through their maxima, so the keys are never concatenated into one fresh
+    fp32 tensor (that copy, page faults included, was 40% of the reference's time at 128K
+    context on CPU), and the softmax is normalised once at the end. Returns (out [R, G, D]
+    in the query's dtype, lse [R, G] fp32)."""
     qf = query.float()
-    dev = query.device
-    lx = torch.bmm(qf, k_exact.float().transpose(1, 2)).mul_(scale)  # [R, G, T]
-    lx.masked_fill_((torch.arange(t, device=dev)[None, :] >= n_exact.to(dev)[:, None])[:, None],
-                    float("-inf"))
+    logits = []
+    for k, _, read in exact:
+        lx = torch.bmm(qf, k.float().transpose(1, 2)).mul_(scale)  # [R, G, T_i]
+        logits.append(lx.masked_fill_(~read[:, None], float("-inf")))
     kc, vmean, bias_e = _estimation_terms(centroids, value_sums, sizes, est_ids, n_est)
     le = torch.bmm(qf, kc.transpose(1, 2)).mul_(scale).add_(bias_e[:, None, :])  # [R, G, E]
     spread = None
     if tilt is not None and le.shape[2]:
         spread, lt = _tilt_of_estimated(tilt, est_ids, centroids.shape[1])
         le = le + lt  # -inf (padding, empty) stays -inf
-    m = torch.maximum(_row_max(lx), _row_max(le))  # [R, G]
+    m = _row_max(le)  # [R, G]
+    for lx in logits:
+        m = torch.maximum(_row_max(lx), m)
     finite = torch.isfinite(m)
     shift = torch.where(finite, m, torch.zeros_like(m))[..., None]
-    px = torch.exp(lx.sub_(shift))
+    total = out = None
+    for lx, (_, v, _) in zip(logits, exact, strict=True):
+        px = torch.exp(lx.sub_(shift))
+        total = px.sum(2) if total is None else total + px.sum(2)
+        out = torch.bmm(px, v.float()) if out is None else out.add_(torch.bmm(px, v.float()))
     pe = torch.exp(le.sub_(shift))
-    total = px.sum(2) + pe.sum(2)  # >= 1 where finite
-    out = torch.bmm(px, v_exact.float()).add_(torch.bmm(pe, vmean))
+    total = pe.sum(2) if total is None else total + pe.sum(2)  # >= 1 where finite
+    out = torch.bmm(pe, vmean) if out is None else out.add_(torch.bmm(pe, vmean))
     if spread is not None:
         out.add_((pe * spread[:, None, :]).sum(2, keepdim=True) * tilt.vshift.float())
     out = out / total.clamp_min(1e-30)[..., None]

@@ -56,7 +56,7 @@ def _case(gen, dtype, g=4, d=64, h=2, slots=3, n_cap=300, c_cap=40, sink_cap=4, 
     scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
     top = scores.topk(k_top, dim=1).indices
     ends, _ = retrieval_runs(sizes, starts, rows, top, r_max)
-    width = int((rows.n_steady + ends[:, -1]).max()) + 5
+    width = sink_cap + ring + int(ends[:, -1].max()) + 5  # the steady rows, then retrieval
     q = f(len(rows.pool_row), g, d).to(dtype)
     return q, pools, plan, top, width, r_max, k_top - r_max
 
@@ -75,7 +75,7 @@ def _all_retrieval(pools, plan, gen, r_max):
     scores = scores.masked_fill(torch.arange(c_cap)[None, :] >= rows.clusters[:, None], -1.0)
     top = scores.topk(r_max, dim=1).indices
     ends, _ = retrieval_runs(pools.sizes, pools.starts, rows, top, r_max)
-    return plan, top, int((rows.n_steady + ends[:, -1]).max()) + 5, 0
+    return plan, top, pools.steady_k.shape[1] + int(ends[:, -1].max()) + 5, 0
 
 
 def test_torch_path_reads_the_tokens_the_module_describes():
