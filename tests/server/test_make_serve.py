@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.conftest import STARTING_ENVIRONMENT  # noqa: E402
 from tests.server.serving import sample, unexpected_tracebacks  # noqa: E402
 
 # runs_last: the server sizes its KV cache from the memory free when it starts; a real-model
@@ -34,10 +35,11 @@ README_PORT = 8000
 
 
 def user_environment() -> dict[str, str]:
-    """This process's environment less everything a test run adds: vLLM's variables, Triton's
-    interpreter, pytest's. ``VLLM_RETRO_CACHE`` stays when set (where the model was built)."""
-    drop = ("VLLM_", "TRITON_", "PYTEST_", "OMP_", "CUDA_")
-    env = {k: v for k, v in os.environ.items()
+    """The environment the suite started with less anything vLLM-, Triton-, OpenMP- or
+    CUDA-specific (the README sets nothing). ``VLLM_RETRO_CACHE`` stays when set (where the
+    model was built)."""
+    drop = ("VLLM_", "TRITON_", "OMP_", "CUDA_")
+    env = {k: v for k, v in STARTING_ENVIRONMENT.items()
            if not k.startswith(drop) or k == "VLLM_RETRO_CACHE"}
     env.pop("VIRTUAL_ENV", None)
     return env

@@ -383,14 +383,6 @@ def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path
     assert not [p for p in tree if _alive(p)]
 
 
-def _name(p: psutil.Process) -> str:
-    """The process's name and command line (either may carry vLLM's title)."""
-    try:
-        return f"{p.name()} {' '.join(p.cmdline())}"
-    except psutil.NoSuchProcess:  # a helper process that has exited since
-        return ""
-
-
 def _diagnose(proc: subprocess.Popen, tree: list[psutil.Process], log: Path,
               kills_at_start: int | None) -> str:
     """What a failed search for the worker saw: the process tree, the supervisor's state, the
@@ -398,7 +390,8 @@ def _diagnose(proc: subprocess.Popen, tree: list[psutil.Process], log: Path,
     rows = []
     for p in tree:
         try:
-            rows.append(f"{p.pid} <- {p.ppid()} {p.status()} {_name(p)[:120].rstrip()}")
+            title = f"{p.name()} {' '.join(p.cmdline())}"[:120].rstrip()
+            rows.append(f"{p.pid} <- {p.ppid()} {p.status()} {title}")
         except psutil.NoSuchProcess:
             rows.append(f"{p.pid} gone")
     tail = "\n".join(log.read_text().splitlines()[-40:]) if log.exists() else "no log"
