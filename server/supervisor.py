@@ -12,10 +12,10 @@ its output — its own, vLLM's, the engine-core and worker processes' — piped 
   until a stop signal arrives; the shutdown's own logging then goes to the file only;
 - if the server exits before it is ready, the root cause is read out of the log and printed as
   one or two plain lines plus the log's path, and the exit status is non-zero;
-- if it exits on its own after it was ready (its engine died: a worker killed, by the
-  system's out-of-memory killer or anyone else, or a fatal error), the same: why, in one or
-  two plain lines (:func:`death_summary`), the log's path, a non-zero status — so a
-  process manager restarts it and its operator knows what to change.
+- if it exits on its own after it was ready (its engine died: a worker or the engine-core
+  process killed, by the system's out-of-memory killer or anyone else, a crash, or a fatal
+  error), the same: why, in one or two plain lines (:func:`death_summary`), the log's path, a
+  non-zero status — so a process manager restarts it and its operator knows what to change.
 
 SIGTERM, SIGINT and SIGHUP are forwarded to the server, which drains and exits; the
 supervisor then exits with its status. The server dies with the supervisor
@@ -71,6 +71,13 @@ _HINTS = (
 _WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|None)\)")
 """vLLM's executor's line when a worker process exits while the engine runs (the code is
 None when it looked before the process was reaped)."""
+_CORE_DIED = re.compile(r"engine core exited unexpectedly")
+"""vLLM's client's line when the engine-core process ends while the server runs (killed, or
+a crash that printed nothing)."""
+_FATAL = re.compile(r"Fatal Python error: (.+)$")
+"""Python's fault handler's line for a crash in native code (a segmentation fault, say)."""
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+"""Signals a process raises on itself when it crashes (not another's kill)."""
 TAIL_LINES = 400
 """Log lines after ready kept in memory to explain an unexpected stop (the cause is near
 the end)."""
@@ -174,15 +181,26 @@ def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[s
     """One or two plain lines saying why a server that was ready stopped without being asked
     to, from its log lines after ready. ``oom_killed``: the kernel's out-of-memory killer
     ran while it served (:func:`oom_kills` rose); ``status``: the server's exit status."""
-    died, causes = None, []
+    died, core_died, causes = None, False, []
     for line in lines:
         line = line.rstrip("\n")
         m = _WORKER_DIED.search(line)
         if m and died is None:
             died = (m.group(1), None if m.group(2) == "None" else int(m.group(2)))
-        cause = _root_cause(line)
+        core_died = core_died or _CORE_DIED.search(line) is not None
+        fatal = _FATAL.search(line)
+        cause = f"Fatal Python error: {fatal.group(1)}" if fatal else _root_cause(line)
         if cause is not None:
             causes.append(cause)
+    if died is None and core_died:
+        said = "(vLLM said: engine core exited unexpectedly)"
+        if oom_killed:
+            return ["the engine-core process was killed by the system's out-of-memory killer "
+                    f"(other programs took the memory left free at start): {_FREE_MEMORY}", said]
+        if causes:
+            return [f"the engine-core process failed: {_shorten(causes[0])}", said]
+        return ["the engine-core process ended without an error message (killed by a signal, "
+                "or a crash in native code)", said]
     if died is None:
         if oom_killed:  # the engine-core process itself, or one vLLM does not watch
             return [f"the system's out-of-memory killer ran while it served and the engine "
@@ -204,7 +222,8 @@ def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[s
             how = signal.Signals(-code).name
         except ValueError:
             how = f"signal {-code}"
-        return [f"a worker process was killed ({how}) and the engine stopped with it", said]
+        verb = "crashed" if -code in _CRASHES else "was killed"
+        return [f"a worker process {verb} ({how}) and the engine stopped with it", said]
     return [f"a worker process exited (status {code}) and the engine stopped with it"
             + (f": {_shorten(causes[0])}" if causes else ""), said]
 

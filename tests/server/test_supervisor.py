@@ -107,6 +107,15 @@ WORKER_KILLED = [
     "trace (above) for the root cause.",
 ]
 
+CORE_KILLED = [
+    "(Worker pid=12) INFO 12-04 22:34:56 [multiproc_executor.py:843] Parent process exited, "
+    "terminating worker queues",
+    "(APIServer pid=10) WARNING 12-04 22:34:56 [core_client.py:817] [shutdown] MPClient: "
+    "engine core exited unexpectedly; starting cleanup",
+    WORKER_KILLED[2],
+]
+"""vLLM's lines when its engine-core process is killed (SIGKILL) while it serves."""
+
 
 def test_death_summary_says_who_died_how_and_what_to_do() -> None:
     """A server that stops on its own after ready: the dead worker and its signal, the
@@ -133,6 +142,21 @@ def test_death_summary_says_who_died_how_and_what_to_do() -> None:
         "the engine failed: ValueError: x"]
     assert death_summary(WORKER_KILLED[:1], False, 3) == [
         "the server exited with status 3 without an error message"]
+    crashed = [WORKER_KILLED[1].replace("-9", f"-{int(signal.SIGSEGV)}")]
+    assert death_summary(crashed, False, 0)[0] == (
+        "a worker process crashed (SIGSEGV) and the engine stopped with it")
+    core_said = "(vLLM said: engine core exited unexpectedly)"
+    assert death_summary(CORE_KILLED, False, 0) == [
+        "the engine-core process ended without an error message (killed by a signal, or a "
+        "crash in native code)", core_said]
+    core_oom = death_summary(CORE_KILLED, True, 0)
+    assert core_oom[0].startswith("the engine-core process was killed by the system's "
+                                  "out-of-memory killer")
+    assert "--kv-cache-memory-bytes" in core_oom[0]
+    assert core_oom[1] == core_said
+    segv = ["(EngineCore pid=11) Fatal Python error: Segmentation fault", *CORE_KILLED]
+    assert death_summary(segv, False, 0) == [
+        "the engine-core process failed: Fatal Python error: Segmentation fault", core_said]
 
 
 # ---------------------------------------------------------------------- KV budget
@@ -335,12 +359,13 @@ def test_failed_starts_say_why_in_a_few_lines(tmp_path: Path, tiny_model_dir: Pa
             assert needle in (tmp_path / "serve.log").read_text()
 
 
-def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path,
-                                                                  tiny_model_dir: Path) -> None:
-    """A worker process killed while the server serves (what the out-of-memory killer does
-    when other programs take the memory): the server stops on its own, the supervisor says
-    which process died and how, and the log's path, in at most three lines after vLLM's, exits
-    non-zero, and leaves no process running."""
+@pytest.mark.parametrize("victim", ["VllmWorker-0", "EngineCore"])
+def test_an_engine_process_killed_while_serving_is_reported_in_a_few_lines(
+        tmp_path: Path, tiny_model_dir: Path, victim: str) -> None:
+    """A worker process (or the engine-core process) killed while the server serves (what the
+    out-of-memory killer does when other programs take the memory): the server stops on its
+    own, the supervisor says which process died and how, and the log's path, in at most three
+    lines after vLLM's, exits non-zero, and leaves no process running."""
     log = tmp_path / "serve.log"
     console = (tmp_path / "console.txt").open("w")  # a file: a pipe read only at the end fills
     proc = subprocess.Popen(
@@ -354,9 +379,9 @@ def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path
             assert proc.poll() is None and time.monotonic() < deadline, \
                 log.read_text()[-3000:] if log.exists() else "no log"
             time.sleep(0.5)
-        # the worker by the pid vLLM's log gives it (its process title may show it late),
+        # the process by the pid vLLM's log gives it (its process title may show it late),
         # among the server's processes
-        pid = re.search(r"\(VllmWorker-0 pid=(\d+)\)", log.read_text())
+        pid = re.search(rf"\({victim} pid=(\d+)\)", log.read_text())
         tree = psutil.Process(proc.pid).children(recursive=True)
         workers = [p for p in tree if pid and p.pid == int(pid.group(1))]
         assert len(workers) == 1, _diagnose(proc, tree, log, kills_at_start)
@@ -372,15 +397,22 @@ def test_a_worker_killed_while_serving_is_reported_in_a_few_lines(tmp_path: Path
     assert proc.returncode != 0, out
     lines = out.strip().splitlines()
     assert lines[-1] == f"vllm-retro: full log: {log}", out
+    assert "vllm-retro: stopped (log" not in out, out
+    assert not [p for p in tree if _alive(p)]
+    oom = oom_kills() != kills_before
+    if victim == "EngineCore":
+        assert lines[-2] == "(vLLM said: engine core exited unexpectedly)", out
+        assert lines[-3].startswith(
+            "vllm-retro: the server stopped unexpectedly: the engine-core process "
+            + ("was killed by the system's out-of-memory killer" if oom else
+               "ended without an error message")), out
+        return
     said = "(vLLM said: worker VllmWorker-0 died unexpectedly, exit code "
     assert lines[-2] in (said + "-9)", said + "None)"), out  # None: read before reaped
-    expect = ("a worker process was killed by the system's out-of-memory killer"
-              if oom_kills() != kills_before else
+    expect = ("a worker process was killed by the system's out-of-memory killer" if oom else
               "a worker process was killed (SIGKILL)" if "-9" in lines[-2] else
               "a worker process died and the engine stopped with it")
     assert lines[-3].startswith(f"vllm-retro: the server stopped unexpectedly: {expect}"), out
-    assert "vllm-retro: stopped (log" not in out, out
-    assert not [p for p in tree if _alive(p)]
 
 
 def _diagnose(proc: subprocess.Popen, tree: list[psutil.Process], log: Path,
