@@ -15,7 +15,9 @@ its output — its own, vLLM's, the engine-core and worker processes' — piped 
 - if it exits on its own after it was ready (its engine died: a worker or the engine-core
   process killed, by the system's out-of-memory killer or anyone else, a crash, or a fatal
   error), the same: why, in one or two plain lines (:func:`death_summary`), the log's path, a
-  non-zero status — so a process manager restarts it and its operator knows what to change.
+  non-zero status — so a process manager restarts it and its operator knows what to change;
+  a server killed outright leaves its engine processes behind, holding the KV cache's memory
+  and the output pipe: the supervisor stops them (:func:`_lines_until_exit`).
 
 SIGTERM, SIGINT and SIGHUP are forwarded to the server, which drains and exits; the
 supervisor then exits with its status. The server dies with the supervisor
@@ -25,13 +27,15 @@ supervisor then exits with its status. The server dies with the supervisor
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -78,6 +82,8 @@ _FATAL = re.compile(r"Fatal Python error: (.+)$")
 """Python's fault handler's line for a crash in native code (a segmentation fault, say)."""
 _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 """Signals a process raises on itself when it crashes (not another's kill)."""
+ORPHAN_GRACE_S = 5.0
+"""Seconds the server's remaining processes get, once it has exited, before each signal."""
 TAIL_LINES = 400
 """Log lines after ready kept in memory to explain an unexpected stop (the cause is near
 the end)."""
@@ -201,6 +207,11 @@ def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[s
             return [f"the engine-core process failed: {_shorten(causes[0])}", said]
         return ["the engine-core process ended without an error message (killed by a signal, "
                 "or a crash in native code)", said]
+    if died is None and status < 0:  # the server's own (API) process, by a signal
+        if oom_killed and -status == signal.SIGKILL:
+            return ["the server's API process was killed by the system's out-of-memory killer "
+                    f"(other programs took the memory left free at start): {_FREE_MEMORY}"]
+        return [f"the server's API process {_how(-status)}"]
     if died is None:
         if oom_killed:  # the engine-core process itself, or one vLLM does not watch
             return [f"the system's out-of-memory killer ran while it served and the engine "
@@ -218,14 +229,19 @@ def death_summary(lines: Iterable[str], oom_killed: bool, status: int) -> list[s
     if code is None:
         return ["a worker process died and the engine stopped with it", said]
     if code < 0:
-        try:
-            how = signal.Signals(-code).name
-        except ValueError:
-            how = f"signal {-code}"
-        verb = "crashed" if -code in _CRASHES else "was killed"
-        return [f"a worker process {verb} ({how}) and the engine stopped with it", said]
+        return [f"a worker process {_how(-code)} and the engine stopped with it", said]
     return [f"a worker process exited (status {code}) and the engine stopped with it"
             + (f": {_shorten(causes[0])}" if causes else ""), said]
+
+
+def _how(signum: int) -> str:
+    """How a process that ended by signal ``signum`` ended: "was killed (SIGKILL)", "crashed
+    (SIGSEGV)"."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"{'crashed' if signum in _CRASHES else 'was killed'} ({name})"
 
 
 def _shorten(text: str, limit: int = 300) -> str:
@@ -241,6 +257,49 @@ def _die_with_parent() -> None:
     except (OSError, AttributeError):
         pass
     os.setpgrp()  # signals from the terminal reach the supervisor only, which forwards them
+
+
+def _lines_until_exit(proc: subprocess.Popen) -> Iterator[str]:
+    """The server's output lines until it has exited and nothing it started is left.
+
+    The engine-core and worker processes write into the same pipe, so it ends only when the
+    last of them exits; when the server itself is killed (by the out-of-memory killer, say)
+    they would outlive it, serving nobody, holding the KV cache's memory, and keep the pipe
+    open. So once the server has exited, whatever is left of its process group (they share
+    it: :func:`_die_with_parent`) gets :data:`ORPHAN_GRACE_S` to finish, then SIGTERM, then
+    SIGKILL."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="vllm-retro-output", daemon=True).start()
+    exited_at, signals = None, [signal.SIGTERM, signal.SIGKILL]
+    while True:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            if proc.poll() is None:
+                continue
+            now = time.monotonic()
+            if exited_at is None:
+                exited_at = now
+            if now - exited_at < ORPHAN_GRACE_S:
+                continue
+            if not signals:  # the pipe stays open even after SIGKILL: a grandchild of theirs
+                return
+            try:
+                os.killpg(proc.pid, signals.pop(0))
+            except (ProcessLookupError, PermissionError):
+                return
+            exited_at = now
+            continue
+        if line is None:
+            return
+        yield line
 
 
 def supervise(argv: list[str], out: IO[str] | None = None) -> int:
@@ -280,13 +339,13 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
     ready = False
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     kills_at_start = oom_kills()
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in _lines_until_exit(proc):
         log.write(line)
         own = line.startswith(OWN_PREFIXES) and not _OWN_ERROR.match(line)
         # vLLM's drain logs its own teardown (and, racily, an EngineDeadError traceback
         # when its client cancels the output task): after a stop signal only the log gets it
-        if startup == "full" or own or (ready and not stopping):
+        # (once the server has exited, the lines of what it left behind go to the log only)
+        if startup == "full" or own or (ready and not stopping and proc.poll() is None):
             out.write(line)
             out.flush()
         if ready:
@@ -305,7 +364,7 @@ def supervise(argv: list[str], out: IO[str] | None = None) -> int:
         lines = [f"vllm-retro: the server stopped unexpectedly: {reason[0]}", *reason[1:],
                  f"vllm-retro: full log: {log_file}"]
         print("\n".join(lines), file=out, flush=True)
-        return code if code > 0 else 1
+        return code if code > 0 else 128 - code if code < 0 else 1
     if code == 0:  # e.g. --help
         return 0
     reason = failure_summary(log_file.read_text(errors="replace").splitlines())

@@ -142,6 +142,12 @@ def test_death_summary_says_who_died_how_and_what_to_do() -> None:
         "the engine failed: ValueError: x"]
     assert death_summary(WORKER_KILLED[:1], False, 3) == [
         "the server exited with status 3 without an error message"]
+    assert death_summary([], False, -signal.SIGKILL) == [
+        "the server's API process was killed (SIGKILL)"]
+    assert death_summary([], True, -signal.SIGKILL)[0].startswith(
+        "the server's API process was killed by the system's out-of-memory killer")
+    assert death_summary([], False, -signal.SIGSEGV) == ["the server's API process crashed "
+                                                         "(SIGSEGV)"]
     crashed = [WORKER_KILLED[1].replace("-9", f"-{int(signal.SIGSEGV)}")]
     assert death_summary(crashed, False, 0)[0] == (
         "a worker process crashed (SIGSEGV) and the engine stopped with it")
@@ -359,13 +365,14 @@ def test_failed_starts_say_why_in_a_few_lines(tmp_path: Path, tiny_model_dir: Pa
             assert needle in (tmp_path / "serve.log").read_text()
 
 
-@pytest.mark.parametrize("victim", ["VllmWorker-0", "EngineCore"])
+@pytest.mark.parametrize("victim", ["VllmWorker-0", "EngineCore", "APIServer"])
 def test_an_engine_process_killed_while_serving_is_reported_in_a_few_lines(
         tmp_path: Path, tiny_model_dir: Path, victim: str) -> None:
-    """A worker process (or the engine-core process) killed while the server serves (what the
-    out-of-memory killer does when other programs take the memory): the server stops on its
-    own, the supervisor says which process died and how, and the log's path, in at most three
-    lines after vLLM's, exits non-zero, and leaves no process running."""
+    """A worker process, the engine-core process or the API server's killed while the server
+    serves (what the out-of-memory killer does when other programs take the memory): the
+    server stops on its own, the supervisor says which process died and how, and the log's
+    path, in at most three lines after vLLM's, exits non-zero, and leaves no process running
+    (killed, the API server leaves its engine processes behind: the supervisor stops them)."""
     log = tmp_path / "serve.log"
     console = (tmp_path / "console.txt").open("w")  # a file: a pipe read only at the end fills
     proc = subprocess.Popen(
@@ -400,6 +407,12 @@ def test_an_engine_process_killed_while_serving_is_reported_in_a_few_lines(
     assert "vllm-retro: stopped (log" not in out, out
     assert not [p for p in tree if _alive(p)]
     oom = oom_kills() != kills_before
+    if victim == "APIServer":
+        assert lines[-2].startswith("vllm-retro: the server stopped unexpectedly: " + (
+            "the server's API process was killed by the system's out-of-memory killer "
+            "(other programs" if oom else "the server's API process was killed (SIGKILL)")), out
+        assert proc.returncode == 128 + signal.SIGKILL
+        return
     if victim == "EngineCore":
         assert lines[-2] == "(vLLM said: engine core exited unexpectedly)", out
         assert lines[-3].startswith(
