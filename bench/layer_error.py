@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -67,7 +66,6 @@ def layer_errors(data: dict[str, Any], config: RetroConfig) -> dict[int, float]:
 def record(path: str, samples: int, tokens: int, max_tokens: int) -> None:
     """Serve ``samples`` common-words prompts under retro (default settings, fp32) and save
     every retro layer's prompt K/V and decode Q/K/V per request to ``path``."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
     from bench.accuracy.runner import engine, tokenizer_fns

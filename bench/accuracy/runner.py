@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from bench.accuracy.scoring import score
 from bench.accuracy.tasks import Sample, generate
@@ -88,22 +89,27 @@ def make_samples(tasks: Sequence[str], contexts: Sequence[int], samples: int, se
 def engine(model_dir: Path | str, retro: dict[str, Any] | None, max_model_len: int,
            dtype: str = "bfloat16") -> Iterator[Any]:
     """An in-process ``vllm.LLM`` (``dtype``, eager) with retro at ``retro`` settings, or stock
-    vLLM for ``None``; shut down on exit (see ``tests/vllm/engines.py`` for why)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
-    from vllm import LLM
+    vLLM for ``None``; shut down on exit (see ``tests/vllm/engines.py`` for why). The process
+    environment is the caller's again on exit: what the engine needs
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a KV-cache size) and what vLLM's start-up sets is
+    not left behind for servers this process starts later (they would run without a worker
+    process)."""
+    with mock.patch.dict(os.environ, {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)}):
+        from vllm import LLM
 
-    from vllm_retro.vllm import engine_kwargs
+        from vllm_retro.vllm import engine_kwargs
 
-    extra = engine_kwargs(**retro) if retro is not None else {}
-    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
-              enforce_eager=True, seed=0, **extra)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        extra = engine_kwargs(**retro) if retro is not None else {}
+        llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+                  enforce_eager=True, seed=0, **extra)
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
 
 
 def settings(name: str, saap_file: str | None = None) -> dict[str, Any] | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # Small retro settings so a few thousand tokens exercise every zone and update path:
 # indexed from 84 tokens on, update blocks every 64 decoded tokens.
@@ -23,7 +25,15 @@ def engine(model: Path | str, retro: dict[str, Any] | None = None, **kwargs: Any
            ) -> Iterator[Any]:
     """A ``vllm.LLM`` on ``model`` (fp32, eager unless told otherwise), with retro at
     ``retro`` settings when given; shut down on exit so the next one starts clean (a
-    later garbage collection of this one must not tear down the next one's state)."""
+    later garbage collection of this one must not tear down the next one's state), and the
+    process environment as it was before (vLLM's start-up sets a dozen variables, such as
+    ``LD_PRELOAD`` and ``LOCAL_WORLD_SIZE``, that servers started later would inherit)."""
+    with mock.patch.dict(os.environ), _engine(model, retro, **kwargs) as llm:
+        yield llm
+
+
+@contextmanager
+def _engine(model: Path | str, retro: dict[str, Any] | None, **kwargs: Any) -> Iterator[Any]:
     from vllm import LLM
 
     from vllm_retro.vllm.settings import engine_kwargs
