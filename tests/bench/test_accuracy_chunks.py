@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from bench.accuracy.runner import make_samples, run_config, sample_key, tokenizer_fns  # noqa: E402
 from tests.tiny_model import build_tiny_llama  # noqa: E402
+from tests.vllm.engines import variables_changed_since  # noqa: E402
 
 
 def test_chunks_checkpoint_and_a_resumed_run_serves_only_the_rest(tmp_path, monkeypatch):
@@ -19,16 +20,12 @@ def test_chunks_checkpoint_and_a_resumed_run_serves_only_the_rest(tmp_path, monk
     model = build_tiny_llama(tmp_path / "tiny")
     samples = make_samples(["niah_single"], [400], 3, 0, *tokenizer_fns(model))
     saved: list[dict] = []
-    import vllm  # noqa: F401  (its import sets a few variables in every importer)
-
-    environment = dict(os.environ)
+    environment = dict(os.environ)  # (vllm is imported: importorskip above)
     whole = run_config(model, "full", samples, log=lambda _: None, dtype="float32", chunk=1,
                        checkpoint=saved.append)
     # nothing the engine set is left for servers started later (VLLM_ENABLE_V1_MULTIPROCESSING=0
-    # left behind once made a later test's server run without its worker process); opencv's
-    # import (lazy, by transformers) prepends its library directory for its own subprocesses
-    changed = {k for k in {*environment, *os.environ} if environment.get(k) != os.environ.get(k)}
-    assert changed <= {"LD_LIBRARY_PATH"}, changed
+    # left behind once made a later test's server run without its worker process)
+    assert not variables_changed_since(environment), variables_changed_since(environment)
     assert "complete" not in whole
     assert [sample_key(r) for r in whole["samples"]] == [sample_key(s.record())
                                                          for s in samples]

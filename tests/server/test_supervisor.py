@@ -390,10 +390,10 @@ def test_an_engine_process_killed_while_serving_is_reported_in_a_few_lines(
         # among the server's processes
         pid = re.search(rf"\({victim} pid=(\d+)\)", log.read_text())
         tree = psutil.Process(proc.pid).children(recursive=True)
-        workers = [p for p in tree if pid and p.pid == int(pid.group(1))]
-        assert len(workers) == 1, _diagnose(proc, tree, log, kills_at_start)
+        victims = [p for p in tree if pid and p.pid == int(pid.group(1))]
+        assert len(victims) == 1, _diagnose(proc, tree, log, kills_at_start)
         kills_before = oom_kills()
-        os.kill(workers[0].pid, signal.SIGKILL)
+        os.kill(victims[0].pid, signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -430,8 +430,8 @@ def test_an_engine_process_killed_while_serving_is_reported_in_a_few_lines(
 
 def _diagnose(proc: subprocess.Popen, tree: list[psutil.Process], log: Path,
               kills_at_start: int | None) -> str:
-    """What a failed search for the worker saw: the process tree, the supervisor's state, the
-    kernel's out-of-memory kills since the start and the log's last lines."""
+    """What a failed search for the process to kill saw: the process tree, the supervisor's
+    state, the kernel's out-of-memory kills since the start and the log's last lines."""
     rows = []
     for p in tree:
         try:

@@ -63,6 +63,15 @@ def _engine(model: Path | str, retro: dict[str, Any] | None, **kwargs: Any) -> I
         gc.collect()
 
 
+def variables_changed_since(before: dict[str, str]) -> set[str]:
+    """The environment variables set, changed or removed since ``before`` (a copy of
+    ``os.environ``), less ``LD_LIBRARY_PATH``: opencv's import (lazy, by transformers)
+    prepends its library directory there for its own subprocesses. Take ``before`` after
+    ``import vllm``, whose import sets a few variables in every importer."""
+    return {k for k in {*before, *os.environ}
+            if before.get(k) != os.environ.get(k) and k != "LD_LIBRARY_PATH"}
+
+
 def runtime_of(llm: Any) -> Any:
     """The retro runtime of ``llm``'s engine (its worker's: the engine runs in this
     process), None when retro is off for it."""
